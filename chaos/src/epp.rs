@@ -1,0 +1,116 @@
+//! An `epp serve` child process.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde::Deserialize;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::locate;
+
+/// Ports the replica reported once bound.
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct EppAddrs {
+    pub ext_proc: SocketAddr,
+    pub health: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+#[derive(Debug)]
+pub struct EppProcess {
+    child: Child,
+    pub addrs: EppAddrs,
+}
+
+impl EppProcess {
+    /// Start `epp serve` on OS-chosen loopback ports with `endpoints_file` and extra flags; returns
+    /// once it has printed its bound addresses.
+    pub async fn start(endpoints_file: &Path, extra: &[&str]) -> anyhow::Result<EppProcess> {
+        let bin = locate::epp_binary()?;
+        let mut cmd = Command::new(&bin);
+        cmd.args(["serve", "--bind", "127.0.0.1"])
+            .args([
+                "--grpc-port",
+                "0",
+                "--grpc-health-port",
+                "0",
+                "--metrics-port",
+                "0",
+            ])
+            .arg("--endpoints-file")
+            .arg(endpoints_file)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(if std::env::var_os("EPP_TEST_LOGS").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .kill_on_drop(true);
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("spawning {}", bin.display()))?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+            .await
+            .context("epp did not report its ports within 30s")??;
+        let Some(line) = line else {
+            let status = child.wait().await?;
+            bail!("epp exited before binding ({status}); run with EPP_TEST_LOGS=1 to see why");
+        };
+        let addrs: EppAddrs =
+            serde_json::from_str(&line).with_context(|| format!("bad epp ready line: {line}"))?;
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(EppProcess { child, addrs })
+    }
+
+    /// The OS process id, while the process runs.
+    pub fn pid_u32(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    fn pid(&self) -> anyhow::Result<Pid> {
+        let id = self
+            .child
+            .id()
+            .ok_or_else(|| anyhow!("process already reaped"))?;
+        Ok(Pid::from_raw(i32::try_from(id)?))
+    }
+
+    /// `kill -9`: no drain, no goodbye.
+    pub async fn kill9(&mut self) -> anyhow::Result<()> {
+        kill(self.pid()?, Signal::SIGKILL)?;
+        self.child.wait().await?;
+        Ok(())
+    }
+
+    /// SIGTERM (graceful drain).
+    pub fn terminate(&self) -> anyhow::Result<()> {
+        kill(self.pid()?, Signal::SIGTERM)?;
+        Ok(())
+    }
+
+    pub async fn wait_exit(
+        &mut self,
+        timeout: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        Ok(tokio::time::timeout(timeout, self.child.wait()).await??)
+    }
+
+    /// The replica's Prometheus text.
+    pub async fn metrics(&self) -> anyhow::Result<String> {
+        Ok(reqwest::get(format!("http://{}/metrics", self.addrs.admin))
+            .await?
+            .text()
+            .await?)
+    }
+}

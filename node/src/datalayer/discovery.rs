@@ -1,0 +1,201 @@
+//! Standalone discovery: a YAML file listing the pods of the pool, re-read when it changes.
+//!
+//! ```yaml
+//! pods:
+//!   - name: vllm-0
+//!     address: 10.0.0.7
+//!     port: 8000
+//!     labels: {llm-d.ai/engine-type: vllm}
+//! ```
+//! A file that fails to parse is reported and the previous endpoint set is kept. Unchanged pods keep
+//! their `Endpoint` (and its metrics); new ones get a scraper; removed ones lose theirs.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use serde::Deserialize;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::endpoint::Endpoint;
+use super::scraper::{ScrapeConfig, scrape_loop};
+use super::store::Datastore;
+use crate::config::{ConfigError, decode_at};
+use crate::metrics::Metrics;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointsFile {
+    #[serde(default)]
+    pub pods: Vec<PodEntry>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PodEntry {
+    pub name: String,
+    pub address: IpAddr,
+    pub port: u16,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+pub fn parse_endpoints(text: &str) -> Result<Vec<PodEntry>, ConfigError> {
+    let value: serde_json::Value =
+        serde_saphyr::from_str(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
+    let file: EndpointsFile = decode_at(&value, "")?;
+    let mut seen = std::collections::HashSet::new();
+    for (i, p) in file.pods.iter().enumerate() {
+        if !seen.insert(p.name.as_str()) {
+            return Err(ConfigError::Field {
+                path: format!("pods[{i}].name"),
+                message: format!("duplicate pod name `{}`", p.name),
+            });
+        }
+        if p.port == 0 {
+            return Err(ConfigError::Field {
+                path: format!("pods[{i}].port"),
+                message: "port must be non-zero".into(),
+            });
+        }
+    }
+    Ok(file.pods)
+}
+
+/// Watches the endpoints file and keeps the datastore and the scrapers in step with it.
+pub struct FileDiscovery {
+    pub path: PathBuf,
+    pub poll: Duration,
+    pub store: Arc<Datastore>,
+    pub scrape: Arc<ScrapeConfig>,
+    pub metrics: Arc<Metrics>,
+    pub client: reqwest::Client,
+}
+
+impl FileDiscovery {
+    /// Load once (an error here is fatal for start-up), then return the watcher future.
+    pub fn load_initial(&self) -> Result<Vec<PodEntry>, ConfigError> {
+        let text = std::fs::read_to_string(&self.path).map_err(|source| ConfigError::Io {
+            path: self.path.display().to_string(),
+            source,
+        })?;
+        parse_endpoints(&text)
+    }
+
+    pub async fn run(self, initial: Vec<PodEntry>, shutdown: CancellationToken) {
+        let mut scrapers: JoinSet<()> = JoinSet::new();
+        let mut current: HashMap<String, (PodEntry, Arc<Endpoint>)> = HashMap::new();
+        self.apply(initial, &mut current, &mut scrapers, &shutdown);
+        let mut last_seen = file_stamp(&self.path);
+        let mut tick = tokio::time::interval(self.poll);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tick.tick() => {}
+                // reap finished scrapers so the set does not grow
+                Some(_) = scrapers.join_next(), if !scrapers.is_empty() => continue,
+            }
+            let stamp = file_stamp(&self.path);
+            if stamp == last_seen {
+                continue;
+            }
+            last_seen = stamp;
+            match std::fs::read_to_string(&self.path)
+                .map_err(|e| e.to_string())
+                .and_then(|t| parse_endpoints(&t).map_err(|e| e.to_string()))
+            {
+                Ok(pods) => self.apply(pods, &mut current, &mut scrapers, &shutdown),
+                Err(err) => tracing::error!(
+                    path = %self.path.display(),
+                    %err,
+                    "endpoints file rejected; keeping the previous endpoint set"
+                ),
+            }
+        }
+        scrapers.shutdown().await;
+    }
+
+    fn apply(
+        &self,
+        pods: Vec<PodEntry>,
+        current: &mut HashMap<String, (PodEntry, Arc<Endpoint>)>,
+        scrapers: &mut JoinSet<()>,
+        shutdown: &CancellationToken,
+    ) {
+        let mut next = HashMap::with_capacity(pods.len());
+        let mut list = Vec::with_capacity(pods.len());
+        let (mut added, mut kept) = (0usize, 0usize);
+        for pod in pods {
+            let ep = match current.remove(&pod.name) {
+                Some((old, ep)) if old == pod => {
+                    kept += 1;
+                    ep
+                }
+                _ => {
+                    added += 1;
+                    let ep = Arc::new(Endpoint::new(
+                        pod.name.clone(),
+                        SocketAddr::new(pod.address, pod.port),
+                        pod.labels.clone(),
+                    ));
+                    scrapers.spawn(scrape_loop(
+                        Arc::downgrade(&ep),
+                        self.client.clone(),
+                        self.scrape.clone(),
+                        self.metrics.clone(),
+                        shutdown.child_token(),
+                    ));
+                    ep
+                }
+            };
+            list.push(ep.clone());
+            next.insert(pod.name.clone(), (pod, ep));
+        }
+        let removed = current.len();
+        *current = next;
+        self.store.replace(list);
+        self.metrics.set_ready_endpoints(current.len());
+        tracing::info!(
+            added,
+            kept,
+            removed,
+            total = current.len(),
+            "endpoint set updated"
+        );
+    }
+}
+
+fn file_stamp(path: &PathBuf) -> Option<(SystemTime, u64)> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.modified().ok()?, meta.len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_pods() {
+        let pods = parse_endpoints(
+            "pods:\n- name: a\n  address: 127.0.0.1\n  port: 8000\n  labels: {llm-d.ai/engine-type: sglang}\n",
+        )
+        .unwrap();
+        assert_eq!(pods.len(), 1);
+        assert_eq!(pods[0].labels["llm-d.ai/engine-type"], "sglang");
+    }
+
+    #[test]
+    fn rejects_bad_entries() {
+        let e = parse_endpoints("pods:\n- name: a\n  address: nope\n  port: 1\n").unwrap_err();
+        assert!(e.to_string().contains("pods[0].address"), "{e}");
+        let e = parse_endpoints("pods:\n- {name: a, address: 127.0.0.1, port: 1}\n- {name: a, address: 127.0.0.1, port: 2}\n").unwrap_err();
+        assert!(e.to_string().contains("duplicate"), "{e}");
+        let e = parse_endpoints("pods:\n- {name: a, address: 127.0.0.1, port: 1, extra: 2}\n")
+            .unwrap_err();
+        assert!(e.to_string().contains("extra"), "{e}");
+    }
+}

@@ -1,0 +1,497 @@
+//! The per-stream state machine.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::common_response::ResponseStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Resp;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
+    HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
+    TrailersResponse, body_mutation,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value};
+use tokio::sync::mpsc;
+use tonic::{Status, Streaming};
+
+use super::PickerContext;
+use super::reject::{DROPPED_REASON_HEADER, Rejection};
+use crate::metrics::RequestLabels;
+use crate::parsers::{self, ParsedRequest};
+use crate::plugins::{SchedError, SchedRequest};
+
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+pub const ENVOY_LB_NAMESPACE: &str = "envoy.lb";
+const REQUEST_ID_HEADER: &str = "x-request-id";
+/// Largest body chunk streamed back to Envoy (llm-d uses the same bound).
+const BODY_CHUNK: usize = 62_000;
+/// `BodySendMode::FULL_DUPLEX_STREAMED`.
+const FULL_DUPLEX: i32 = 4;
+
+type Tx = mpsc::Sender<Result<ProcessingResponse, Status>>;
+
+#[derive(Debug, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for request headers / body.
+    Request,
+    /// The request was routed (or refused); only response-phase messages are expected.
+    Routed,
+    /// An immediate response was sent; nothing more to do.
+    Done,
+}
+
+struct StreamState {
+    ctx: Arc<PickerContext>,
+    tx: Tx,
+    phase: Phase,
+    started: Instant,
+    headers: HashMap<String, String>,
+    request_id: String,
+    generated_request_id: bool,
+    body: Vec<u8>,
+    /// At least one request-body message arrived (the request has a body, maybe empty).
+    body_started: bool,
+    request_body_mode: i32,
+    response_body_mode: i32,
+    observability: bool,
+    labels: Option<RequestLabels>,
+    running: bool,
+}
+
+pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
+    ctx.metrics.stream_opened();
+    let mut st = StreamState {
+        ctx: ctx.clone(),
+        tx,
+        phase: Phase::Request,
+        started: Instant::now(),
+        headers: HashMap::new(),
+        request_id: String::new(),
+        generated_request_id: false,
+        body: Vec::new(),
+        body_started: false,
+        request_body_mode: FULL_DUPLEX,
+        response_body_mode: FULL_DUPLEX,
+        observability: false,
+        labels: None,
+        running: false,
+    };
+    loop {
+        let msg = match inbound.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(status) => {
+                tracing::debug!(%status, "ext_proc stream ended with an error");
+                break;
+            }
+        };
+        if st.handle(msg).await.is_err() {
+            // Envoy stopped reading our responses: the stream is gone.
+            break;
+        }
+    }
+    st.finish();
+    ctx.metrics.stream_closed();
+}
+
+impl StreamState {
+    async fn send(&self, resp: Resp) -> Result<(), ()> {
+        self.send_full(ProcessingResponse {
+            response: Some(resp),
+            ..Default::default()
+        })
+        .await
+    }
+
+    async fn send_full(&self, resp: ProcessingResponse) -> Result<(), ()> {
+        self.tx.send(Ok(resp)).await.map_err(|_| ())
+    }
+
+    async fn handle(&mut self, msg: ProcessingRequest) -> Result<(), ()> {
+        if let Some(pc) = &msg.protocol_config {
+            self.request_body_mode = pc.request_body_mode;
+            self.response_body_mode = pc.response_body_mode;
+        }
+        self.observability = msg.observability_mode;
+        let Some(req) = msg.request else {
+            return Ok(());
+        };
+        match req {
+            Req::RequestHeaders(h) => self.on_request_headers(h).await,
+            Req::RequestBody(b) => self.on_request_body(b, msg.metadata_context).await,
+            Req::RequestTrailers(_) => {
+                if self.phase == Phase::Request && !self.observability {
+                    self.route(None).await?;
+                }
+                if self.observability || self.phase == Phase::Done {
+                    return Ok(());
+                }
+                self.send(Resp::RequestTrailers(TrailersResponse::default()))
+                    .await
+            }
+            Req::ResponseHeaders(h) => {
+                if self.phase == Phase::Done || self.observability {
+                    return Ok(());
+                }
+                self.phase = Phase::Routed;
+                let status = header_value(h.headers.as_ref(), ":status");
+                if let (Some(s), Some(l)) = (status, &self.labels)
+                    && s != "200"
+                {
+                    self.ctx.metrics.request_error(l, "ModelServerError");
+                }
+                self.send(Resp::ResponseHeaders(HeadersResponse::default()))
+                    .await?;
+                if h.end_of_stream {
+                    self.complete();
+                }
+                Ok(())
+            }
+            Req::ResponseBody(b) => {
+                let eos = b.end_of_stream;
+                let result = if self.phase == Phase::Done || self.observability {
+                    Ok(())
+                } else if self.response_body_mode == FULL_DUPLEX {
+                    self.send(Resp::ResponseBody(streamed_body(b.body, eos)))
+                        .await
+                } else {
+                    self.send(Resp::ResponseBody(BodyResponse::default())).await
+                };
+                if eos {
+                    self.complete();
+                }
+                result
+            }
+            Req::ResponseTrailers(_) => {
+                self.complete();
+                if self.phase == Phase::Done || self.observability {
+                    return Ok(());
+                }
+                self.send(Resp::ResponseTrailers(TrailersResponse::default()))
+                    .await
+            }
+        }
+    }
+
+    async fn on_request_headers(&mut self, h: HttpHeaders) -> Result<(), ()> {
+        if let Some(map) = &h.headers {
+            for hv in &map.headers {
+                let v = if hv.raw_value.is_empty() {
+                    hv.value.clone()
+                } else {
+                    String::from_utf8_lossy(&hv.raw_value).into_owned()
+                };
+                self.headers.insert(hv.key.to_ascii_lowercase(), v);
+            }
+        }
+        match self.headers.get(REQUEST_ID_HEADER) {
+            Some(id) if !id.is_empty() => self.request_id = id.clone(),
+            _ => {
+                self.request_id = uuid::Uuid::new_v4().to_string();
+                self.generated_request_id = true;
+            }
+        }
+        if self.observability {
+            // The response-observing filter: nothing to route.
+            self.phase = Phase::Routed;
+            return Ok(());
+        }
+        if h.end_of_stream {
+            // No body (e.g. GET /v1/models): route now, on scores alone.
+            return self.route(None).await;
+        }
+        if self.request_body_mode != FULL_DUPLEX {
+            // Envoy waits for this answer before sending a buffered/streamed body; the
+            // destination is set on the body response instead.
+            return self
+                .send(Resp::RequestHeaders(HeadersResponse::default()))
+                .await;
+        }
+        Ok(())
+    }
+
+    async fn on_request_body(
+        &mut self,
+        b: HttpBody,
+        metadata: Option<envoy_types::pb::envoy::config::core::v3::Metadata>,
+    ) -> Result<(), ()> {
+        if self.phase != Phase::Request || self.observability {
+            return Ok(());
+        }
+        if self.body.len() + b.body.len() > self.ctx.max_body_bytes {
+            self.body = Vec::new();
+            return self
+                .reject(Rejection::too_large(self.ctx.max_body_bytes))
+                .await;
+        }
+        self.body_started = true;
+        if self.body.is_empty() && b.end_of_stream {
+            self.body = b.body;
+        } else {
+            self.body.extend_from_slice(&b.body);
+        }
+        if b.end_of_stream {
+            self.route(metadata).await?;
+        }
+        Ok(())
+    }
+
+    /// Parse, schedule and answer the request phase.
+    async fn route(
+        &mut self,
+        _metadata: Option<envoy_types::pb::envoy::config::core::v3::Metadata>,
+    ) -> Result<(), ()> {
+        let path = self
+            .headers
+            .get(":path")
+            .or_else(|| self.headers.get("x-original-path"))
+            .or_else(|| self.headers.get("x-forwarded-path"))
+            .cloned()
+            .unwrap_or_default();
+        let has_body = self.body_started;
+        let parsed = if has_body {
+            let Some(kind) = parsers::kind_for_path(&path, self.ctx.passthrough) else {
+                return self
+                    .reject(Rejection::not_found(format!(
+                        "no request parser handles path `{path}` (supported: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/messages, /inference/v1/generate)"
+                    )))
+                    .await;
+            };
+            match parsers::parse(kind, &self.body) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    let labels = self.ctx.metrics.request_labels("", "");
+                    self.ctx.metrics.request_received(&labels, self.body.len());
+                    self.labels = Some(labels);
+                    return self.reject(Rejection::bad_request(e.to_string())).await;
+                }
+            }
+        } else {
+            None
+        };
+        let model = parsed
+            .as_ref()
+            .map(|p: &ParsedRequest| p.model.as_str())
+            .unwrap_or("");
+        let labels = self.ctx.metrics.request_labels(model, model);
+        self.ctx.metrics.request_received(&labels, self.body.len());
+        self.ctx.metrics.request_running(&labels, 1);
+        self.running = true;
+        self.labels = Some(labels);
+
+        let t0 = Instant::now();
+        let candidates = self.ctx.store.candidates(t0);
+        let req = SchedRequest {
+            request_id: &self.request_id,
+            model,
+            target_model: model,
+        };
+        let decision = self
+            .ctx
+            .scheduler
+            .schedule(&req, &candidates, &mut rand::rng());
+        self.ctx
+            .metrics
+            .scheduled(t0.elapsed().as_secs_f64(), decision.is_ok());
+        let decision = match decision {
+            Ok(d) => d,
+            Err(SchedError::NoCandidates) => return self.reject(Rejection::no_endpoints()).await,
+            Err(SchedError::AllFiltered) => {
+                return self
+                    .reject(Rejection::saturated("every endpoint was filtered out"))
+                    .await;
+            }
+        };
+        let destination = decision
+            .picked
+            .iter()
+            .map(|i| candidates[*i].endpoint.hostport.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
+        tracing::debug!(request_id = %self.request_id, %destination, model, "routed");
+
+        let mut set_headers = vec![header(DESTINATION_HEADER, &destination)];
+        if self.generated_request_id {
+            set_headers.push(header(REQUEST_ID_HEADER, &self.request_id));
+        }
+        let common = CommonResponse {
+            status: ResponseStatus::Continue as i32,
+            header_mutation: Some(HeaderMutation {
+                set_headers,
+                remove_headers: vec![],
+            }),
+            clear_route_cache: true,
+            ..Default::default()
+        };
+        let metadata = destination_metadata(&destination);
+        self.phase = Phase::Routed;
+        let body = std::mem::take(&mut self.body);
+        if self.request_body_mode == FULL_DUPLEX {
+            self.send_full(ProcessingResponse {
+                response: Some(Resp::RequestHeaders(HeadersResponse {
+                    response: Some(common),
+                })),
+                dynamic_metadata: Some(metadata),
+                ..Default::default()
+            })
+            .await?;
+            if has_body {
+                self.stream_body_back(body).await?;
+            }
+        } else if has_body {
+            self.send_full(ProcessingResponse {
+                response: Some(Resp::RequestBody(BodyResponse {
+                    response: Some(common),
+                })),
+                dynamic_metadata: Some(metadata),
+                ..Default::default()
+            })
+            .await?;
+        } else {
+            self.send_full(ProcessingResponse {
+                response: Some(Resp::RequestHeaders(HeadersResponse {
+                    response: Some(common),
+                })),
+                dynamic_metadata: Some(metadata),
+                ..Default::default()
+            })
+            .await?;
+        }
+        Ok(())
+    }
+
+    async fn stream_body_back(&self, body: Vec<u8>) -> Result<(), ()> {
+        if body.is_empty() {
+            return self
+                .send(Resp::RequestBody(streamed_body(Vec::new(), true)))
+                .await;
+        }
+        let n = body.len().div_ceil(BODY_CHUNK);
+        for (i, chunk) in body.chunks(BODY_CHUNK).enumerate() {
+            self.send(Resp::RequestBody(streamed_body(chunk.to_vec(), i + 1 == n)))
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn reject(&mut self, r: Rejection) -> Result<(), ()> {
+        let labels = match &self.labels {
+            Some(l) => l.clone(),
+            None => {
+                let l = self.ctx.metrics.request_labels("", "");
+                self.ctx.metrics.request_received(&l, self.body.len());
+                l
+            }
+        };
+        self.ctx.metrics.request_error(&labels, r.code);
+        self.labels = Some(labels);
+        tracing::debug!(request_id = %self.request_id, status = r.status, message = %r.message, "request refused");
+        self.phase = Phase::Done;
+        let mut set_headers = vec![header("content-type", "text/plain; charset=utf-8")];
+        if let Some(reason) = r.reason {
+            set_headers.push(header(DROPPED_REASON_HEADER, reason));
+        }
+        self.send(Resp::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus {
+                code: i32::from(r.status),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers,
+                remove_headers: vec![],
+            }),
+            body: r.body().into_bytes(),
+            grpc_status: None,
+            details: format!("llm_d_epp_{}", r.code),
+        }))
+        .await
+    }
+
+    /// The response has ended: record its duration once.
+    fn complete(&mut self) {
+        if let Some(l) = &self.labels
+            && self.running
+        {
+            self.ctx
+                .metrics
+                .request_done(l, self.started.elapsed().as_secs_f64());
+        }
+        self.finish();
+    }
+
+    fn finish(&mut self) {
+        if self.running {
+            self.running = false;
+            if let Some(l) = &self.labels {
+                self.ctx.metrics.request_running(l, -1);
+            }
+        }
+    }
+}
+
+fn header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_string(),
+            value: String::new(),
+            raw_value: value.as_bytes().to_vec(),
+        }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+fn header_value<'a>(map: Option<&'a HeaderMap>, key: &str) -> Option<std::borrow::Cow<'a, str>> {
+    map?.headers.iter().find(|h| h.key == key).map(|h| {
+        if h.raw_value.is_empty() {
+            std::borrow::Cow::Borrowed(h.value.as_str())
+        } else {
+            String::from_utf8_lossy(&h.raw_value)
+        }
+    })
+}
+
+fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
+    BodyResponse {
+        response: Some(CommonResponse {
+            body_mutation: Some(BodyMutation {
+                mutation: Some(body_mutation::Mutation::StreamedResponse(
+                    StreamedBodyResponse {
+                        body,
+                        end_of_stream,
+                        ..Default::default()
+                    },
+                )),
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
+/// `{"envoy.lb": {"x-gateway-destination-endpoint": "<ip:port[,ip:port...]>"}}`
+fn destination_metadata(destination: &str) -> Struct {
+    let inner = Struct {
+        fields: [(
+            DESTINATION_HEADER.to_string(),
+            Value {
+                kind: Some(value::Kind::StringValue(destination.to_string())),
+            },
+        )]
+        .into_iter()
+        .collect(),
+    };
+    Struct {
+        fields: [(
+            ENVOY_LB_NAMESPACE.to_string(),
+            Value {
+                kind: Some(value::Kind::StructValue(inner)),
+            },
+        )]
+        .into_iter()
+        .collect(),
+    }
+}

@@ -1,0 +1,29 @@
+//! `node`: the `epp` binary's library — the request path and the process around it.
+//!
+//! This crate is the only composer in the workspace: it wires configuration, the data layer,
+//! scheduling plugins and the ext_proc server into a running replica.
+//!
+//! # Layout
+//! - [`config`]: the llm-d `EndpointPickerConfig` YAML, decoded strictly;
+//! - [`plugins`]: scorers, pickers, the profile runner and the registry keyed by llm-d type names;
+//! - [`datalayer`]: endpoints from discovery, and the `/metrics` scrapers that keep their state fresh;
+//! - [`parsers`]: request-body parsers chosen by path (OpenAI, Anthropic, vLLM);
+//! - [`extproc`]: the Envoy ext_proc service, one state machine per stream;
+//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`;
+//! - [`metrics`]: the `llm_d_epp_*` Prometheus registry;
+//! - [`serve`]: start-up (validate, then bind), drain and shutdown.
+//!
+//! # Data flow for one request
+//! Envoy opens a stream → headers kept → body buffered to end of stream → parsed → the datastore
+//! snapshot gives candidates with their last metrics → scorers × weights → picker → the answer
+//! carries `x-gateway-destination-endpoint` as a header and as `envoy.lb` dynamic metadata, and the
+//! body is streamed back unchanged.
+
+pub mod admin;
+pub mod config;
+pub mod datalayer;
+pub mod extproc;
+pub mod metrics;
+pub mod parsers;
+pub mod plugins;
+pub mod serve;

@@ -1,0 +1,184 @@
+//! `epp`: the endpoint picker binary. A thin shell over [`node::serve`].
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use node::config::parse_duration;
+use node::serve::{ServeOptions, load_config, serve};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "epp",
+    version,
+    about = "Active-Active endpoint picker for LLM inference gateways"
+)]
+struct Cli {
+    /// Log filter (error, warn, info, debug, trace, or a tracing directive list).
+    #[arg(long, global = true, default_value = "info", env = "EPP_LOG")]
+    log_level: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run a replica: ext_proc gRPC, gRPC health and the admin HTTP server.
+    Serve(ServeArgs),
+    /// Load and validate an EndpointPickerConfig, print the effective configuration and exit.
+    ValidateConfig {
+        #[arg(long)]
+        config_file: Option<PathBuf>,
+        #[arg(long)]
+        config_text: Option<String>,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// Name of the InferencePool this replica serves (a metrics label).
+    #[arg(long, default_value = "default-pool")]
+    pool_name: String,
+    /// EndpointPickerConfig YAML file; the built-in default when neither this nor --config-text.
+    #[arg(long)]
+    config_file: Option<PathBuf>,
+    /// EndpointPickerConfig YAML given inline.
+    #[arg(long)]
+    config_text: Option<String>,
+    /// YAML file listing the pool's pods (standalone discovery); re-read when it changes.
+    #[arg(long)]
+    endpoints_file: PathBuf,
+    /// Address every server binds to.
+    #[arg(long, default_value = "0.0.0.0")]
+    bind: IpAddr,
+    /// ext_proc gRPC port (0 = chosen by the OS).
+    #[arg(long, default_value_t = 9002)]
+    grpc_port: u16,
+    /// gRPC health port.
+    #[arg(long, default_value_t = 9003)]
+    grpc_health_port: u16,
+    /// Admin HTTP port (/metrics, /healthz, /readyz).
+    #[arg(long, default_value_t = 9090)]
+    metrics_port: u16,
+    /// Largest request body buffered; larger requests get 413.
+    #[arg(long, default_value_t = 64 << 20)]
+    max_body_bytes: usize,
+    /// Model-server metrics scrape tick.
+    #[arg(long, default_value = "50ms", value_parser = duration)]
+    refresh_metrics_interval: Duration,
+    /// Metrics older than this are treated as missing.
+    #[arg(long, default_value = "2s", value_parser = duration)]
+    metrics_staleness_threshold: Duration,
+    /// How long a draining replica waits for open streams before it stops.
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    drain_timeout: Duration,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s)
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log_level)
+        .with_context(|| format!("bad --log-level `{}`", cli.log_level))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.cmd {
+        Cmd::ValidateConfig {
+            config_file,
+            config_text,
+        } => {
+            let opts = options_for_validation(config_file, config_text);
+            let cfg = load_config(&opts)?;
+            let built = node::plugins::build(&cfg)?;
+            println!("{}", built.summary);
+            Ok(())
+        }
+        Cmd::Serve(args) => {
+            if args.refresh_metrics_interval < Duration::from_millis(1) {
+                anyhow::bail!("--refresh-metrics-interval must be at least 1ms");
+            }
+            let opts = ServeOptions {
+                pool_name: args.pool_name,
+                config_file: args.config_file,
+                config_text: args.config_text,
+                endpoints_file: args.endpoints_file,
+                grpc_addr: SocketAddr::new(args.bind, args.grpc_port),
+                health_addr: SocketAddr::new(args.bind, args.grpc_health_port),
+                admin_addr: SocketAddr::new(args.bind, args.metrics_port),
+                max_body_bytes: args.max_body_bytes,
+                refresh_metrics_interval: args.refresh_metrics_interval,
+                metrics_staleness_threshold: args.metrics_staleness_threshold,
+                drain_timeout: args.drain_timeout,
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the tokio runtime")?;
+            rt.block_on(async move {
+                let shutdown = CancellationToken::new();
+                let signal = shutdown.clone();
+                tokio::spawn(async move {
+                    wait_for_signal().await;
+                    signal.cancel();
+                });
+                serve(
+                    opts,
+                    |bound| {
+                        // One JSON line on stdout so scripts and tests learn the ports.
+                        if let Ok(line) = serde_json::to_string(&bound) {
+                            println!("{line}");
+                        }
+                    },
+                    shutdown,
+                )
+                .await
+            })?;
+            Ok(())
+        }
+    }
+}
+
+fn options_for_validation(
+    config_file: Option<PathBuf>,
+    config_text: Option<String>,
+) -> ServeOptions {
+    let any: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 0));
+    ServeOptions {
+        pool_name: String::new(),
+        config_file,
+        config_text,
+        endpoints_file: PathBuf::new(),
+        grpc_addr: any,
+        health_addr: any,
+        admin_addr: any,
+        max_body_bytes: 0,
+        refresh_metrics_interval: Duration::from_millis(50),
+        metrics_staleness_threshold: Duration::from_secs(2),
+        drain_timeout: Duration::ZERO,
+    }
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -1,0 +1,309 @@
+//! The EPP's Prometheus metrics, with llm-d's `llm_d_epp_` names.
+//!
+//! One `prometheus-client` registry, built at start-up and passed down as `Arc<Metrics>`; served by
+//! the admin server's `/metrics`. Model names and fairness ids are capped at 1000 distinct values per
+//! label (further values become `other`), as llm-d does, so label cardinality stays bounded.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+pub const PREFIX: &str = "llm_d_epp";
+const MAX_LABEL_VALUES: usize = 1000;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub model_name: String,
+    pub target_model_name: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub model_name: String,
+    pub target_model_name: String,
+    pub error_code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    pub source_type: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    pub name: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AttemptLabels {
+    pub status: String,
+}
+
+fn latency_buckets() -> Vec<f64> {
+    vec![
+        0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0,
+        10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 180.0, 240.0, 300.0, 360.0, 480.0, 600.0, 900.0,
+        1200.0, 1800.0, 2700.0, 3600.0,
+    ]
+}
+
+fn scheduler_buckets() -> Vec<f64> {
+    vec![
+        0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+    ]
+}
+
+/// Caps the number of distinct values one label may take.
+#[derive(Debug, Default)]
+struct LabelCap {
+    seen: Mutex<HashSet<String>>,
+}
+
+impl LabelCap {
+    fn admit(&self, v: &str) -> String {
+        let mut seen = match self.seen.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if seen.contains(v) {
+            return v.to_string();
+        }
+        if seen.len() >= MAX_LABEL_VALUES {
+            return "other".to_string();
+        }
+        seen.insert(v.to_string());
+        v.to_string()
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pool_name: String,
+    request_total: Family<RequestLabels, Counter>,
+    request_error_total: Family<ErrorLabels, Counter>,
+    request_duration: Family<RequestLabels, Histogram>,
+    request_running: Family<RequestLabels, Gauge>,
+    request_size: Family<RequestLabels, Histogram>,
+    scheduler_e2e: Histogram,
+    scheduler_attempts: Family<AttemptLabels, Counter>,
+    poll_errors: Family<SourceLabels, Counter>,
+    ready_endpoints: Family<PoolLabels, Gauge>,
+    streams_inflight: Gauge,
+    streams_inflight_count: AtomicI64,
+    model_cap: LabelCap,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Metrics {
+    pub fn new(pool_name: &str) -> Self {
+        let mut registry = Registry::with_prefix(PREFIX);
+        let request_total = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "request",
+            "Requests received by the endpoint picker",
+            request_total.clone(),
+        );
+        let request_error_total = Family::<ErrorLabels, Counter>::default();
+        registry.register(
+            "request_error",
+            "Requests answered with an error by the endpoint picker",
+            request_error_total.clone(),
+        );
+        let request_duration = Family::<RequestLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(latency_buckets())
+        });
+        registry.register(
+            "request_duration_seconds",
+            "End-to-end request duration seen by the endpoint picker",
+            request_duration.clone(),
+        );
+        let request_running = Family::<RequestLabels, Gauge>::default();
+        registry.register(
+            "request_running",
+            "Requests currently being processed",
+            request_running.clone(),
+        );
+        let request_size = Family::<RequestLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+                64.0, 4.0, 12,
+            ))
+        });
+        registry.register(
+            "request_size_bytes",
+            "Request body size in bytes",
+            request_size.clone(),
+        );
+        let scheduler_e2e = Histogram::new(scheduler_buckets());
+        registry.register(
+            "scheduler_e2e_duration_seconds",
+            "Time to run the scheduler for one request",
+            scheduler_e2e.clone(),
+        );
+        let scheduler_attempts = Family::<AttemptLabels, Counter>::default();
+        registry.register(
+            "scheduler_attempts",
+            "Scheduling attempts by outcome",
+            scheduler_attempts.clone(),
+        );
+        let poll_errors = Family::<SourceLabels, Counter>::default();
+        registry.register(
+            "datalayer_poll_errors",
+            "Failed model-server metric scrapes",
+            poll_errors.clone(),
+        );
+        let ready_endpoints = Family::<PoolLabels, Gauge>::default();
+        registry.register(
+            "pool_ready_endpoints",
+            "Endpoints currently known to the pool",
+            ready_endpoints.clone(),
+        );
+        let streams_inflight = Gauge::default();
+        registry.register(
+            "extproc_streams_inflight",
+            "Open ext_proc streams",
+            streams_inflight.clone(),
+        );
+        Metrics {
+            registry,
+            pool_name: pool_name.to_string(),
+            request_total,
+            request_error_total,
+            request_duration,
+            request_running,
+            request_size,
+            scheduler_e2e,
+            scheduler_attempts,
+            poll_errors,
+            ready_endpoints,
+            streams_inflight,
+            streams_inflight_count: AtomicI64::new(0),
+            model_cap: LabelCap::default(),
+        }
+    }
+
+    pub fn request_labels(&self, model: &str, target: &str) -> RequestLabels {
+        RequestLabels {
+            model_name: self.model_cap.admit(model),
+            target_model_name: self.model_cap.admit(target),
+        }
+    }
+
+    pub fn request_received(&self, l: &RequestLabels, body_bytes: usize) {
+        self.request_total.get_or_create(l).inc();
+        self.request_size
+            .get_or_create(l)
+            .observe(body_bytes as f64);
+    }
+
+    pub fn request_error(&self, l: &RequestLabels, code: &str) {
+        self.request_error_total
+            .get_or_create(&ErrorLabels {
+                model_name: l.model_name.clone(),
+                target_model_name: l.target_model_name.clone(),
+                error_code: code.to_string(),
+            })
+            .inc();
+    }
+
+    pub fn request_running(&self, l: &RequestLabels, delta: i64) {
+        self.request_running.get_or_create(l).inc_by(delta);
+    }
+
+    pub fn request_done(&self, l: &RequestLabels, seconds: f64) {
+        self.request_duration.get_or_create(l).observe(seconds);
+    }
+
+    pub fn scheduled(&self, seconds: f64, ok: bool) {
+        self.scheduler_e2e.observe(seconds);
+        self.scheduler_attempts
+            .get_or_create(&AttemptLabels {
+                status: if ok { "success" } else { "failure" }.into(),
+            })
+            .inc();
+    }
+
+    pub fn poll_error(&self) {
+        self.poll_errors
+            .get_or_create(&SourceLabels {
+                source_type: "metrics-data-source".into(),
+            })
+            .inc();
+    }
+
+    pub fn set_ready_endpoints(&self, n: usize) {
+        self.ready_endpoints
+            .get_or_create(&PoolLabels {
+                name: self.pool_name.clone(),
+            })
+            .set(n as i64);
+    }
+
+    pub fn stream_opened(&self) {
+        self.streams_inflight_count.fetch_add(1, Ordering::Relaxed);
+        self.streams_inflight.inc();
+    }
+
+    pub fn stream_closed(&self) {
+        self.streams_inflight_count.fetch_sub(1, Ordering::Relaxed);
+        self.streams_inflight.dec();
+    }
+
+    pub fn streams_inflight(&self) -> i64 {
+        self.streams_inflight_count.load(Ordering::Relaxed)
+    }
+
+    /// Prometheus text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(8192);
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_have_llm_d_prefix() {
+        let m = Metrics::new("pool");
+        let l = m.request_labels("m", "m");
+        m.request_received(&l, 10);
+        m.request_error(&l, "BadRequest");
+        m.scheduled(0.0001, true);
+        let text = m.encode();
+        assert!(
+            text.contains("llm_d_epp_request_total{model_name=\"m\",target_model_name=\"m\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("llm_d_epp_request_error_total{"), "{text}");
+        assert!(
+            text.contains("llm_d_epp_scheduler_e2e_duration_seconds_bucket"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn label_cap() {
+        let cap = LabelCap::default();
+        for i in 0..MAX_LABEL_VALUES {
+            assert_eq!(cap.admit(&i.to_string()), i.to_string());
+        }
+        assert_eq!(cap.admit("new"), "other");
+        assert_eq!(cap.admit("5"), "5");
+    }
+}

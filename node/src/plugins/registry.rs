@@ -1,0 +1,529 @@
+//! The plugin registry: llm-d type name → constructor, and llm-d's default injection.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use super::kv_cache_scorer::{self, KvCacheScorer};
+use super::max_score_picker::{self, MaxScorePicker};
+use super::queue_scorer::{self, QueueScorer};
+use super::random_picker::{self, RandomPicker};
+use super::scheduler::{Profile, Scheduler, WeightedScorer};
+use super::{NoParams, Picker, PickerParams, Scorer, params};
+use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
+
+pub const SINGLE_PROFILE_HANDLER: &str = "single-profile-handler";
+pub const METRICS_DATA_SOURCE: &str = "metrics-data-source";
+pub const CORE_METRICS_EXTRACTOR: &str = "core-metrics-extractor";
+pub const PARSERS: [&str; 4] = [
+    "openai-parser",
+    "anthropic-parser",
+    "vllmhttp-parser",
+    "passthrough-parser",
+];
+
+/// llm-d plugin types this build recognises but does not implement yet: a config naming one fails
+/// with a message saying so, rather than "unknown type".
+const NOT_YET: &[&str] = &[
+    "prefix-cache-scorer",
+    "approx-prefix-cache-producer",
+    "precise-prefix-cache-producer",
+    "prefix-cache-affinity-filter",
+    "running-requests-size-scorer",
+    "lora-affinity-scorer",
+    "token-load-scorer",
+    "active-request-scorer",
+    "load-aware-scorer",
+    "no-hit-lru-scorer",
+    "session-affinity-scorer",
+    "session-affinity-filter",
+    "session-id-producer",
+    "agent-identity",
+    "inflight-load-producer",
+    "token-producer",
+    "utilization-filter",
+    "label-selector-filter",
+    "decode-filter",
+    "prefill-filter",
+    "encode-filter",
+    "weighted-random-picker",
+    "disagg-profile-handler",
+    "prefix-based-pd-decider",
+    "always-disagg-pd-decider",
+    "always-disagg-multimodal-decider",
+    "data-parallel-profile-handler",
+    "header-profile-handler",
+    "latency-slo-admitter",
+    "probabilistic-admitter",
+    "utilization-detector",
+    "concurrency-detector",
+    "global-strict-fairness-policy",
+    "round-robin-fairness-policy",
+    "fcfs-ordering-policy",
+    "edf-ordering-policy",
+    "slo-deadline-ordering-policy",
+    "static-usage-limit-policy",
+    "predicted-latency-producer",
+    "latency-scorer",
+];
+
+/// A constructed plugin instance.
+#[derive(Debug, Clone)]
+pub enum Plugin {
+    Scorer(Arc<dyn Scorer>),
+    Picker(Arc<dyn Picker>),
+    ProfileHandler,
+    MetricsSource(MetricsSourceParams),
+    Extractor,
+    Parser(&'static str),
+}
+
+/// `metrics-data-source` parameters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MetricsSourceParams {
+    #[serde(default = "default_scheme")]
+    pub scheme: String,
+    #[serde(default = "default_path")]
+    pub path: String,
+    #[serde(default = "default_true")]
+    pub insecure_skip_verify: bool,
+    #[serde(default)]
+    pub interval: Option<String>,
+}
+
+fn default_scheme() -> String {
+    "http".into()
+}
+fn default_path() -> String {
+    "/metrics".into()
+}
+fn default_true() -> bool {
+    true
+}
+
+impl Default for MetricsSourceParams {
+    fn default() -> Self {
+        MetricsSourceParams {
+            scheme: default_scheme(),
+            path: default_path(),
+            insecure_skip_verify: true,
+            interval: None,
+        }
+    }
+}
+
+/// `core-metrics-extractor` parameters: the label that selects the engine dialect.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ExtractorParams {
+    #[serde(default)]
+    pub engine_label_key: Option<String>,
+}
+
+/// Construct one plugin by llm-d type name. `path` locates its parameters for error messages.
+pub fn construct(
+    type_name: &str,
+    parameters: Option<&serde_json::Value>,
+    path: &str,
+) -> Result<Plugin, ConfigError> {
+    let plugin = match type_name {
+        queue_scorer::TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(QueueScorer))
+        }
+        kv_cache_scorer::TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(KvCacheScorer))
+        }
+        max_score_picker::TYPE => {
+            let p: PickerParams = params(parameters, path)?;
+            Plugin::Picker(Arc::new(MaxScorePicker {
+                max_endpoints: p.max_num_of_endpoints,
+            }))
+        }
+        random_picker::TYPE => {
+            let p: PickerParams = params(parameters, path)?;
+            Plugin::Picker(Arc::new(RandomPicker {
+                max_endpoints: p.max_num_of_endpoints,
+            }))
+        }
+        SINGLE_PROFILE_HANDLER => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::ProfileHandler
+        }
+        METRICS_DATA_SOURCE => {
+            let p: MetricsSourceParams = params(parameters, path)?;
+            if let Some(i) = &p.interval {
+                parse_duration(i).map_err(|message| ConfigError::Field {
+                    path: format!("{path}.interval"),
+                    message,
+                })?;
+            }
+            if p.scheme != "http" {
+                return Err(ConfigError::Field {
+                    path: format!("{path}.scheme"),
+                    message: format!("scheme `{}` is not supported yet (only http)", p.scheme),
+                });
+            }
+            Plugin::MetricsSource(p)
+        }
+        CORE_METRICS_EXTRACTOR => {
+            let _: ExtractorParams = params(parameters, path)?;
+            Plugin::Extractor
+        }
+        t if PARSERS.contains(&t) => {
+            let _: NoParams = params(parameters, path)?;
+            let name = PARSERS
+                .iter()
+                .find(|p| **p == t)
+                .copied()
+                .unwrap_or("openai-parser");
+            Plugin::Parser(name)
+        }
+        t if NOT_YET.contains(&t) => {
+            return Err(ConfigError::invalid(format!(
+                "{path}: plugin type `{t}` is an llm-d plugin this build does not implement yet"
+            )));
+        }
+        t => {
+            return Err(ConfigError::invalid(format!(
+                "{path}: unknown plugin type `{t}`"
+            )));
+        }
+    };
+    Ok(plugin)
+}
+
+/// What the configuration builds: the scheduler and the data-layer settings.
+#[derive(Debug, Clone)]
+pub struct Built {
+    pub scheduler: Scheduler,
+    pub metrics_source: MetricsSourceParams,
+    /// Effective configuration, for the start-up log line.
+    pub summary: String,
+}
+
+/// Instantiate every plugin, apply llm-d's default injection and validate references.
+pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
+    if cfg.gate("flowControl")? == Some(true) {
+        return Err(ConfigError::invalid(
+            "featureGates: `flowControl` is not implemented by this build yet",
+        ));
+    }
+    // Validate every other gate entry's syntax.
+    for g in &cfg.feature_gates {
+        let name = g.split_once('=').map_or(g.as_str(), |(n, _)| n);
+        cfg.gate(name.trim())?;
+    }
+
+    let mut instances: Vec<(String, String, Plugin)> = Vec::new();
+    let mut by_name: HashMap<String, usize> = HashMap::new();
+    for (i, spec) in cfg.plugins.iter().enumerate() {
+        let path = format!("plugins[{i}].parameters");
+        let name = spec.instance_name().to_string();
+        if by_name.contains_key(&name) {
+            return Err(ConfigError::Field {
+                path: format!("plugins[{i}].name"),
+                message: format!("duplicate plugin name `{name}`"),
+            });
+        }
+        let plugin =
+            construct(&spec.type_name, spec.parameters.as_ref(), &path).map_err(|e| match e {
+                ConfigError::Invalid(m) => ConfigError::Invalid(
+                    m.replace(&format!("{path}:"), &format!("plugins[{i}].type:")),
+                ),
+                other => other,
+            })?;
+        by_name.insert(name.clone(), instances.len());
+        instances.push((name, spec.type_name.clone(), plugin));
+    }
+
+    // The profile handler: exactly one, default single-profile-handler.
+    let handlers = instances
+        .iter()
+        .filter(|(_, _, p)| matches!(p, Plugin::ProfileHandler))
+        .count();
+    if handlers > 1 {
+        return Err(ConfigError::invalid(
+            "plugins: more than one profile handler configured",
+        ));
+    }
+    if cfg.scheduling_profiles.len() > 1 {
+        return Err(ConfigError::invalid(format!(
+            "schedulingProfiles: {} profiles need a multi-profile handler; `{SINGLE_PROFILE_HANDLER}` runs exactly one",
+            cfg.scheduling_profiles.len()
+        )));
+    }
+
+    // First picker anywhere, or the default max-score-picker.
+    let first_picker = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::Picker(p) => Some(p.clone()),
+        _ => None,
+    });
+    let default_picker: Arc<dyn Picker> =
+        first_picker.unwrap_or_else(|| Arc::new(MaxScorePicker { max_endpoints: 1 }));
+
+    let profile = match cfg.scheduling_profiles.first() {
+        None => {
+            // No profiles: one `default` profile with every scorer/picker, weight 1.
+            let mut scorers = Vec::new();
+            let mut picker = None;
+            for (name, _, p) in &instances {
+                match p {
+                    Plugin::Scorer(s) => scorers.push(WeightedScorer {
+                        name: name.clone(),
+                        weight: 1.0,
+                        scorer: s.clone(),
+                    }),
+                    Plugin::Picker(p) if picker.is_none() => picker = Some(p.clone()),
+                    _ => {}
+                }
+            }
+            Profile {
+                name: "default".into(),
+                scorers,
+                picker: picker.unwrap_or(default_picker),
+            }
+        }
+        Some(spec) => {
+            let mut scorers = Vec::new();
+            let mut picker = None;
+            for (j, r) in spec.plugins.iter().enumerate() {
+                let path = format!("schedulingProfiles[0].plugins[{j}].pluginRef");
+                let idx = by_name
+                    .get(&r.plugin_ref)
+                    .ok_or_else(|| ConfigError::Field {
+                        path: path.clone(),
+                        message: format!("no plugin named `{}`", r.plugin_ref),
+                    })?;
+                let (name, type_name, p) = &instances[*idx];
+                match p {
+                    Plugin::Scorer(s) => {
+                        let weight = r.weight.unwrap_or(1.0);
+                        if !weight.is_finite() || weight < 0.0 {
+                            return Err(ConfigError::Field {
+                                path: format!("schedulingProfiles[0].plugins[{j}].weight"),
+                                message: "weight must be a finite number >= 0".into(),
+                            });
+                        }
+                        scorers.push(WeightedScorer {
+                            name: name.clone(),
+                            weight,
+                            scorer: s.clone(),
+                        });
+                    }
+                    Plugin::Picker(p) => {
+                        if picker.is_some() {
+                            return Err(ConfigError::Field {
+                                path,
+                                message: "a profile takes one picker".into(),
+                            });
+                        }
+                        picker = Some(p.clone());
+                    }
+                    _ => {
+                        return Err(ConfigError::Field {
+                            path,
+                            message: format!(
+                                "plugin `{name}` of type `{type_name}` cannot be used in a scheduling profile"
+                            ),
+                        });
+                    }
+                }
+            }
+            Profile {
+                name: spec.name.clone(),
+                scorers,
+                picker: picker.unwrap_or(default_picker),
+            }
+        }
+    };
+
+    // Data layer: metrics-data-source (+ core-metrics-extractor) unless injectDefaults: false.
+    let mut metrics_source = None;
+    if let Some(dl) = &cfg.data_layer {
+        for (i, src) in dl.sources.iter().enumerate() {
+            let idx = by_name
+                .get(&src.plugin_ref)
+                .ok_or_else(|| ConfigError::Field {
+                    path: format!("dataLayer.sources[{i}].pluginRef"),
+                    message: format!("no plugin named `{}`", src.plugin_ref),
+                })?;
+            match &instances[*idx].2 {
+                Plugin::MetricsSource(p) => metrics_source = Some(p.clone()),
+                _ => {
+                    return Err(ConfigError::Field {
+                        path: format!("dataLayer.sources[{i}].pluginRef"),
+                        message: format!("`{}` is not a data source", src.plugin_ref),
+                    });
+                }
+            }
+            for (k, ex) in src.extractors.iter().enumerate() {
+                let ok = by_name
+                    .get(&ex.plugin_ref)
+                    .is_some_and(|i| matches!(instances[*i].2, Plugin::Extractor));
+                if !ok {
+                    return Err(ConfigError::Field {
+                        path: format!("dataLayer.sources[{i}].extractors[{k}].pluginRef"),
+                        message: format!("`{}` is not a metrics extractor", ex.plugin_ref),
+                    });
+                }
+            }
+        }
+        if dl.discovery.is_some() || dl.peer_discovery.is_some() {
+            return Err(ConfigError::invalid(
+                "dataLayer.discovery / peerDiscovery plugins are not implemented yet; use --endpoints-file",
+            ));
+        }
+    }
+    if metrics_source.is_none() {
+        metrics_source = instances.iter().find_map(|(_, _, p)| match p {
+            Plugin::MetricsSource(p) => Some(p.clone()),
+            _ => None,
+        });
+    }
+    let metrics_source = metrics_source.unwrap_or_default();
+
+    if let Some(rh) = &cfg.request_handler {
+        for (i, r) in rh.parsers.iter().enumerate() {
+            let known = by_name
+                .get(&r.plugin_ref)
+                .is_some_and(|i| matches!(instances[*i].2, Plugin::Parser(_)))
+                || PARSERS.contains(&r.plugin_ref.as_str());
+            if !known {
+                return Err(ConfigError::Field {
+                    path: format!("requestHandler.parsers[{i}].pluginRef"),
+                    message: format!("`{}` is not a parser", r.plugin_ref),
+                });
+            }
+        }
+    }
+    if cfg.flow_control.is_some() {
+        tracing::warn!("flowControl section present but the flowControl gate is off: ignored");
+    }
+
+    let summary = format!(
+        "profile={} scorers=[{}] picker={} metrics={}://<pod>{} every {}",
+        profile.name,
+        profile
+            .scorers
+            .iter()
+            .map(|s| format!("{}({})*{}", s.name, s.scorer.type_name(), s.weight))
+            .collect::<Vec<_>>()
+            .join(", "),
+        profile.picker.type_name(),
+        metrics_source.scheme,
+        metrics_source.path,
+        metrics_source.interval.as_deref().unwrap_or("base tick"),
+    );
+    Ok(Built {
+        scheduler: Scheduler { profile },
+        metrics_source,
+        summary,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(yaml: &str) -> Result<Built, ConfigError> {
+        build(&EndpointPickerConfig::from_yaml(yaml)?)
+    }
+
+    const SAMPLE: &str = r#"
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- name: picker
+  type: max-score-picker
+  parameters:
+    maxNumOfEndpoints: 2
+- type: single-profile-handler
+- type: metrics-data-source
+  parameters: {path: /metrics, interval: 50ms}
+- type: core-metrics-extractor
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+  - pluginRef: picker
+dataLayer:
+  sources:
+  - pluginRef: metrics-data-source
+    extractors: [{pluginRef: core-metrics-extractor}]
+"#;
+
+    #[test]
+    fn sample_config_loads() {
+        let b = load(SAMPLE).unwrap();
+        let p = &b.scheduler.profile;
+        assert_eq!(p.scorers.len(), 2);
+        assert_eq!(p.scorers[0].weight, 2.0);
+        assert_eq!(p.scorers[1].weight, 1.0);
+        assert_eq!(p.picker.type_name(), "max-score-picker");
+        assert_eq!(b.metrics_source.interval.as_deref(), Some("50ms"));
+    }
+
+    #[test]
+    fn defaults_injected_without_profiles() {
+        let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\n").unwrap();
+        let p = &b.scheduler.profile;
+        assert_eq!(p.name, "default");
+        assert_eq!(p.scorers.len(), 1);
+        assert_eq!(p.scorers[0].weight, 1.0);
+        assert_eq!(p.picker.type_name(), "max-score-picker");
+    }
+
+    #[test]
+    fn builtin_default_builds() {
+        let b = build(&EndpointPickerConfig::builtin_default()).unwrap();
+        assert_eq!(b.scheduler.profile.scorers.len(), 2);
+    }
+
+    #[test]
+    fn unknown_plugin_type_named() {
+        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: fancy-scorer\n").unwrap_err().to_string();
+        assert!(
+            e.contains("fancy-scorer") && e.contains("unknown plugin type"),
+            "{e}"
+        );
+        assert!(e.contains("plugins[0]"), "{e}");
+    }
+
+    #[test]
+    fn not_yet_plugin_says_so() {
+        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: prefix-cache-scorer\n").unwrap_err().to_string();
+        assert!(e.contains("does not implement yet"), "{e}");
+    }
+
+    #[test]
+    fn unknown_parameter_named() {
+        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoint: 2}\n").unwrap_err().to_string();
+        assert!(
+            e.contains("plugins[0].parameters") && e.contains("maxNumOfEndpoint"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_profile_ref() {
+        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: x\n  plugins: [{pluginRef: nope}]\n").unwrap_err().to_string();
+        assert!(
+            e.contains("schedulingProfiles[0].plugins[0].pluginRef"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn flow_control_gate_refused_honestly() {
+        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nfeatureGates: [flowControl]\n").unwrap_err().to_string();
+        assert!(e.contains("flowControl"), "{e}");
+    }
+}

@@ -1,0 +1,244 @@
+//! `epp serve`: validate everything, bind every port, then run until shutdown.
+//!
+//! Start-up order (nothing binds before the configuration is valid): config → plugins → endpoints
+//! file → listeners → servers. On SIGTERM/SIGINT the replica drains: gRPC health and `/readyz` turn
+//! NOT_SERVING so Envoy stops opening streams here, open streams run to completion (bounded by
+//! `drain_timeout`), then every server stops.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic_health::ServingStatus;
+
+use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
+use crate::datalayer::Datastore;
+use crate::datalayer::discovery::FileDiscovery;
+use crate::datalayer::scraper::ScrapeConfig;
+use crate::extproc::{ExtProcService, PickerContext};
+use crate::metrics::Metrics;
+use crate::plugins;
+
+pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub pool_name: String,
+    pub config_file: Option<PathBuf>,
+    pub config_text: Option<String>,
+    pub endpoints_file: PathBuf,
+    pub grpc_addr: SocketAddr,
+    pub health_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub max_body_bytes: usize,
+    pub refresh_metrics_interval: Duration,
+    pub metrics_staleness_threshold: Duration,
+    pub drain_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("binding {what} on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Server(String),
+}
+
+/// Where the servers ended up listening (ports may have been chosen by the OS).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct BoundAddrs {
+    pub ext_proc: SocketAddr,
+    pub health: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+pub fn load_config(opts: &ServeOptions) -> Result<EndpointPickerConfig, ConfigError> {
+    match (&opts.config_file, &opts.config_text) {
+        (Some(_), Some(_)) => Err(ConfigError::invalid(
+            "--config-file and --config-text are mutually exclusive",
+        )),
+        (Some(path), None) => EndpointPickerConfig::from_file(&path.display().to_string()),
+        (None, Some(text)) => EndpointPickerConfig::from_yaml(text),
+        (None, None) => Ok(EndpointPickerConfig::builtin_default()),
+    }
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind { what, addr, source })
+}
+
+fn local(l: &TcpListener, what: &'static str, addr: SocketAddr) -> Result<SocketAddr, ServeError> {
+    l.local_addr()
+        .map_err(|source| ServeError::Bind { what, addr, source })
+}
+
+/// Run a replica. `on_bound` is called once every port is bound; `shutdown` starts the drain.
+pub async fn serve(
+    opts: ServeOptions,
+    on_bound: impl FnOnce(BoundAddrs),
+    shutdown: CancellationToken,
+) -> Result<(), ServeError> {
+    let cfg = load_config(&opts)?;
+    let built = plugins::build(&cfg)?;
+    tracing::info!(config = %built.summary, "effective configuration");
+    let interval = match &built.metrics_source.interval {
+        Some(i) => parse_duration(i)
+            .map_err(ConfigError::invalid)?
+            .max(opts.refresh_metrics_interval),
+        None => opts.refresh_metrics_interval,
+    };
+    let passthrough = cfg.request_handler.as_ref().is_some_and(|rh| {
+        rh.parsers.iter().any(|p| {
+            p.plugin_ref == "passthrough-parser"
+                || cfg.plugins.iter().any(|s| {
+                    s.type_name == "passthrough-parser" && s.instance_name() == p.plugin_ref
+                })
+        })
+    });
+
+    let metrics = Arc::new(Metrics::new(&opts.pool_name));
+    let store = Arc::new(Datastore::new(opts.metrics_staleness_threshold));
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(2)
+        .tcp_nodelay(true)
+        .build()
+        .map_err(|e| ServeError::Server(format!("http client: {e}")))?;
+    let discovery = FileDiscovery {
+        path: opts.endpoints_file.clone(),
+        poll: Duration::from_millis(250),
+        store: store.clone(),
+        scrape: Arc::new(ScrapeConfig {
+            interval,
+            timeout: Duration::from_secs(1).max(interval),
+            path: built.metrics_source.path.clone(),
+            scheme: built.metrics_source.scheme.clone(),
+        }),
+        metrics: metrics.clone(),
+        client,
+    };
+    let initial = discovery.load_initial()?;
+
+    let grpc = bind("ext_proc gRPC", opts.grpc_addr).await?;
+    let health = bind("gRPC health", opts.health_addr).await?;
+    let admin = bind("admin HTTP", opts.admin_addr).await?;
+    let bound = BoundAddrs {
+        ext_proc: local(&grpc, "ext_proc gRPC", opts.grpc_addr)?,
+        health: local(&health, "gRPC health", opts.health_addr)?,
+        admin: local(&admin, "admin HTTP", opts.admin_addr)?,
+    };
+
+    let ctx = Arc::new(PickerContext {
+        store,
+        scheduler: built.scheduler,
+        metrics: metrics.clone(),
+        max_body_bytes: opts.max_body_bytes,
+        passthrough,
+        draining: AtomicBool::new(false),
+    });
+
+    let (reporter, health_svc) = tonic_health::server::health_reporter();
+    for svc in ["", "liveness", "readiness", EXT_PROC_SERVICE] {
+        reporter
+            .set_service_status(svc, ServingStatus::Serving)
+            .await;
+    }
+
+    let stop = CancellationToken::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(discovery.run(initial, stop.clone()).then_ok());
+    {
+        let svc = ExtProcService::new(ctx.clone());
+        let health_svc = health_svc.clone();
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .add_service(health_svc)
+                .add_service(ExternalProcessorServer::new(svc))
+                .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), stop.cancelled())
+                .await
+                .map_err(|e| format!("ext_proc server: {e}"))
+        });
+    }
+    {
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(health_svc)
+                .serve_with_incoming_shutdown(TcpListenerStream::new(health), stop.cancelled())
+                .await
+                .map_err(|e| format!("health server: {e}"))
+        });
+    }
+    tasks.spawn({
+        let ctx = ctx.clone();
+        let stop = stop.clone();
+        async move {
+            crate::admin::run(admin, ctx, stop)
+                .await
+                .map_err(|e| format!("admin server: {e}"))
+        }
+    });
+    on_bound(bound);
+    tracing::info!(ext_proc = %bound.ext_proc, health = %bound.health, admin = %bound.admin, "serving");
+
+    let mut failure = None;
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        Some(res) = tasks.join_next() => {
+            failure = Some(match res {
+                Ok(Ok(())) => "a server stopped unexpectedly".to_string(),
+                Ok(Err(e)) => e,
+                Err(e) => format!("server task failed: {e}"),
+            });
+        }
+    }
+
+    // Drain: stop advertising, let open streams finish, then stop.
+    ctx.draining.store(true, Ordering::Relaxed);
+    for svc in ["", "readiness", EXT_PROC_SERVICE] {
+        reporter
+            .set_service_status(svc, ServingStatus::NotServing)
+            .await;
+    }
+    if failure.is_none() {
+        tracing::info!(timeout = ?opts.drain_timeout, "draining");
+        let deadline = tokio::time::Instant::now() + opts.drain_timeout;
+        while metrics.streams_inflight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    stop.cancel();
+    while tasks.join_next().await.is_some() {}
+    tracing::info!("stopped");
+    match failure {
+        Some(e) => Err(ServeError::Server(e)),
+        None => Ok(()),
+    }
+}
+
+/// Adapts a `()` future to the servers' `Result<(), String>` shape.
+trait ThenOk: std::future::Future<Output = ()> + Sized {
+    fn then_ok(self) -> impl std::future::Future<Output = Result<(), String>> {
+        async move {
+            self.await;
+            Ok(())
+        }
+    }
+}
+impl<F: std::future::Future<Output = ()>> ThenOk for F {}

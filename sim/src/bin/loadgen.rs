@@ -1,0 +1,121 @@
+//! `loadgen`: runs the multi-turn conversation workload against one or more targets and compares them.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use sim::loadgen::{self, LoadConfig, Report};
+
+#[derive(Debug, Parser)]
+#[command(about = "Multi-turn chat load generator; compares targets on the same seeded schedule")]
+struct Args {
+    /// NAME=URL (or just URL); repeat to compare targets one after another.
+    #[arg(long = "target", required = true)]
+    targets: Vec<String>,
+    #[arg(long, default_value_t = 16)]
+    conversations: usize,
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    /// Words of the system prompt shared by all conversations.
+    #[arg(long, default_value_t = 256)]
+    system_prompt_words: usize,
+    /// Words of each conversation's own preamble.
+    #[arg(long, default_value_t = 256)]
+    conversation_words: usize,
+    #[arg(long, default_value_t = 32)]
+    user_words: usize,
+    #[arg(long, default_value_t = 16)]
+    max_tokens: u32,
+    /// Conversations in flight at once.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+    /// Extra header `name:value`; repeatable.
+    #[arg(long = "header")]
+    headers: Vec<String>,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    #[arg(long, default_value_t = 60_000)]
+    request_timeout_ms: u64,
+    /// Also write the reports as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Exit non-zero when any target had transport errors.
+    #[arg(long)]
+    fail_on_error: bool,
+}
+
+fn parse_target(s: &str) -> (String, String) {
+    match s.split_once('=') {
+        Some((name, url)) if !name.is_empty() && !name.contains('/') => {
+            (name.to_owned(), url.to_owned())
+        }
+        _ => (s.to_owned(), s.to_owned()),
+    }
+}
+
+fn config(args: &Args) -> anyhow::Result<LoadConfig> {
+    let mut headers = Vec::new();
+    for h in &args.headers {
+        let Some((k, v)) = h.split_once(':') else {
+            bail!("--header {h:?} is not name:value");
+        };
+        headers.push((k.trim().to_owned(), v.trim().to_owned()));
+    }
+    let cfg = LoadConfig {
+        conversations: args.conversations,
+        turns: args.turns,
+        system_prompt_words: args.system_prompt_words,
+        conversation_words: args.conversation_words,
+        user_words: args.user_words,
+        max_tokens: args.max_tokens,
+        concurrency: args.concurrency,
+        model: args.model.clone(),
+        headers,
+        seed: args.seed,
+        request_timeout_ms: args.request_timeout_ms,
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<ExitCode> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    let cfg = config(&args)?;
+    let targets: Vec<(String, String)> = args.targets.iter().map(|t| parse_target(t)).collect();
+    let mut reports: Vec<(String, Report)> = Vec::with_capacity(targets.len());
+    for (name, url) in &targets {
+        tracing::info!(target_name = %name, %url, "running workload");
+        let report = loadgen::run(&cfg, url)
+            .await
+            .with_context(|| format!("target {name}"))?;
+        reports.push((name.clone(), report));
+    }
+    print!("{}", loadgen::render_table(&reports));
+    if let Some(path) = &args.json {
+        let map: serde_json::Map<String, serde_json::Value> = reports
+            .iter()
+            .map(|(n, r)| Ok((n.clone(), serde_json::to_value(r)?)))
+            .collect::<Result<_, serde_json::Error>>()?;
+        let text = serde_json::to_string_pretty(&serde_json::json!({
+            "config": cfg,
+            "targets": map,
+        }))?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if args.fail_on_error && reports.iter().any(|(_, r)| r.transport_errors > 0) {
+        eprintln!("transport errors occurred");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}

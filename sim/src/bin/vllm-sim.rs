@@ -1,0 +1,136 @@
+//! `vllm-sim`: hosts N simulated vLLM pods until SIGINT/SIGTERM.
+
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use clap::Parser;
+use serde_json::json;
+use sim::{PodKnobs, Sim, SimConfig};
+
+#[derive(Debug, Parser)]
+#[command(about = "Simulated vLLM pods for exercising the endpoint picker")]
+struct Args {
+    /// Number of pods.
+    #[arg(long, default_value_t = 2)]
+    pods: usize,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// First pod port (pod i gets base+i); 0 lets the OS pick every port.
+    #[arg(long, default_value_t = 0)]
+    base_port: u16,
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+    /// Admin server port; 0 lets the OS pick.
+    #[arg(long, default_value_t = 0)]
+    admin_port: u16,
+    /// Write the discovery YAML here once every port is bound.
+    #[arg(long)]
+    pods_file: Option<PathBuf>,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    #[arg(long, default_value_t = 4096)]
+    kv_blocks: usize,
+    #[arg(long, default_value_t = 8)]
+    max_num_seqs: usize,
+    #[arg(long, default_value_t = 2.0)]
+    prefill_overhead_ms: f64,
+    #[arg(long, default_value_t = 20.0)]
+    prefill_us_per_token: f64,
+    #[arg(long, default_value_t = 2.0)]
+    decode_ms_per_token: f64,
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    #[arg(long, default_value_t = 16)]
+    default_max_tokens: u32,
+    /// Fraction of requests answered with a 500.
+    #[arg(long, default_value_t = 0.0)]
+    error_rate: f64,
+    #[arg(long, default_value_t = 0.0)]
+    extra_latency_ms: f64,
+}
+
+impl Args {
+    fn config(&self) -> SimConfig {
+        SimConfig {
+            pods: self.pods,
+            host: self.host,
+            base_port: self.base_port,
+            model: self.model.clone(),
+            admin: Some(self.admin_port),
+            knobs: PodKnobs {
+                block_size: self.block_size,
+                kv_blocks: self.kv_blocks,
+                max_num_seqs: self.max_num_seqs,
+                prefill_overhead_ms: self.prefill_overhead_ms,
+                prefill_us_per_token: self.prefill_us_per_token,
+                decode_ms_per_token: self.decode_ms_per_token,
+                time_scale: self.time_scale,
+                default_max_tokens: self.default_max_tokens,
+                error_rate: self.error_rate,
+                extra_latency_ms: self.extra_latency_ms,
+            },
+        }
+    }
+}
+
+/// Writes `contents` next to `path` and renames it into place, so readers never see a partial file.
+fn write_atomic(path: &Path, contents: &str) -> anyhow::Result<()> {
+    let file_name = path
+        .file_name()
+        .context("pods file path has no file name")?
+        .to_string_lossy();
+    let tmp = path.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
+    std::fs::write(&tmp, contents).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(())
+}
+
+async fn shutdown_signal() -> anyhow::Result<()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).context("installing SIGTERM handler")?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r.context("waiting for SIGINT")?,
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for ctrl-c")?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    let cfg = args.config();
+    cfg.validate().context("invalid configuration")?;
+    let sim = Sim::start(cfg).await.context("starting sim")?;
+    if let Some(path) = &args.pods_file {
+        write_atomic(path, &sim.pods_yaml())?;
+    }
+    let line = json!({
+        "admin": sim.admin_addr().map(|a| a.to_string()),
+        "pods": sim.pods(),
+    });
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}")?;
+        out.flush()?;
+    }
+    let waited = shutdown_signal().await;
+    tracing::info!("shutting down");
+    sim.shutdown().await;
+    waited
+}

@@ -1,0 +1,156 @@
+//! Per-pod tunables, changeable at runtime through [`crate::Sim::set_knobs`] or the admin API.
+
+use serde::{Deserialize, Serialize};
+
+use crate::SimError;
+
+/// Behaviour of one simulated pod. Defaults live in [`Default`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PodKnobs {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV capacity in blocks.
+    pub kv_blocks: usize,
+    /// Running slots; further requests wait in a FIFO queue.
+    pub max_num_seqs: usize,
+    /// Fixed cost of a prefill, in ms.
+    pub prefill_overhead_ms: f64,
+    /// Prefill cost per uncached prompt token, in µs.
+    pub prefill_us_per_token: f64,
+    /// Cost of each output token after the first, in ms.
+    pub decode_ms_per_token: f64,
+    /// Multiplies every simulated latency.
+    pub time_scale: f64,
+    /// Output tokens when the request sets no limit.
+    pub default_max_tokens: u32,
+    /// Fraction (0..=1) of generation requests answered with a 500.
+    pub error_rate: f64,
+    /// Added to every request's time to first token, in ms.
+    pub extra_latency_ms: f64,
+}
+
+impl Default for PodKnobs {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            kv_blocks: 4096,
+            max_num_seqs: 8,
+            prefill_overhead_ms: 2.0,
+            prefill_us_per_token: 20.0,
+            decode_ms_per_token: 2.0,
+            time_scale: 1.0,
+            default_max_tokens: 16,
+            error_rate: 0.0,
+            extra_latency_ms: 0.0,
+        }
+    }
+}
+
+fn invalid(field: &'static str, reason: &str) -> SimError {
+    SimError::InvalidKnob {
+        field,
+        reason: reason.to_owned(),
+    }
+}
+
+fn non_negative(field: &'static str, v: f64) -> Result<(), SimError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(())
+    } else {
+        Err(invalid(field, "must be a finite number >= 0"))
+    }
+}
+
+impl PodKnobs {
+    /// Rejects values the engine cannot run with.
+    pub fn validate(&self) -> Result<(), SimError> {
+        if self.block_size == 0 {
+            return Err(invalid("block_size", "must be > 0"));
+        }
+        if self.kv_blocks == 0 {
+            return Err(invalid("kv_blocks", "must be > 0"));
+        }
+        if self.max_num_seqs == 0 {
+            return Err(invalid("max_num_seqs", "must be > 0"));
+        }
+        if self.default_max_tokens == 0 {
+            return Err(invalid("default_max_tokens", "must be > 0"));
+        }
+        non_negative("prefill_overhead_ms", self.prefill_overhead_ms)?;
+        non_negative("prefill_us_per_token", self.prefill_us_per_token)?;
+        non_negative("decode_ms_per_token", self.decode_ms_per_token)?;
+        non_negative("time_scale", self.time_scale)?;
+        non_negative("extra_latency_ms", self.extra_latency_ms)?;
+        if !(0.0..=1.0).contains(&self.error_rate) {
+            return Err(invalid("error_rate", "must be within 0..=1"));
+        }
+        Ok(())
+    }
+
+    /// A copy with every field that `patch` sets replaced.
+    pub fn patched(&self, patch: &KnobsPatch) -> PodKnobs {
+        let mut k = self.clone();
+        macro_rules! apply {
+            ($($f:ident),*) => { $( if let Some(v) = patch.$f { k.$f = v; } )* };
+        }
+        apply!(
+            block_size,
+            kv_blocks,
+            max_num_seqs,
+            prefill_overhead_ms,
+            prefill_us_per_token,
+            decode_ms_per_token,
+            time_scale,
+            default_max_tokens,
+            error_rate,
+            extra_latency_ms
+        );
+        k
+    }
+}
+
+/// A partial update of [`PodKnobs`]; unset fields keep their value.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KnobsPatch {
+    pub block_size: Option<usize>,
+    pub kv_blocks: Option<usize>,
+    pub max_num_seqs: Option<usize>,
+    pub prefill_overhead_ms: Option<f64>,
+    pub prefill_us_per_token: Option<f64>,
+    pub decode_ms_per_token: Option<f64>,
+    pub time_scale: Option<f64>,
+    pub default_max_tokens: Option<u32>,
+    pub error_rate: Option<f64>,
+    pub extra_latency_ms: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patch_changes_only_set_fields() {
+        let k = PodKnobs::default();
+        let p: KnobsPatch = serde_json::from_str(r#"{"max_num_seqs":1,"time_scale":0.5}"#).unwrap();
+        let n = k.patched(&p);
+        assert_eq!(n.max_num_seqs, 1);
+        assert_eq!(n.time_scale, 0.5);
+        assert_eq!(n.block_size, k.block_size);
+        assert!(serde_json::from_str::<KnobsPatch>(r#"{"nope":1}"#).is_err());
+    }
+
+    #[test]
+    fn validate_rejects_bad_values() {
+        assert!(PodKnobs::default().validate().is_ok());
+        let bad = |p: &str| {
+            let p: KnobsPatch = serde_json::from_str(p).unwrap();
+            PodKnobs::default().patched(&p).validate().is_err()
+        };
+        assert!(bad(r#"{"block_size":0}"#));
+        assert!(bad(r#"{"max_num_seqs":0}"#));
+        assert!(bad(r#"{"error_rate":1.5}"#));
+        assert!(bad(r#"{"time_scale":-1}"#));
+    }
+}

@@ -1,0 +1,165 @@
+//! Deterministic stand-in tokenizer.
+//!
+//! Real tokenizers are large and model-specific; routing only needs a function that maps equal text to
+//! equal token sequences and longer text to more tokens. Text is split on whitespace and every word
+//! becomes `ceil(len / 4)` tokens, one per 4-byte piece, whose id is the xxh3 hash of the piece
+//! truncated to `u32`.
+
+use serde::Deserialize;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Bytes per token piece.
+pub const PIECE_BYTES: usize = 4;
+
+/// Token id of one piece of text.
+pub fn piece_token(piece: &[u8]) -> u32 {
+    // Truncation is the documented id scheme.
+    xxh3_64(piece) as u32
+}
+
+/// Appends the tokens of `text` to `out`.
+pub fn tokenize_into(text: &str, out: &mut Vec<u32>) {
+    for word in text.split_whitespace() {
+        for piece in word.as_bytes().chunks(PIECE_BYTES) {
+            out.push(piece_token(piece));
+        }
+    }
+}
+
+/// Tokens of `text`.
+pub fn tokenize(text: &str) -> Vec<u32> {
+    let mut out = Vec::with_capacity(text.len() / PIECE_BYTES + 1);
+    tokenize_into(text, &mut out);
+    out
+}
+
+/// The single token that introduces a chat message of `role`.
+pub fn role_token(role: &str) -> u32 {
+    let marker = format!("<|{role}|>");
+    piece_token(marker.as_bytes())
+}
+
+/// Chat message content: a plain string or a list of typed parts (only `text` parts carry tokens).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of an array-form chat content.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type", default)]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// A chat message as far as the tokenizer cares.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+/// Prompt tokens of a chat conversation: per message, a role token then the content tokens.
+pub fn chat_tokens(messages: &[ChatMessage]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for m in messages {
+        out.push(role_token(&m.role));
+        match &m.content {
+            Some(Content::Text(t)) => tokenize_into(t, &mut out),
+            Some(Content::Parts(parts)) => {
+                for p in parts {
+                    if let Some(t) = &p.text {
+                        tokenize_into(t, &mut out);
+                    }
+                }
+            }
+            None => {}
+        }
+    }
+    out
+}
+
+/// The `prompt` of a completions request in any of its accepted shapes.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// Prompt tokens of a completions request. Batched prompts are not simulated: the first entry is used.
+pub fn prompt_tokens(prompt: &Prompt) -> Vec<u32> {
+    match prompt {
+        Prompt::Text(t) => tokenize(t),
+        Prompt::Texts(ts) => ts.first().map(|t| tokenize(t)).unwrap_or_default(),
+        Prompt::Ids(ids) => ids.clone(),
+        Prompt::IdLists(lists) => lists.first().cloned().unwrap_or_default(),
+    }
+}
+
+/// A short word (at most one token) for deterministic output text.
+pub fn output_word(seed: u64, index: u32) -> &'static str {
+    const WORDS: [&str; 16] = [
+        "the", "sim", "says", "ok", "data", "flow", "cat", "sun", "blue", "road", "hill", "tree",
+        "kv", "page", "fast", "node",
+    ];
+    let h = xxh3_64(&[seed.to_le_bytes(), u64::from(index).to_le_bytes()].concat());
+    WORDS[(h % WORDS.len() as u64) as usize]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_split_into_four_byte_pieces() {
+        assert_eq!(tokenize("a abcd abcde").len(), 1 + 1 + 2);
+        assert_eq!(tokenize("  spaced\n\tout  ").len(), 2 + 1);
+        assert_eq!(tokenize(""), Vec::<u32>::new());
+        // Same piece, same id; different piece, different id.
+        assert_eq!(tokenize("abcd"), tokenize("abcdabcd")[..1].to_vec());
+        assert_ne!(tokenize("abcd"), tokenize("abce"));
+    }
+
+    #[test]
+    fn chat_prompt_has_role_tokens_and_part_text() {
+        let msgs: Vec<ChatMessage> = serde_json::from_str(
+            r#"[{"role":"system","content":"be nice"},
+                {"role":"user","content":[{"type":"text","text":"hello there"},{"type":"image_url"}]}]"#,
+        )
+        .unwrap();
+        let t = chat_tokens(&msgs);
+        assert_eq!(t.len(), 1 + 2 + 1 + 2 + 2);
+        assert_eq!(t[0], role_token("system"));
+        assert_eq!(t[3], role_token("user"));
+        assert_ne!(role_token("user"), role_token("assistant"));
+    }
+
+    #[test]
+    fn completion_prompt_shapes() {
+        let p: Prompt = serde_json::from_str(r#""one two""#).unwrap();
+        assert_eq!(prompt_tokens(&p).len(), 2);
+        let p: Prompt = serde_json::from_str(r#"["one two three","x"]"#).unwrap();
+        // "three" is two 4-byte pieces.
+        assert_eq!(prompt_tokens(&p).len(), 4);
+        let p: Prompt = serde_json::from_str("[5,6,7]").unwrap();
+        assert_eq!(prompt_tokens(&p), vec![5, 6, 7]);
+        let p: Prompt = serde_json::from_str("[[1,2],[3]]").unwrap();
+        assert_eq!(prompt_tokens(&p), vec![1, 2]);
+    }
+
+    #[test]
+    fn output_words_are_single_tokens() {
+        for i in 0..64 {
+            assert_eq!(tokenize(output_word(7, i)).len(), 1);
+        }
+        assert_eq!(output_word(1, 2), output_word(1, 2));
+    }
+}
