@@ -17,6 +17,8 @@ pub struct ClusterSpec {
     /// Write an empty endpoints file instead of the simulator's pods.
     pub no_pods: bool,
     pub failure_mode_allow: bool,
+    /// The observability-mode ext_proc filter for responses (on by default; see the template).
+    pub observe_responses: bool,
 }
 
 impl Default for ClusterSpec {
@@ -27,6 +29,7 @@ impl Default for ClusterSpec {
             epp_args: vec![],
             no_pods: false,
             failure_mode_allow: false,
+            observe_responses: true,
         }
     }
 }
@@ -62,6 +65,7 @@ impl LocalCluster {
             epps.iter().map(|e| e.addrs.ext_proc).collect(),
             sim.pods().iter().map(|p| p.addr).collect(),
             spec.failure_mode_allow,
+            spec.observe_responses,
         )
         .await?;
         Ok(LocalCluster {

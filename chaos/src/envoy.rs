@@ -19,6 +19,8 @@ pub struct EnvoyParams {
     pub epp: Vec<SocketAddr>,
     pub pods: Vec<SocketAddr>,
     pub failure_mode_allow: bool,
+    /// Keep the observability-mode filter that sees responses (the default data plane).
+    pub observe_responses: bool,
 }
 
 fn endpoints(addrs: &[SocketAddr]) -> String {
@@ -37,8 +39,20 @@ fn endpoints(addrs: &[SocketAddr]) -> String {
 
 /// Fill the template's placeholders.
 pub fn render(p: &EnvoyParams) -> String {
-    TEMPLATE
-        .replace("{{ADMIN_PORT}}", &p.admin_port.to_string())
+    let mut text = String::with_capacity(TEMPLATE.len());
+    let mut skipping = false;
+    for line in TEMPLATE.lines() {
+        match line.trim() {
+            "# observe-begin" => skipping = !p.observe_responses,
+            "# observe-end" => skipping = false,
+            _ if skipping => {}
+            _ => {
+                text.push_str(line);
+                text.push('\n');
+            }
+        }
+    }
+    text.replace("{{ADMIN_PORT}}", &p.admin_port.to_string())
         .replace("{{LISTEN_PORT}}", &p.listen_port.to_string())
         .replace("{{EPP_ENDPOINTS}}", &endpoints(&p.epp))
         .replace("{{RR_ENDPOINTS}}", &endpoints(&p.pods))
@@ -60,6 +74,7 @@ impl EnvoyProcess {
         epp: Vec<SocketAddr>,
         pods: Vec<SocketAddr>,
         failure_mode_allow: bool,
+        observe_responses: bool,
     ) -> anyhow::Result<EnvoyProcess> {
         let bin = locate::envoy_binary()?;
         let dir = tempfile::tempdir()?;
@@ -74,6 +89,7 @@ impl EnvoyProcess {
                 epp,
                 pods,
                 failure_mode_allow,
+                observe_responses,
             }),
         )?;
         let log = std::fs::File::create(&log_path)?;
@@ -174,5 +190,35 @@ impl EnvoyProcess {
             .find_map(|l| l.strip_prefix(&format!("{name}: ")))
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(observe: bool) -> EnvoyParams {
+        EnvoyParams {
+            listen_port: 1,
+            admin_port: 2,
+            epp: vec!["127.0.0.1:9002".parse().unwrap()],
+            pods: vec![
+                "127.0.0.1:8000".parse().unwrap(),
+                "127.0.0.1:8001".parse().unwrap(),
+            ],
+            failure_mode_allow: false,
+            observe_responses: observe,
+        }
+    }
+
+    #[test]
+    fn renders_every_placeholder() {
+        let text = render(&params(true));
+        assert!(!text.contains("{{"), "{text}");
+        assert!(text.contains("port_value: 8001"));
+        assert!(text.contains("envoy.filters.http.ext_proc.observe"));
+        let text = render(&params(false));
+        assert!(!text.contains("observability_mode"), "{text}");
+        assert!(!text.contains("ext_proc.observe"), "{text}");
     }
 }

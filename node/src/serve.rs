@@ -167,10 +167,9 @@ pub async fn serve(
         let stop = stop.clone();
         tasks.spawn(async move {
             tonic::transport::Server::builder()
-                .tcp_nodelay(true)
                 .add_service(health_svc)
                 .add_service(ExternalProcessorServer::new(svc))
-                .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), stop.cancelled())
+                .serve_with_incoming_shutdown(nodelay(grpc), stop.cancelled())
                 .await
                 .map_err(|e| format!("ext_proc server: {e}"))
         });
@@ -180,7 +179,7 @@ pub async fn serve(
         tasks.spawn(async move {
             tonic::transport::Server::builder()
                 .add_service(health_svc)
-                .serve_with_incoming_shutdown(TcpListenerStream::new(health), stop.cancelled())
+                .serve_with_incoming_shutdown(nodelay(health), stop.cancelled())
                 .await
                 .map_err(|e| format!("health server: {e}"))
         });
@@ -230,6 +229,22 @@ pub async fn serve(
         Some(e) => Err(ServeError::Server(e)),
         None => Ok(()),
     }
+}
+
+/// Accepted connections with Nagle off: ext_proc answers are small writes that must not wait for
+/// the peer's delayed ACK (~40 ms). (tonic's own `tcp_nodelay` applies only to listeners it binds.)
+fn nodelay(
+    listener: TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    TcpListenerStream::new(listener).map(|conn| {
+        if let Ok(c) = &conn
+            && let Err(e) = c.set_nodelay(true)
+        {
+            tracing::debug!(%e, "set_nodelay failed");
+        }
+        conn
+    })
 }
 
 /// Adapts a `()` future to the servers' `Result<(), String>` shape.

@@ -321,6 +321,21 @@ fn ms(v: f64) -> Duration {
 }
 
 /// Time from getting a slot to the first output token.
+/// Sleep for `d`; a zero duration returns at once (tokio's timer would round it up to its 1 ms
+/// tick, which matters when `time_scale` is 0 and the simulator stands in for an instant backend).
+pub async fn pause(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
+}
+
+/// Sleep until `due` unless it has passed already.
+pub async fn pause_until(due: tokio::time::Instant) {
+    if due > tokio::time::Instant::now() {
+        tokio::time::sleep_until(due).await;
+    }
+}
+
 pub fn ttft(knobs: &PodKnobs, uncached_tokens: usize) -> Duration {
     let base = knobs.prefill_overhead_ms
         + uncached_tokens as f64 * knobs.prefill_us_per_token / 1000.0

@@ -264,10 +264,10 @@ async fn full_response(job: Job) -> Response {
         Ok(r) => r,
         Err(_) => return closed_response(),
     };
-    tokio::time::sleep(engine::ttft(&job.knobs, run.uncached_tokens())).await;
+    engine::pause(engine::ttft(&job.knobs, run.uncached_tokens())).await;
     run.prefilled();
     let decode = engine::inter_token(&job.knobs) * job.output_tokens.saturating_sub(1);
-    tokio::time::sleep(decode).await;
+    engine::pause(decode).await;
     let cached = run.cached_tokens();
     run.finish(job.output_tokens);
     let text: String = (0..job.output_tokens)
@@ -382,7 +382,7 @@ impl StreamState {
                         return Some(format!("data: {err}\n\n"));
                     }
                 };
-                tokio::time::sleep(engine::ttft(&job.knobs, run.uncached_tokens())).await;
+                engine::pause(engine::ttft(&job.knobs, run.uncached_tokens())).await;
                 run.prefilled();
                 self.cached = run.cached_tokens();
                 self.run = Some(run);
@@ -401,7 +401,7 @@ impl StreamState {
             }
             Step::Token(i) => {
                 let due = self.first_token + engine::inter_token(&self.job.knobs) * i;
-                tokio::time::sleep_until(due).await;
+                engine::pause_until(due).await;
                 self.step = self.next_after(i);
                 Some(self.chunk(self.choice(Some(token_text(&self.job, i)), false, false)))
             }

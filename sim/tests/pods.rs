@@ -526,3 +526,42 @@ async fn config_is_validated_before_binding() {
     .unwrap_err();
     assert!(matches!(err, SimError::InvalidConfig(_)));
 }
+
+#[tokio::test]
+async fn reset_prefix_cache_makes_a_repeat_cold_and_destination_is_echoed() {
+    let sim = start(1, fast()).await;
+    let client = reqwest::Client::new();
+    let body = json!({"model": "sim-model", "prompt": words("reset", 200), "max_tokens": 1});
+    chat(&client, &url(&sim, 0, "/v1/completions"), body.clone()).await;
+    let warm = chat(&client, &url(&sim, 0, "/v1/completions"), body.clone()).await;
+    assert!(
+        warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+
+    let r = client
+        .post(url(&sim, 0, "/reset_prefix_cache"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let cold = chat(&client, &url(&sim, 0, "/v1/completions"), body.clone()).await;
+    assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+    // The library call does the same.
+    sim.reset_prefix_caches();
+    let cold = chat(&client, &url(&sim, 0, "/v1/completions"), body.clone()).await;
+    assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+    let r = client
+        .post(url(&sim, 0, "/v1/completions"))
+        .header("x-gateway-destination-endpoint", "10.1.2.3:8000")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-sim-received-destination"], "10.1.2.3:8000");
+    sim.shutdown().await;
+}

@@ -13,6 +13,7 @@ use chaos::cluster::{ClusterSpec, LocalCluster};
 use chaos::epp::EppProcess;
 use clap::{Parser, Subcommand};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Resp;
@@ -34,6 +35,10 @@ enum Cmd {
         requests: usize,
         #[arg(long, value_delimiter = ',', default_value = "1,32")]
         concurrency: Vec<usize>,
+        /// Drop the response-observing ext_proc filter (llm-d's single-filter shape, minus the
+        /// response phase) to show what the stream-survival design costs.
+        #[arg(long)]
+        no_observe: bool,
     },
     Decisions {
         #[arg(long, default_value_t = 20000)]
@@ -55,7 +60,8 @@ async fn main() -> anyhow::Result<()> {
         Cmd::AddedLatency {
             requests,
             concurrency,
-        } => added_latency(requests, &concurrency).await,
+            no_observe,
+        } => added_latency(requests, &concurrency, !no_observe).await,
         Cmd::Decisions {
             requests,
             concurrency,
@@ -108,7 +114,7 @@ async fn timed_requests(url: &str, n: usize, concurrency: usize) -> anyhow::Resu
     Ok(v)
 }
 
-async fn added_latency(requests: usize, levels: &[usize]) -> anyhow::Result<()> {
+async fn added_latency(requests: usize, levels: &[usize], observe: bool) -> anyhow::Result<()> {
     let cluster = LocalCluster::start(ClusterSpec {
         sim: SimConfig {
             pods: 1,
@@ -119,6 +125,7 @@ async fn added_latency(requests: usize, levels: &[usize]) -> anyhow::Result<()> 
             },
             ..SimConfig::default()
         },
+        observe_responses: observe,
         ..ClusterSpec::default()
     })
     .await?;
@@ -197,26 +204,24 @@ async fn one_decision(
         },
     ];
     let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
-    let mut routed = false;
+    // Read to the end of the stream, as Envoy does (dropping it early makes the client reset it).
+    let (mut routed, mut body_done) = (false, false);
     while let Some(msg) = responses.message().await? {
         match msg.response {
             Some(Resp::RequestHeaders(_)) => routed = true,
             Some(Resp::RequestBody(b)) => {
-                let eos = b
+                body_done |= b
                     .response
                     .and_then(|c| c.body_mutation)
                     .and_then(|m| m.mutation)
-                    .is_some_and(|m| matches!(m, envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation::StreamedResponse(s) if s.end_of_stream));
-                if eos {
-                    break;
-                }
+                    .is_some_and(|m| matches!(m, Mutation::StreamedResponse(s) if s.end_of_stream));
             }
             Some(Resp::ImmediateResponse(i)) => bail!("refused: {:?}", i.status),
             _ => {}
         }
     }
-    if !routed {
-        bail!("no routing answer");
+    if !routed || !body_done {
+        bail!("incomplete answer: routed={routed} body={body_done}");
     }
     Ok(())
 }
@@ -254,6 +259,10 @@ async fn decisions(
     for _ in 0..200 {
         one_decision(&mut client.clone(), &body).await?;
     }
+    // Background cost (scraping every pod every 50 ms) measured while idle, subtracted below.
+    let idle0 = proc_cpu_seconds(pid)?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let idle_rate = (proc_cpu_seconds(pid)? - idle0) / 3.0;
     let cpu0 = proc_cpu_seconds(pid)?;
     let t0 = Instant::now();
     let results: Vec<anyhow::Result<()>> = futures::stream::iter(0..requests)
@@ -271,15 +280,18 @@ async fn decisions(
     if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
         bail!("{failed} decisions failed, first: {e:#}");
     }
+    let net = (cpu - idle_rate * wall).max(1e-9);
     println!(
-        "| prompt tokens | body bytes | pods | decisions | wall s | decisions/s | epp CPU s | decisions per CPU-second |"
+        "| prompt tokens | body bytes | pods | concurrency | decisions | wall s | decisions/s | epp CPU s | idle CPU s (scraping) | decisions per CPU-second (net of idle) | CPU µs per decision |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     println!(
-        "| {prompt_tokens} | {} | {pods} | {requests} | {wall:.2} | {:.0} | {cpu:.2} | {:.0} |",
+        "| {prompt_tokens} | {} | {pods} | {concurrency} | {requests} | {wall:.2} | {:.0} | {cpu:.2} | {:.2} | {:.0} | {:.1} |",
         body.len(),
         requests as f64 / wall,
-        requests as f64 / cpu.max(1e-9)
+        idle_rate * wall,
+        requests as f64 / net,
+        net * 1e6 / requests as f64,
     );
     drop(epp);
     sim.shutdown().await;

@@ -33,6 +33,9 @@ struct Args {
     /// KV capacity of each pod, in 16-token blocks.
     #[arg(long, default_value_t = 2048)]
     kv_blocks: usize,
+    /// EndpointPickerConfig for the replicas.
+    #[arg(long, default_value_os_t = chaos::locate::workspace_root().join("deploy/local/epp-config.yaml"))]
+    config: std::path::PathBuf,
     /// Write the reports as JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -62,6 +65,7 @@ async fn main() -> anyhow::Result<()> {
             ..SimConfig::default()
         },
         replicas: args.replicas,
+        epp_args: vec!["--config-file".into(), args.config.display().to_string()],
         ..ClusterSpec::default()
     };
     println!(

@@ -1,0 +1,85 @@
+//! The `epp` binary's configuration handling, as an operator meets it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+
+fn epp(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_epp"))
+        .args(args)
+        .output()
+        .expect("run epp");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn sample() -> String {
+    format!(
+        "{}/../deploy/local/epp-config.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+#[test]
+fn sample_config_validates() {
+    let (ok, out) = epp(&["validate-config", "--config-file", &sample()]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("queue-scorer(queue-scorer)*2") && out.contains("max-score-picker"),
+        "{out}"
+    );
+}
+
+#[test]
+fn unknown_key_and_type_are_named() {
+    let text = std::fs::read_to_string(sample()).unwrap();
+    let bad_key = text.replace(
+        "maxNumOfEndpoints: 1",
+        "maxNumOfEndpoints: 1\n    tieBreak: random",
+    );
+    let (ok, out) = epp(&["validate-config", "--config-text", &bad_key]);
+    assert!(!ok);
+    assert!(
+        out.contains("plugins[2].parameters") && out.contains("tieBreak"),
+        "{out}"
+    );
+
+    let bad_type = text.replace("type: queue-scorer", "type: queue-scorer-v9");
+    let (ok, out) = epp(&["validate-config", "--config-text", &bad_type]);
+    assert!(!ok);
+    assert!(
+        out.contains("unknown plugin type `queue-scorer-v9`"),
+        "{out}"
+    );
+}
+
+#[test]
+fn serve_refuses_bad_config_before_binding() {
+    let dir = std::env::temp_dir().join(format!("epp-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let endpoints = dir.join("endpoints.yaml");
+    std::fs::write(&endpoints, "pods: []\n").unwrap();
+    let (ok, out) = epp(&[
+        "serve",
+        "--bind",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--grpc-health-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--endpoints-file",
+        endpoints.to_str().unwrap(),
+        "--config-text",
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugin: []\n",
+    ]);
+    assert!(!ok);
+    assert!(out.contains("plugin"), "{out}");
+    // It never printed its bound ports.
+    assert!(!out.contains("\"ext_proc\""), "{out}");
+    std::fs::remove_dir_all(&dir).ok();
+}
