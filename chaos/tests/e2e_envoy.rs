@@ -372,3 +372,52 @@ async fn killing_the_epp_mid_stream_does_not_cut_the_response() {
     assert_eq!(usage_line["usage"]["completion_tokens"], 40);
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_open_streams_then_exits() {
+    let knobs = PodKnobs {
+        decode_ms_per_token: 40.0,
+        ..PodKnobs::default()
+    };
+    let mut c = start(ClusterSpec {
+        sim: sim_config(1, knobs),
+        ..Default::default()
+    })
+    .await;
+    warm(&c).await;
+    let mut body = chat(true, "a slow answer please");
+    body["max_tokens"] = json!(30);
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", c.envoy.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+
+    c.epps[0].terminate().unwrap();
+    // While the response streams, the replica reports not ready but keeps running.
+    let admin = c.epps[0].addrs.admin;
+    wait::until(
+        "/readyz to report draining",
+        Duration::from_secs(5),
+        || async move {
+            reqwest::get(format!("http://{admin}/readyz"))
+                .await
+                .is_ok_and(|r| r.status() == 503)
+        },
+    )
+    .await
+    .unwrap();
+    let mut text = String::from_utf8_lossy(&first).into_owned();
+    while let Some(chunk) = stream.next().await {
+        text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
+    assert!(text.contains("data: [DONE]"), "{text}");
+    let status = c.epps[0].wait_exit(Duration::from_secs(20)).await.unwrap();
+    assert!(status.success(), "{status}");
+    c.shutdown().await;
+}

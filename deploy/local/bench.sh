@@ -2,11 +2,7 @@
 # Benchmarks of the request path (release build). Results go to stdout as Markdown tables; record
 # them in docs/benchmarks.md with the machine and the date.
 set -euo pipefail
-root="$(cd "$(dirname "$0")/../.." && pwd)"
-cd "$root"
-deploy/local/ensure-toolchain.sh
-ENVOY_BIN="$(deploy/local/install-envoy.sh)"
-export ENVOY_BIN
+source "$(dirname "$0")/prepare.sh"
 cargo build --release --locked --bins -p node -p chaos
 echo "## added latency (Envoy+EPP vs Envoy direct, zero-latency pod)"
 target/release/epp-bench added-latency "$@"

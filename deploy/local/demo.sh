@@ -3,11 +3,7 @@
 # workload through the EPP route and a round-robin route, then printing both side by side.
 # Extra arguments go to `epp-demo` (see `epp-demo --help`). Exits non-zero if any step fails.
 set -euo pipefail
-root="$(cd "$(dirname "$0")/../.." && pwd)"
-cd "$root"
-deploy/local/ensure-toolchain.sh
-ENVOY_BIN="$(deploy/local/install-envoy.sh)"
-export ENVOY_BIN
+source "$(dirname "$0")/prepare.sh"
 echo "building (release) ..."
 cargo build --release --locked --bins -p node -p chaos
 exec target/release/epp-demo "$@"

@@ -331,36 +331,27 @@ impl StreamState {
         let metadata = destination_metadata(&destination);
         self.phase = Phase::Routed;
         let body = std::mem::take(&mut self.body);
-        if self.request_body_mode == FULL_DUPLEX {
-            self.send_full(ProcessingResponse {
-                response: Some(Resp::RequestHeaders(HeadersResponse {
-                    response: Some(common),
-                })),
-                dynamic_metadata: Some(metadata),
-                ..Default::default()
+        // In FULL_DUPLEX_STREAMED mode (and for body-less requests) the destination rides on the
+        // request-headers answer and the body follows; in BUFFERED/STREAMED mode Envoy already
+        // had its header answer, so the destination rides on the body answer.
+        let on_headers = self.request_body_mode == FULL_DUPLEX || !has_body;
+        let response = if on_headers {
+            Resp::RequestHeaders(HeadersResponse {
+                response: Some(common),
             })
-            .await?;
-            if has_body {
-                self.stream_body_back(body).await?;
-            }
-        } else if has_body {
-            self.send_full(ProcessingResponse {
-                response: Some(Resp::RequestBody(BodyResponse {
-                    response: Some(common),
-                })),
-                dynamic_metadata: Some(metadata),
-                ..Default::default()
-            })
-            .await?;
         } else {
-            self.send_full(ProcessingResponse {
-                response: Some(Resp::RequestHeaders(HeadersResponse {
-                    response: Some(common),
-                })),
-                dynamic_metadata: Some(metadata),
-                ..Default::default()
+            Resp::RequestBody(BodyResponse {
+                response: Some(common),
             })
-            .await?;
+        };
+        self.send_full(ProcessingResponse {
+            response: Some(response),
+            dynamic_metadata: Some(metadata),
+            ..Default::default()
+        })
+        .await?;
+        if on_headers && has_body {
+            self.stream_body_back(body).await?;
         }
         Ok(())
     }

@@ -20,11 +20,7 @@ impl Picker for MaxScorePicker {
     fn pick(&self, scored: &mut Vec<(usize, f64)>, rng: &mut dyn rand::RngCore) -> Vec<usize> {
         scored.shuffle(rng);
         scored.sort_by(|a, b| b.1.total_cmp(&a.1));
-        scored
-            .iter()
-            .take(self.max_endpoints.max(1))
-            .map(|(i, _)| *i)
-            .collect()
+        super::first_n(scored, self.max_endpoints)
     }
 }
 

@@ -40,6 +40,11 @@ pub trait Picker: Send + Sync + Debug {
     fn pick(&self, scored: &mut Vec<(usize, f64)>, rng: &mut dyn rand::RngCore) -> Vec<usize>;
 }
 
+/// The first `n` (at least one) candidate indices of an ordered list.
+pub(crate) fn first_n(ordered: &[(usize, f64)], n: usize) -> Vec<usize> {
+    ordered.iter().take(n.max(1)).map(|(i, _)| *i).collect()
+}
+
 /// Decode a plugin's `parameters` strictly; an absent block decodes from `{}`.
 pub(crate) fn params<T: serde::de::DeserializeOwned>(
     value: Option<&serde_json::Value>,

@@ -18,11 +18,7 @@ impl Picker for RandomPicker {
 
     fn pick(&self, scored: &mut Vec<(usize, f64)>, rng: &mut dyn rand::RngCore) -> Vec<usize> {
         scored.shuffle(rng);
-        scored
-            .iter()
-            .take(self.max_endpoints.max(1))
-            .map(|(i, _)| *i)
-            .collect()
+        super::first_n(scored, self.max_endpoints)
     }
 }
 

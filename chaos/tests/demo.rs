@@ -1,0 +1,41 @@
+//! The demo binary runs a whole local cluster to completion, and fails loudly when a step fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+
+#[test]
+fn demo_runs_to_completion() {
+    let out = Command::new(env!("CARGO_BIN_EXE_epp-demo"))
+        .args([
+            "--pods",
+            "2",
+            "--conversations",
+            "4",
+            "--turns",
+            "2",
+            "--concurrency",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("round-robin"), "{stdout}");
+    assert!(stdout.contains("cached ratio"), "{stdout}");
+    assert!(stdout.contains("ok: every request succeeded"), "{stdout}");
+}
+
+#[test]
+fn demo_fails_when_a_step_fails() {
+    let out = Command::new(env!("CARGO_BIN_EXE_epp-demo"))
+        .args(["--pods", "2", "--config", "/nonexistent/epp-config.yaml"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("starting the cluster"), "{stderr}");
+}
