@@ -46,12 +46,90 @@ pub fn kind_for_path(path: &str, passthrough: bool) -> Option<ApiKind> {
     Some(kind)
 }
 
+/// The prompt as the prefix index sees it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum Prompt {
+    #[default]
+    None,
+    /// The serialized prompt text (chat: tools JSON, then each message's role and text).
+    Text(Vec<u8>),
+    /// A pre-tokenized prompt.
+    Tokens(Vec<u32>),
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParsedRequest {
     pub kind: ApiKind,
     /// `model` from the body; empty when absent (vLLM allows that).
     pub model: String,
     pub stream: bool,
+    pub prompt: Prompt,
+    /// vLLM's `cache_salt` (salts the prefix-cache hashes).
+    pub cache_salt: Option<String>,
+}
+
+/// Append the text of a chat `content` (a string, or an array of parts) to `out`.
+fn push_content(out: &mut Vec<u8>, content: Option<&Value>) {
+    match content {
+        Some(Value::String(s)) => out.extend_from_slice(s.as_bytes()),
+        Some(Value::Array(parts)) => {
+            for part in parts {
+                match part.get("text").and_then(Value::as_str) {
+                    Some(t) => out.extend_from_slice(t.as_bytes()),
+                    // Non-text parts (images, audio, tool calls): their JSON stands in for them,
+                    // so identical assets hash identically.
+                    None => out.extend_from_slice(part.to_string().as_bytes()),
+                }
+            }
+        }
+        Some(Value::Null) | None => {}
+        Some(other) => out.extend_from_slice(other.to_string().as_bytes()),
+    }
+}
+
+/// Serialize a chat conversation: tools first, then role and content of each message, so a later
+/// turn's serialization extends an earlier turn's.
+fn chat_prompt(obj: &serde_json::Map<String, Value>, system: Option<&Value>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4096);
+    if let Some(tools) = obj.get("tools") {
+        out.extend_from_slice(tools.to_string().as_bytes());
+    }
+    if let Some(sys) = system {
+        out.extend_from_slice(b"system");
+        push_content(&mut out, Some(sys));
+    }
+    if let Some(Value::Array(messages)) = obj.get("messages") {
+        for m in messages {
+            if let Some(role) = m.get("role").and_then(Value::as_str) {
+                out.extend_from_slice(role.as_bytes());
+            }
+            push_content(&mut out, m.get("content"));
+        }
+    }
+    out
+}
+
+/// A completions/embeddings prompt: a string, a list of strings (the first is used), token ids or a
+/// list of token-id lists (the first is used).
+fn text_or_tokens(v: Option<&Value>) -> Prompt {
+    match v {
+        Some(Value::String(s)) => Prompt::Text(s.as_bytes().to_vec()),
+        Some(Value::Array(items)) => match items.first() {
+            Some(Value::String(s)) => Prompt::Text(s.as_bytes().to_vec()),
+            Some(Value::Number(_)) => Prompt::Tokens(token_ids(items)),
+            Some(Value::Array(inner)) => Prompt::Tokens(token_ids(inner)),
+            _ => Prompt::None,
+        },
+        _ => Prompt::None,
+    }
+}
+
+fn token_ids(items: &[Value]) -> Vec<u32> {
+    items
+        .iter()
+        .filter_map(Value::as_u64)
+        .map(|t| t.min(u64::from(u32::MAX)) as u32)
+        .collect()
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -83,6 +161,8 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             kind,
             model,
             stream: false,
+            prompt: Prompt::None,
+            cache_salt: None,
         });
     }
     let v: Value = serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
@@ -142,10 +222,27 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         },
         ApiKind::Passthrough => {}
     }
+    let prompt = match kind {
+        ApiKind::ChatCompletions => Prompt::Text(chat_prompt(obj, None)),
+        ApiKind::AnthropicMessages => Prompt::Text(chat_prompt(obj, obj.get("system"))),
+        ApiKind::Completions => text_or_tokens(obj.get("prompt")),
+        ApiKind::Embeddings => text_or_tokens(obj.get("input")),
+        ApiKind::VllmGenerate => match obj.get("token_ids") {
+            Some(Value::Array(ids)) => Prompt::Tokens(token_ids(ids)),
+            _ => Prompt::None,
+        },
+        ApiKind::Passthrough => Prompt::None,
+    };
+    let cache_salt = obj
+        .get("cache_salt")
+        .and_then(Value::as_str)
+        .map(String::from);
     Ok(ParsedRequest {
         kind,
         model,
         stream,
+        prompt,
+        cache_salt,
     })
 }
 
@@ -186,6 +283,44 @@ mod tests {
         );
         assert!(parse(ApiKind::ChatCompletions, br#"{"model":"m"}"#).is_err());
         assert!(parse(ApiKind::ChatCompletions, br#"{"model":1,"messages":[{}]}"#).is_err());
+    }
+
+    #[test]
+    fn chat_prompt_extends_across_turns() {
+        let t1 = parse(
+            ApiKind::ChatCompletions,
+            br#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":[{"type":"text","text":"hi"}]}]}"#,
+        )
+        .unwrap();
+        let t2 = parse(
+            ApiKind::ChatCompletions,
+            br#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"hi"},{"role":"assistant","content":"yo"}]}"#,
+        )
+        .unwrap();
+        let (Prompt::Text(a), Prompt::Text(b)) = (&t1.prompt, &t2.prompt) else {
+            panic!("text prompts expected");
+        };
+        assert_eq!(a.as_slice(), b"systemSuserhi");
+        assert!(b.starts_with(a));
+    }
+
+    #[test]
+    fn prompts_of_other_kinds() {
+        let p = parse(
+            ApiKind::Completions,
+            br#"{"prompt":[[5,6],[7]],"cache_salt":"s"}"#,
+        )
+        .unwrap();
+        assert_eq!(p.prompt, Prompt::Tokens(vec![5, 6]));
+        assert_eq!(p.cache_salt.as_deref(), Some("s"));
+        let p = parse(ApiKind::Completions, br#"{"prompt":["a","b"]}"#).unwrap();
+        assert_eq!(p.prompt, Prompt::Text(b"a".to_vec()));
+        let p = parse(
+            ApiKind::AnthropicMessages,
+            br#"{"system":"be brief","messages":[{"role":"user","content":"q"}],"max_tokens":3}"#,
+        )
+        .unwrap();
+        assert_eq!(p.prompt, Prompt::Text(b"systembe briefuserq".to_vec()));
     }
 
     #[test]

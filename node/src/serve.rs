@@ -72,7 +72,7 @@ pub fn load_config(opts: &ServeOptions) -> Result<EndpointPickerConfig, ConfigEr
         )),
         (Some(path), None) => EndpointPickerConfig::from_file(&path.display().to_string()),
         (None, Some(text)) => EndpointPickerConfig::from_yaml(text),
-        (None, None) => Ok(EndpointPickerConfig::builtin_default()),
+        (None, None) => EndpointPickerConfig::builtin_default(),
     }
 }
 
@@ -145,6 +145,7 @@ pub async fn serve(
     let ctx = Arc::new(PickerContext {
         store,
         scheduler: built.scheduler,
+        inflight: built.inflight.clone(),
         metrics: metrics.clone(),
         max_body_bytes: opts.max_body_bytes,
         passthrough,
@@ -193,6 +194,24 @@ pub async fn serve(
                 .map_err(|e| format!("admin server: {e}"))
         }
     });
+    if let Some(tracker) = built.inflight.clone() {
+        // Charges whose response was never observed (lost observe stream) expire after an hour.
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(30));
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(()),
+                    _ = tick.tick() => {
+                        let n = tracker.sweep(Duration::from_secs(3600));
+                        if n > 0 {
+                            tracing::warn!(expired = n, "in-flight charges expired without a response");
+                        }
+                    }
+                }
+            }
+        });
+    }
     on_bound(bound);
     tracing::info!(ext_proc = %bound.ext_proc, health = %bound.health, admin = %bound.admin, "serving");
 

@@ -11,11 +11,17 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// Chained keys of every full block of `tokens`.
 pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
+    block_hashes_seeded(tokens, block_size, 0)
+}
+
+/// Like [`block_hashes`], with the chain started from `seed` instead of 0 — a LoRA adapter's blocks
+/// must not match the base model's (vLLM puts the adapter into the hash's extra keys).
+pub fn block_hashes_seeded(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
     if block_size == 0 {
         return Vec::new();
     }
     let mut out = Vec::with_capacity(tokens.len() / block_size);
-    let mut prev: u64 = 0;
+    let mut prev: u64 = seed;
     let mut buf = Vec::with_capacity(8 + block_size * 4);
     for block in tokens.chunks_exact(block_size) {
         buf.clear();
@@ -64,6 +70,11 @@ impl PrefixCache {
         self.blocks.len() - self.free.len()
     }
 
+    /// Every cached block key, in no particular order.
+    pub fn hashes(&self) -> Vec<u64> {
+        self.blocks.keys().copied().collect()
+    }
+
     pub fn contains(&self, hash: u64) -> bool {
         self.blocks.contains_key(&hash)
     }
@@ -76,9 +87,11 @@ impl PrefixCache {
             .count()
     }
 
-    /// Pins each block, inserting the ones not yet cached.
-    pub fn acquire(&mut self, hashes: &[u64]) {
-        for &h in hashes {
+    /// Pins each block, inserting the ones not yet cached. Returns the positions (in `hashes`) of
+    /// the inserted blocks.
+    pub fn acquire(&mut self, hashes: &[u64]) -> Vec<usize> {
+        let mut inserted = Vec::new();
+        for (i, &h) in hashes.iter().enumerate() {
             match self.blocks.get_mut(&h) {
                 Some(e) => {
                     if e.refs == 0 {
@@ -94,9 +107,11 @@ impl PrefixCache {
                             last_use: 0,
                         },
                     );
+                    inserted.push(i);
                 }
             }
         }
+        inserted
     }
 
     /// Unpins each block. Blocks are released back to front so that, among one request's blocks, the
@@ -120,15 +135,26 @@ impl PrefixCache {
     /// Evicts free blocks, least recently used first, until at most `budget` blocks remain or only
     /// pinned blocks are left. Returns how many were evicted.
     pub fn evict_to(&mut self, budget: usize) -> usize {
-        let mut evicted = 0;
+        let mut removed = Vec::new();
+        self.evict_into(budget, &mut removed);
+        removed.len()
+    }
+
+    /// [`PrefixCache::evict_to`], appending the evicted keys to `removed` in eviction order.
+    pub fn evict_into(&mut self, budget: usize, removed: &mut Vec<u64>) {
         while self.blocks.len() > budget {
             let Some((_, h)) = self.free.pop_first() else {
                 break;
             };
             self.blocks.remove(&h);
-            evicted += 1;
+            removed.push(h);
         }
-        evicted
+    }
+
+    /// Forgets every block, pinned or not (an engine restart).
+    pub fn clear(&mut self) {
+        self.blocks.clear();
+        self.free.clear();
     }
 }
 
@@ -158,9 +184,15 @@ mod tests {
     fn prefix_lookup_counts_leading_blocks_only() {
         let mut c = PrefixCache::new();
         let h = block_hashes(&toks(64, 1), 16);
-        c.acquire(&h[..2]);
+        assert_eq!(c.acquire(&h[..2]), vec![0, 1]);
         c.release(&h[..2]);
         assert_eq!(c.longest_prefix(&h), 2);
+        assert_eq!(c.acquire(&h[..3]), vec![2]);
+        c.release(&h[..3]);
+        assert_ne!(
+            block_hashes_seeded(&toks(16, 1), 16, 9),
+            block_hashes(&toks(16, 1), 16)
+        );
         let mut c2 = PrefixCache::new();
         c2.acquire(&h[1..]);
         assert_eq!(c2.longest_prefix(&h), 0);

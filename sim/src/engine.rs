@@ -3,17 +3,20 @@
 //! cache lookup), [`Running::prefilled`] (blocks enter the cache) and [`Running::finish`]; the RAII
 //! guards keep the gauges truthful even when a client disconnects half-way.
 
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard, mpsc};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::SimError;
-use crate::cache::{PrefixCache, block_hashes};
+use crate::cache::{PrefixCache, block_hashes_seeded};
 use crate::knobs::{KnobsPatch, PodKnobs};
+use crate::kvevents::{Command, KvEvent};
 
 /// A snapshot of one pod's gauges and counters.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -36,6 +39,16 @@ pub struct PodStats {
     pub generation_tokens: u64,
     /// Blocks currently in the prefix cache (pinned or free).
     pub cached_blocks: u64,
+    /// LoRA adapters in GPU slots, least recently used first.
+    pub lora_resident: Vec<String>,
+    /// Adapters with running requests (sorted).
+    pub lora_running: Vec<String>,
+    /// Adapters with waiting requests (sorted).
+    pub lora_waiting: Vec<String>,
+    /// Adapter swap-ins since start.
+    pub lora_loads: u64,
+    /// Server (re)starts after a simulated crash.
+    pub restarts: u64,
 }
 
 #[derive(Debug, Default)]
@@ -46,6 +59,119 @@ struct Counters {
     prefix_queries_tokens: u64,
     prompt_tokens: u64,
     generation_tokens: u64,
+}
+
+/// A registered LoRA adapter.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Adapter {
+    pub name: String,
+    pub path: String,
+    /// vLLM's `lora_int_id`, also the `lora_id` of KV events.
+    pub id: u64,
+}
+
+/// One series of `vllm:lora_requests_info`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraInfoSeries {
+    pub running: String,
+    pub waiting: String,
+    /// Unix time of the last update of this label combination.
+    pub updated: f64,
+}
+
+#[derive(Debug, Default)]
+struct LoraState {
+    adapters: BTreeMap<String, Adapter>,
+    next_id: u64,
+    /// Resident adapters, least recently used first.
+    resident: Vec<String>,
+    /// Requests holding a slot for the adapter (reserved or running).
+    active: HashMap<String, usize>,
+    waiting: BTreeMap<String, usize>,
+    running: BTreeMap<String, usize>,
+    /// `(running, waiting)` label values → last update; series never disappear, as in vLLM.
+    info: HashMap<(String, String), f64>,
+    last_ts: f64,
+    loads: u64,
+}
+
+fn joined(m: &BTreeMap<String, usize>) -> String {
+    m.keys().cloned().collect::<Vec<_>>().join(",")
+}
+
+fn bump(m: &mut BTreeMap<String, usize>, k: &str, up: bool) {
+    if up {
+        *m.entry(k.to_owned()).or_default() += 1;
+    } else if let Some(n) = m.get_mut(k) {
+        *n -= 1;
+        if *n == 0 {
+            m.remove(k);
+        }
+    }
+}
+
+impl LoraState {
+    fn register(&mut self, name: &str, path: &str) -> u64 {
+        self.next_id += 1;
+        let id = self.next_id;
+        self.adapters.insert(
+            name.to_owned(),
+            Adapter {
+                name: name.to_owned(),
+                path: path.to_owned(),
+                id,
+            },
+        );
+        id
+    }
+
+    /// Stamps the current label combination with the current time, strictly after the last stamp so
+    /// the newest combination always has the largest value.
+    fn touch(&mut self) {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let ts = now.max(self.last_ts + 1e-6);
+        self.last_ts = ts;
+        let key = (joined(&self.running), joined(&self.waiting));
+        self.info.insert(key, ts);
+    }
+
+    /// Reserves a slot for `name`: `Some(true)` when it had to be swapped in, `None` when every slot
+    /// is busy with other adapters.
+    fn reserve(&mut self, name: &str, max_loras: usize) -> Option<bool> {
+        let swapped = if let Some(pos) = self.resident.iter().position(|r| r == name) {
+            let r = self.resident.remove(pos);
+            self.resident.push(r);
+            false
+        } else {
+            if max_loras > 0 {
+                // Free slots by evicting idle adapters, least recently used first.
+                while self.resident.len() >= max_loras {
+                    let idle = self
+                        .resident
+                        .iter()
+                        .position(|r| self.active.get(r).copied().unwrap_or(0) == 0)?;
+                    self.resident.remove(idle);
+                }
+            }
+            self.resident.push(name.to_owned());
+            self.loads += 1;
+            true
+        };
+        *self.active.entry(name.to_owned()).or_default() += 1;
+        Some(swapped)
+    }
+
+    fn unreserve(&mut self, name: &str) {
+        if let Some(n) = self.active.get_mut(name) {
+            *n -= 1;
+            if *n == 0 {
+                self.active.remove(name);
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -60,6 +186,11 @@ struct PodState {
     /// Permits still to be withdrawn after `max_num_seqs` shrank while they were in use.
     permit_debt: usize,
     counters: Counters,
+    lora: LoraState,
+    restarts: u64,
+    /// Events of the current engine step, published when the step's lock is released.
+    pending: Vec<KvEvent>,
+    events_on: bool,
 }
 
 impl PodState {
@@ -70,7 +201,53 @@ impl PodState {
 
     fn evict(&mut self) {
         let budget = self.knobs.kv_blocks.saturating_sub(self.extra_held);
-        self.cache.evict_to(budget);
+        self.evict_to(budget);
+    }
+
+    fn evict_to(&mut self, budget: usize) -> usize {
+        let mut removed = Vec::new();
+        self.cache.evict_into(budget, &mut removed);
+        let n = removed.len();
+        if self.events_on {
+            // vLLM emits one BlockRemoved per evicted block.
+            self.pending
+                .extend(removed.into_iter().map(|h| KvEvent::BlockRemoved {
+                    block_hashes: vec![h],
+                }));
+        }
+        n
+    }
+
+    /// Pins `hashes` (blocks of `tokens`), emitting BlockStored for each run of newly cached blocks.
+    fn store(
+        &mut self,
+        hashes: &[u64],
+        first: usize,
+        tokens: &[u32],
+        bs: usize,
+        lora: Option<&Adapter>,
+    ) {
+        let inserted = self.cache.acquire(&hashes[first..]);
+        if !self.events_on || inserted.is_empty() {
+            return;
+        }
+        let mut i = 0;
+        while i < inserted.len() {
+            let mut j = i;
+            while j + 1 < inserted.len() && inserted[j + 1] == inserted[j] + 1 {
+                j += 1;
+            }
+            let (a, b) = (first + inserted[i], first + inserted[j]);
+            self.pending.push(KvEvent::BlockStored {
+                block_hashes: hashes[a..=b].to_vec(),
+                parent_block_hash: a.checked_sub(1).map(|p| hashes[p]),
+                token_ids: tokens[a * bs..(b + 1) * bs].to_vec(),
+                block_size: bs,
+                lora_id: lora.map(|l| l.id),
+                lora_name: lora.map(|l| l.name.clone()),
+            });
+            i = j + 1;
+        }
     }
 }
 
@@ -78,6 +255,19 @@ impl PodState {
 #[derive(Debug, thiserror::Error)]
 #[error("engine is shutting down")]
 pub struct EngineClosed;
+
+/// Why a LoRA admin call was refused (vLLM's status and message).
+#[derive(Debug, thiserror::Error)]
+pub enum LoraError {
+    #[error("LoRA is not enabled (max_loras is 0)")]
+    Disabled,
+    #[error("The lora adapter '{0}' has already been loaded.")]
+    AlreadyLoaded(String),
+    #[error("The lora adapter '{0}' cannot be found.")]
+    NotFound(String),
+    #[error("{0}")]
+    Invalid(String),
+}
 
 /// A simulated vLLM engine.
 #[derive(Debug)]
@@ -89,10 +279,45 @@ pub struct Pod {
     slots: Arc<Semaphore>,
     state: Mutex<PodState>,
     next_id: AtomicU64,
+    stall: watch::Sender<bool>,
+    lora_slot_freed: Notify,
+    /// Adapters registered at start (and again after a restart): (name, path).
+    initial_adapters: Vec<(String, String)>,
+    kv: Option<mpsc::Sender<Command>>,
+    /// Label for prefill/decode disaggregation (`prefill` or `decode`), if any.
+    pub role: Option<String>,
+    /// Last rendered `/metrics` text and what it was rendered from (see `server::metrics`).
+    pub(crate) metrics_cache: Mutex<Option<crate::metrics::Cached>>,
+}
+
+/// Optional parts of a pod.
+#[derive(Debug, Default)]
+pub struct PodOptions {
+    /// LoRA adapters loaded at start: (name, path).
+    pub adapters: Vec<(String, String)>,
+    /// Where this pod's KV events go; `None` disables them.
+    pub kv_events: Option<mpsc::Sender<Command>>,
+    pub role: Option<String>,
 }
 
 impl Pod {
     pub fn new(index: usize, addr: SocketAddr, model: String, knobs: PodKnobs) -> Pod {
+        Pod::with_options(index, addr, model, knobs, PodOptions::default())
+    }
+
+    pub fn with_options(
+        index: usize,
+        addr: SocketAddr,
+        model: String,
+        knobs: PodKnobs,
+        opts: PodOptions,
+    ) -> Pod {
+        let stall = watch::Sender::new(knobs.stall);
+        let mut lora = LoraState::default();
+        for (name, path) in &opts.adapters {
+            lora.register(name, path);
+        }
+        lora.touch();
         Pod {
             index,
             name: format!("sim-{index}"),
@@ -107,8 +332,18 @@ impl Pod {
                 waiting: 0,
                 permit_debt: 0,
                 counters: Counters::default(),
+                lora,
+                restarts: 0,
+                pending: Vec::new(),
+                events_on: opts.kv_events.is_some(),
             }),
             next_id: AtomicU64::new(0),
+            stall,
+            lora_slot_freed: Notify::new(),
+            initial_adapters: opts.adapters,
+            kv: opts.kv_events,
+            role: opts.role,
+            metrics_cache: Mutex::new(None),
         }
     }
 
@@ -118,6 +353,23 @@ impl Pod {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Runs one engine step under the lock and publishes the KV events it produced. Sending while
+    /// still holding the lock keeps batches in the order the cache changed.
+    fn step<R>(&self, f: impl FnOnce(&mut PodState) -> R) -> R {
+        let mut st = self.lock();
+        let r = f(&mut st);
+        if !st.pending.is_empty() {
+            let events = std::mem::take(&mut st.pending);
+            if let Some(tx) = &self.kv {
+                let _ = tx.send(Command::Publish {
+                    pod: self.index,
+                    events,
+                });
+            }
+        }
+        r
+    }
+
     pub fn knobs(&self) -> PodKnobs {
         self.lock().knobs.clone()
     }
@@ -125,23 +377,28 @@ impl Pod {
     /// Applies `patch` after validating the result. A smaller `max_num_seqs` takes effect as running
     /// requests finish.
     pub fn set_knobs(&self, patch: &KnobsPatch) -> Result<(), SimError> {
-        let mut st = self.lock();
-        let new = st.knobs.patched(patch);
-        new.validate()?;
-        let old = st.knobs.max_num_seqs;
-        if new.max_num_seqs > old {
-            let mut add = new.max_num_seqs - old;
-            let repay = add.min(st.permit_debt);
-            st.permit_debt -= repay;
-            add -= repay;
-            self.slots.add_permits(add);
-        } else if new.max_num_seqs < old {
-            let remove = old - new.max_num_seqs;
-            let forgotten = self.slots.forget_permits(remove);
-            st.permit_debt += remove - forgotten;
-        }
-        st.knobs = new;
-        st.evict();
+        let stall = self.step(|st| {
+            let new = st.knobs.patched(patch);
+            new.validate()?;
+            let old = st.knobs.max_num_seqs;
+            if new.max_num_seqs > old {
+                let mut add = new.max_num_seqs - old;
+                let repay = add.min(st.permit_debt);
+                st.permit_debt -= repay;
+                add -= repay;
+                self.slots.add_permits(add);
+            } else if new.max_num_seqs < old {
+                let remove = old - new.max_num_seqs;
+                let forgotten = self.slots.forget_permits(remove);
+                st.permit_debt += remove - forgotten;
+            }
+            st.knobs = new;
+            st.evict();
+            Ok::<_, SimError>(st.knobs.stall)
+        })?;
+        self.stall.send_replace(stall);
+        // More LoRA slots may let waiting adapters in.
+        self.lora_slot_freed.notify_waiters();
         Ok(())
     }
 
@@ -158,7 +415,85 @@ impl Pod {
             prompt_tokens: st.counters.prompt_tokens,
             generation_tokens: st.counters.generation_tokens,
             cached_blocks: st.cache.len() as u64,
+            lora_resident: st.lora.resident.clone(),
+            lora_running: st.lora.running.keys().cloned().collect(),
+            lora_waiting: st.lora.waiting.keys().cloned().collect(),
+            lora_loads: st.lora.loads,
+            restarts: st.restarts,
         }
+    }
+
+    /// Keys of every block in the prefix cache, sorted.
+    pub fn cached_block_hashes(&self) -> Vec<u64> {
+        let mut v = self.lock().cache.hashes();
+        v.sort_unstable();
+        v
+    }
+
+    /// Cheap fingerprint of the `vllm:lora_requests_info` series: (count, newest stamp).
+    pub fn lora_info_stamp(&self) -> (usize, f64) {
+        let st = self.lock();
+        (st.lora.info.len(), st.lora.last_ts)
+    }
+
+    /// Every `vllm:lora_requests_info` series, oldest first.
+    pub fn lora_info(&self) -> Vec<LoraInfoSeries> {
+        let st = self.lock();
+        let mut v: Vec<LoraInfoSeries> = st
+            .lora
+            .info
+            .iter()
+            .map(|((running, waiting), ts)| LoraInfoSeries {
+                running: running.clone(),
+                waiting: waiting.clone(),
+                updated: *ts,
+            })
+            .collect();
+        v.sort_by(|a, b| a.updated.total_cmp(&b.updated));
+        v
+    }
+
+    /// Registered adapters, by name.
+    pub fn adapters(&self) -> Vec<Adapter> {
+        self.lock().lora.adapters.values().cloned().collect()
+    }
+
+    /// The adapter named `model`, if `model` names one.
+    pub fn adapter(&self, model: &str) -> Option<Adapter> {
+        self.lock().lora.adapters.get(model).cloned()
+    }
+
+    /// `/v1/load_lora_adapter`.
+    pub fn load_adapter(&self, name: &str, path: &str) -> Result<(), LoraError> {
+        if name.is_empty() || path.is_empty() {
+            return Err(LoraError::Invalid(
+                "Both 'lora_name' and 'lora_path' must be provided.".into(),
+            ));
+        }
+        let mut st = self.lock();
+        if st.knobs.max_loras == 0 {
+            return Err(LoraError::Disabled);
+        }
+        if st.lora.adapters.contains_key(name) || name == self.model {
+            return Err(LoraError::AlreadyLoaded(name.to_owned()));
+        }
+        st.lora.register(name, path);
+        Ok(())
+    }
+
+    /// `/v1/unload_lora_adapter`: the adapter leaves the registry and its slot; requests already
+    /// running with it finish.
+    pub fn unload_adapter(&self, name: &str) -> Result<(), LoraError> {
+        let mut st = self.lock();
+        if st.lora.adapters.remove(name).is_none() {
+            return Err(LoraError::NotFound(name.to_owned()));
+        }
+        if st.lora.active.get(name).copied().unwrap_or(0) == 0 {
+            st.lora.resident.retain(|r| r != name);
+        }
+        drop(st);
+        self.lora_slot_freed.notify_waiters();
+        Ok(())
     }
 
     pub fn record_error(&self) {
@@ -171,9 +506,40 @@ impl Pod {
     }
 
     /// Drops every cached block that no running request holds (vLLM's `/reset_prefix_cache`), so a
-    /// comparison run starts cold. Returns how many blocks were dropped.
+    /// comparison run starts cold. Returns how many blocks were dropped. Publishes AllBlocksCleared
+    /// when the cache ends up empty, BlockRemoved per block otherwise.
     pub fn reset_prefix_cache(&self) -> usize {
-        self.lock().cache.evict_to(0)
+        self.step(|st| {
+            let n = st.evict_to(0);
+            if st.events_on && n > 0 && st.cache.is_empty() {
+                st.pending.clear();
+                st.pending.push(KvEvent::AllBlocksCleared);
+            }
+            n
+        })
+    }
+
+    /// Back to a freshly started engine after a simulated crash: empty cache, zeroed counters, the
+    /// start-up adapters, KV-event sequence from 0. Call only once no request holds this pod's
+    /// state (the crashed server's connections are gone).
+    pub fn restart(&self) {
+        let mut st = self.lock();
+        st.cache.clear();
+        st.extra_held = 0;
+        st.running = 0;
+        st.waiting = 0;
+        st.counters = Counters::default();
+        st.pending.clear();
+        st.restarts += 1;
+        let mut lora = LoraState::default();
+        for (name, path) in &self.initial_adapters {
+            lora.register(name, path);
+        }
+        lora.touch();
+        st.lora = lora;
+        if let Some(tx) = &self.kv {
+            let _ = tx.send(Command::Reset { pod: self.index });
+        }
     }
 
     /// Wakes every queued request with [`EngineClosed`].
@@ -181,66 +547,138 @@ impl Pod {
         self.slots.close();
     }
 
-    /// Waits for a running slot (FIFO), then looks the prompt up in the prefix cache and pins the hit
-    /// blocks. `output_tokens` sizes the blocks the request will hold.
+    /// Returns once the engine is not stalled.
+    pub async fn unstalled(&self) {
+        let mut rx = self.stall.subscribe();
+        let _ = rx.wait_for(|s| !*s).await;
+    }
+
+    /// Waits for a running slot (FIFO) — and, for a LoRA request, for a LoRA slot first — then looks
+    /// the prompt up in the prefix cache and pins the hit blocks. `output_tokens` sizes the blocks
+    /// the request will hold.
     pub async fn admit(
         self: &Arc<Self>,
         tokens: &[u32],
         output_tokens: u32,
         knobs: &PodKnobs,
     ) -> Result<Running, EngineClosed> {
+        self.admit_lora(tokens, output_tokens, knobs, None).await
+    }
+
+    /// [`Pod::admit`] for a request that uses `lora` (when `Some`).
+    pub async fn admit_lora(
+        self: &Arc<Self>,
+        tokens: &[u32],
+        output_tokens: u32,
+        knobs: &PodKnobs,
+        lora: Option<Adapter>,
+    ) -> Result<Running, EngineClosed> {
         let bs = knobs.block_size.max(1);
-        let hashes = block_hashes(tokens, bs);
-        let mut queued = Queued::new(self);
+        let seed = lora
+            .as_ref()
+            .map(|l| xxh3_64(l.name.as_bytes()))
+            .unwrap_or(0);
+        let hashes = block_hashes_seeded(tokens, bs, seed);
+        let mut queued = Queued::new(self, lora.as_ref().map(|l| l.name.clone()));
+        self.unstalled().await;
+        let mut swapped = false;
+        if let Some(l) = &lora {
+            loop {
+                let notified = self.lora_slot_freed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let got = {
+                    let mut st = self.lock();
+                    let max = st.knobs.max_loras;
+                    st.lora.reserve(&l.name, max)
+                };
+                if let Some(s) = got {
+                    swapped = s;
+                    queued.reserved = true;
+                    break;
+                }
+                if self.slots.is_closed() {
+                    return Err(EngineClosed);
+                }
+                notified.await;
+            }
+        }
         let permit = self
             .slots
             .clone()
             .acquire_owned()
             .await
             .map_err(|_| EngineClosed)?;
-        let mut st = self.lock();
-        queued.disarm(&mut st);
-        st.running += 1;
-        // Like vLLM, the last prompt token is always recomputed, so a full hit still prefills one token.
-        let max_hit = tokens.len().saturating_sub(1) / bs;
-        let hits = st
-            .cache
-            .longest_prefix(&hashes[..max_hit.min(hashes.len())]);
-        st.cache.acquire(&hashes[..hits]);
-        let total = tokens.len() + output_tokens as usize;
-        let extra = total.div_ceil(bs).saturating_sub(hits);
-        st.extra_held += extra;
-        st.counters.prefix_queries_tokens += tokens.len() as u64;
-        st.counters.prefix_hits_tokens += (hits * bs) as u64;
-        st.evict();
-        drop(st);
+        self.unstalled().await;
+        let running = self.step(|st| {
+            queued.disarm(st);
+            st.running += 1;
+            if let Some(l) = &lora {
+                bump(&mut st.lora.running, &l.name, true);
+                st.lora.touch();
+            }
+            // Like vLLM, the last prompt token is always recomputed, so a full hit still prefills one token.
+            let max_hit = tokens.len().saturating_sub(1) / bs;
+            let hits = st
+                .cache
+                .longest_prefix(&hashes[..max_hit.min(hashes.len())]);
+            st.cache.acquire(&hashes[..hits]);
+            let total = tokens.len() + output_tokens as usize;
+            let extra = total.div_ceil(bs).saturating_sub(hits);
+            st.extra_held += extra;
+            st.counters.prefix_queries_tokens += tokens.len() as u64;
+            st.counters.prefix_hits_tokens += (hits * bs) as u64;
+            st.evict();
+            (hits, extra)
+        });
+        let (hits, extra) = running;
         Ok(Running {
             pod: Arc::clone(self),
             hashes,
+            tokens: tokens.to_vec(),
+            block_size: bs,
             pinned: hits,
             extra,
             prompt_tokens: tokens.len(),
             cached_tokens: hits * bs,
             permit: Some(permit),
+            lora,
+            lora_swapped: swapped,
         })
     }
 }
 
-/// Counts a request in `waiting` until it gets a slot or is dropped.
+/// Counts a request in `waiting` until it gets a slot or is dropped; holds its LoRA reservation.
 struct Queued<'a> {
     pod: &'a Pod,
     armed: bool,
+    lora: Option<String>,
+    reserved: bool,
 }
 
 impl<'a> Queued<'a> {
-    fn new(pod: &'a Pod) -> Self {
-        pod.lock().waiting += 1;
-        Queued { pod, armed: true }
+    fn new(pod: &'a Pod, lora: Option<String>) -> Self {
+        let mut st = pod.lock();
+        st.waiting += 1;
+        if let Some(l) = &lora {
+            bump(&mut st.lora.waiting, l, true);
+            st.lora.touch();
+        }
+        Queued {
+            pod,
+            armed: true,
+            lora,
+            reserved: false,
+        }
     }
 
+    /// Admitted: out of the waiting counts; the reservation passes to [`Running`].
     fn disarm(&mut self, st: &mut PodState) {
         if self.armed {
             st.waiting -= 1;
+            if let Some(l) = &self.lora {
+                bump(&mut st.lora.waiting, l, false);
+            }
             self.armed = false;
         }
     }
@@ -249,7 +687,19 @@ impl<'a> Queued<'a> {
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.pod.lock().waiting -= 1;
+            let mut st = self.pod.lock();
+            st.waiting = st.waiting.saturating_sub(1);
+            if let Some(l) = &self.lora {
+                bump(&mut st.lora.waiting, l, false);
+                if self.reserved {
+                    st.lora.unreserve(l);
+                }
+                st.lora.touch();
+            }
+            drop(st);
+            if self.reserved {
+                self.pod.lora_slot_freed.notify_waiters();
+            }
         }
     }
 }
@@ -259,6 +709,8 @@ impl Drop for Queued<'_> {
 pub struct Running {
     pod: Arc<Pod>,
     hashes: Vec<u64>,
+    tokens: Vec<u32>,
+    block_size: usize,
     /// Leading entries of `hashes` pinned in the cache.
     pinned: usize,
     /// This request's share of `PodState::extra_held`.
@@ -266,6 +718,8 @@ pub struct Running {
     prompt_tokens: usize,
     cached_tokens: usize,
     permit: Option<OwnedSemaphorePermit>,
+    lora: Option<Adapter>,
+    lora_swapped: bool,
 }
 
 impl Running {
@@ -279,16 +733,33 @@ impl Running {
         self.prompt_tokens - self.cached_tokens
     }
 
+    /// Whether this request's adapter had to be loaded into a slot.
+    pub fn lora_swapped(&self) -> bool {
+        self.lora_swapped
+    }
+
+    /// The prompt's block hashes (the KV blocks a P/D transfer would move).
+    pub fn block_hashes(&self) -> &[u64] {
+        &self.hashes
+    }
+
     /// The prompt has been computed: its full blocks enter the cache, pinned until the request ends.
     pub fn prefilled(&mut self) {
-        let mut st = self.pod.lock();
-        st.cache.acquire(&self.hashes[self.pinned..]);
-        let moved = (self.hashes.len() - self.pinned).min(self.extra);
-        self.extra -= moved;
-        st.extra_held -= moved;
-        self.pinned = self.hashes.len();
-        st.counters.prompt_tokens += self.prompt_tokens as u64;
-        st.evict();
+        self.pod.step(|st| {
+            st.store(
+                &self.hashes,
+                self.pinned,
+                &self.tokens,
+                self.block_size,
+                self.lora.as_ref(),
+            );
+            let moved = (self.hashes.len() - self.pinned).min(self.extra);
+            self.extra -= moved;
+            st.extra_held -= moved;
+            self.pinned = self.hashes.len();
+            st.counters.prompt_tokens += self.prompt_tokens as u64;
+            st.evict();
+        });
     }
 
     /// The request completed after producing `output_tokens`.
@@ -301,18 +772,33 @@ impl Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
-        let mut st = self.pod.lock();
-        st.cache.release(&self.hashes[..self.pinned]);
-        st.extra_held -= self.extra;
-        st.running -= 1;
-        // Otherwise the permit goes back to the semaphore when dropped here.
-        if let Some(permit) = self.permit.take()
-            && st.permit_debt > 0
-        {
-            st.permit_debt -= 1;
-            permit.forget();
+        let lora = self.lora.take();
+        self.pod.step(|st| {
+            st.cache.release(&self.hashes[..self.pinned]);
+            st.extra_held = st.extra_held.saturating_sub(self.extra);
+            st.running = st.running.saturating_sub(1);
+            if let Some(l) = &lora {
+                bump(&mut st.lora.running, &l.name, false);
+                st.lora.unreserve(&l.name);
+                // An adapter unloaded while this request ran leaves its slot now.
+                if !st.lora.adapters.contains_key(&l.name) && !st.lora.active.contains_key(&l.name)
+                {
+                    st.lora.resident.retain(|r| r != &l.name);
+                }
+                st.lora.touch();
+            }
+            // Otherwise the permit goes back to the semaphore when dropped here.
+            if let Some(permit) = self.permit.take()
+                && st.permit_debt > 0
+            {
+                st.permit_debt -= 1;
+                permit.forget();
+            }
+            st.evict();
+        });
+        if lora.is_some() {
+            self.pod.lora_slot_freed.notify_waiters();
         }
-        st.evict();
     }
 }
 
@@ -341,6 +827,11 @@ pub fn ttft(knobs: &PodKnobs, uncached_tokens: usize) -> Duration {
         + uncached_tokens as f64 * knobs.prefill_us_per_token / 1000.0
         + knobs.extra_latency_ms;
     ms(base * knobs.time_scale)
+}
+
+/// Swap-in cost of a LoRA adapter that was not resident.
+pub fn lora_load(knobs: &PodKnobs) -> Duration {
+    ms(knobs.lora_load_ms * knobs.time_scale)
 }
 
 /// Time between two output tokens.

@@ -28,6 +28,31 @@ pub struct PodKnobs {
     pub error_rate: f64,
     /// Added to every request's time to first token, in ms.
     pub extra_latency_ms: f64,
+    /// LoRA slots: adapters resident at once (vLLM `--max-loras`). 0 disables LoRA.
+    pub max_loras: usize,
+    /// Swap-in cost when a request's adapter is not resident, in ms (scaled by `time_scale`).
+    pub lora_load_ms: f64,
+    /// The engine stops making progress: new requests queue, running streams freeze, until cleared.
+    /// `/metrics` and `/health` keep answering, as they do when a real engine hangs.
+    pub stall: bool,
+    /// Delay before every `/metrics` answer, in ms (not scaled).
+    pub metrics_delay_ms: f64,
+    /// How `/metrics` misbehaves.
+    pub metrics_fault: MetricsFault,
+}
+
+/// Fault injected into `/metrics`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MetricsFault {
+    #[default]
+    None,
+    /// Answer 500.
+    Error,
+    /// Answer 200 with text that is not Prometheus exposition.
+    Garbage,
+    /// Never answer (the scraper's timeout fires).
+    Hang,
 }
 
 impl Default for PodKnobs {
@@ -43,6 +68,11 @@ impl Default for PodKnobs {
             default_max_tokens: 16,
             error_rate: 0.0,
             extra_latency_ms: 0.0,
+            max_loras: 1,
+            lora_load_ms: 20.0,
+            stall: false,
+            metrics_delay_ms: 0.0,
+            metrics_fault: MetricsFault::None,
         }
     }
 }
@@ -82,6 +112,8 @@ impl PodKnobs {
         non_negative("decode_ms_per_token", self.decode_ms_per_token)?;
         non_negative("time_scale", self.time_scale)?;
         non_negative("extra_latency_ms", self.extra_latency_ms)?;
+        non_negative("lora_load_ms", self.lora_load_ms)?;
+        non_negative("metrics_delay_ms", self.metrics_delay_ms)?;
         if !(0.0..=1.0).contains(&self.error_rate) {
             return Err(invalid("error_rate", "must be within 0..=1"));
         }
@@ -104,7 +136,12 @@ impl PodKnobs {
             time_scale,
             default_max_tokens,
             error_rate,
-            extra_latency_ms
+            extra_latency_ms,
+            max_loras,
+            lora_load_ms,
+            stall,
+            metrics_delay_ms,
+            metrics_fault
         );
         k
     }
@@ -124,6 +161,16 @@ pub struct KnobsPatch {
     pub default_max_tokens: Option<u32>,
     pub error_rate: Option<f64>,
     pub extra_latency_ms: Option<f64>,
+    #[serde(default)]
+    pub max_loras: Option<usize>,
+    #[serde(default)]
+    pub lora_load_ms: Option<f64>,
+    #[serde(default)]
+    pub stall: Option<bool>,
+    #[serde(default)]
+    pub metrics_delay_ms: Option<f64>,
+    #[serde(default)]
+    pub metrics_fault: Option<MetricsFault>,
 }
 
 #[cfg(test)]

@@ -10,20 +10,31 @@
 //!    chained block hashes up in the pod's [`cache::PrefixCache`];
 //! 3. the handler sleeps the simulated prefill (only uncached tokens cost time) and decode, streaming
 //!    chunks or answering once, and the prompt's blocks enter the cache;
-//! 4. gauges and counters in the pod state feed `/metrics` ([`metrics`]) and [`Sim::stats`].
+//! 4. gauges and counters in the pod state feed `/metrics` ([`metrics`]) and [`Sim::stats`];
+//! 5. every engine step that changed the cache publishes a KV-event batch over ZMQ ([`kvevents`]),
+//!    when [`SimConfig::kv_events`] is set.
+//!
+//! LoRA adapters (named in `model`) occupy `max_loras` slots; a request whose adapter is not
+//! resident waits for a slot and pays `lora_load_ms`. Faults (error rate, added latency, stall,
+//! slow or broken `/metrics`) are knobs; crash/restart of one pod is an action ([`Sim::crash`],
+//! [`Sim::restart`], or the admin API).
 //!
 //! # Layout
 //! - [`tokenizer`]: text → token ids (whitespace words, 4-byte pieces, xxh3).
 //! - [`cache`]: chained block hashes and the pinned LRU block cache (pure, no IO).
 //! - [`knobs`]: per-pod tunables and partial updates.
-//! - [`engine`]: the pod state machine, running slots, latency model.
+//! - [`engine`]: the pod state machine, running and LoRA slots, latency model.
+//! - [`kvevents`]: vLLM KV-cache events (msgpack, both encodings) on PUB + replay ROUTER sockets.
 //! - [`metrics`]: vLLM-shaped Prometheus text.
-//! - [`server`]: axum routers for pods and the admin API.
-//! - [`loadgen`]: multi-turn conversation workload and report.
+//! - [`server`]: the HTTP routers for pods and the admin API.
+//! - [`fleet`]: pods and their server tasks (crash, restart, drain).
+//! - [`loadgen`]: workloads (multi-turn conversations, tenant classes) and reports.
 
 pub mod cache;
 pub mod engine;
+pub mod fleet;
 pub mod knobs;
+pub mod kvevents;
 pub mod loadgen;
 pub mod metrics;
 pub mod server;
@@ -39,9 +50,11 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use engine::PodStats;
-pub use knobs::{KnobsPatch, PodKnobs};
+pub use knobs::{KnobsPatch, MetricsFault, PodKnobs};
+pub use kvevents::{Encoding, KvEndpoints, KvEventsConfig};
 
-use engine::Pod;
+use engine::{Pod, PodOptions};
+use fleet::Fleet;
 
 /// How long [`Sim::shutdown`] lets in-flight responses finish before cutting connections.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -61,6 +74,8 @@ pub enum SimError {
     InvalidKnob { field: &'static str, reason: String },
     #[error("invalid config: {0}")]
     InvalidConfig(String),
+    #[error("kv events: {0}")]
+    KvEvents(#[from] kvevents::KvEventsError),
 }
 
 /// What to start.
@@ -75,6 +90,14 @@ pub struct SimConfig {
     pub knobs: PodKnobs,
     /// Admin server port (0 = OS-chosen); `None` starts no admin server.
     pub admin: Option<u16>,
+    /// LoRA adapters every pod has loaded at start: (name, path).
+    pub lora_adapters: Vec<(String, String)>,
+    /// Publish KV-cache events over ZMQ (one PUB + one replay ROUTER per pod, OS-chosen ports).
+    pub kv_events: Option<KvEventsConfig>,
+    /// The first `prefill_pods` pods are labelled `llm-d.ai/role: prefill`, the next `decode_pods`
+    /// `decode`; the rest get no role.
+    pub prefill_pods: usize,
+    pub decode_pods: usize,
 }
 
 impl Default for SimConfig {
@@ -86,6 +109,10 @@ impl Default for SimConfig {
             model: "sim-model".to_owned(),
             knobs: PodKnobs::default(),
             admin: None,
+            lora_adapters: Vec::new(),
+            kv_events: None,
+            prefill_pods: 0,
+            decode_pods: 0,
         }
     }
 }
@@ -106,7 +133,34 @@ impl SimConfig {
                 self.pods, self.base_port
             )));
         }
+        if self.prefill_pods + self.decode_pods > self.pods {
+            return Err(SimError::InvalidConfig(
+                "prefill_pods + decode_pods exceed pods".into(),
+            ));
+        }
+        for (name, _) in &self.lora_adapters {
+            if name.is_empty() || *name == self.model {
+                return Err(SimError::InvalidConfig(format!(
+                    "invalid LoRA adapter name {name:?}"
+                )));
+            }
+        }
+        if !self.lora_adapters.is_empty() && self.knobs.max_loras == 0 {
+            return Err(SimError::InvalidConfig(
+                "LoRA adapters given but max_loras is 0".into(),
+            ));
+        }
         self.knobs.validate()
+    }
+
+    fn role(&self, i: usize) -> Option<String> {
+        if i < self.prefill_pods {
+            Some("prefill".into())
+        } else if i < self.prefill_pods + self.decode_pods {
+            Some("decode".into())
+        } else {
+            None
+        }
     }
 }
 
@@ -120,10 +174,11 @@ pub struct PodInfo {
 /// A running fleet of simulated pods.
 #[derive(Debug)]
 pub struct Sim {
+    fleet: Arc<Fleet>,
     pods: Arc<Vec<Arc<Pod>>>,
     admin_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
-    tasks: Vec<JoinHandle<()>>,
+    admin_task: Option<JoinHandle<()>>,
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, SimError> {
@@ -143,7 +198,6 @@ impl Sim {
     pub async fn start(cfg: SimConfig) -> Result<Sim, SimError> {
         cfg.validate()?;
         let mut listeners = Vec::with_capacity(cfg.pods);
-        let mut pods = Vec::with_capacity(cfg.pods);
         for i in 0..cfg.pods {
             let port = if cfg.base_port == 0 {
                 0
@@ -154,15 +208,32 @@ impl Sim {
             let want = SocketAddr::new(cfg.host, port);
             let listener = bind(want).await?;
             let addr = local_addr(&listener, want)?;
-            pods.push(Arc::new(Pod::new(
+            listeners.push((listener, addr));
+        }
+        let kv = match &cfg.kv_events {
+            Some(kc) => {
+                let topics = listeners
+                    .iter()
+                    .map(|(_, addr)| kvevents::topic(*addr, &cfg.model))
+                    .collect();
+                Some(kvevents::Publisher::start(kc, cfg.host, topics)?)
+            }
+            None => None,
+        };
+        let mut pods = Vec::with_capacity(cfg.pods);
+        for (i, (_, addr)) in listeners.iter().enumerate() {
+            pods.push(Arc::new(Pod::with_options(
                 i,
-                addr,
+                *addr,
                 cfg.model.clone(),
                 cfg.knobs.clone(),
+                PodOptions {
+                    adapters: cfg.lora_adapters.clone(),
+                    kv_events: kv.as_ref().and_then(|k| k.sender()),
+                    role: cfg.role(i),
+                },
             )));
-            listeners.push(listener);
         }
-        let pods = Arc::new(pods);
         let admin = match cfg.admin {
             Some(port) => {
                 let want = SocketAddr::new(cfg.host, port);
@@ -174,33 +245,25 @@ impl Sim {
         };
 
         let (stop, stop_rx) = watch::channel(false);
-        let mut tasks = Vec::with_capacity(cfg.pods + 1);
-        for (pod, listener) in pods.iter().zip(listeners) {
-            let router = server::pod_router(Arc::clone(pod));
-            tasks.push(tokio::spawn(server::serve(
-                listener,
-                router,
-                stop_rx.clone(),
-            )));
+        let fleet = Arc::new(Fleet::new(pods.clone(), stop_rx.clone(), kv));
+        for (i, (listener, _)) in listeners.into_iter().enumerate() {
+            fleet.launch(i, listener).await?;
         }
-        let admin_addr = match admin {
+        let (admin_addr, admin_task) = match admin {
             Some((listener, addr)) => {
-                let router = server::admin_router(Arc::clone(&pods));
-                tasks.push(tokio::spawn(server::serve(
-                    listener,
-                    router,
-                    stop_rx.clone(),
-                )));
-                Some(addr)
+                let router = server::admin_router(Arc::clone(&fleet));
+                let task = tokio::spawn(server::serve(listener, router, stop_rx.clone()));
+                (Some(addr), Some(task))
             }
-            None => None,
+            None => (None, None),
         };
         tracing::info!(pods = cfg.pods, ?admin_addr, "sim started");
         Ok(Sim {
-            pods,
+            fleet,
+            pods: Arc::new(pods),
             admin_addr,
             stop,
-            tasks,
+            admin_task,
         })
     }
 
@@ -255,20 +318,53 @@ impl Sim {
         server::pods_yaml(&self.pods)
     }
 
+    /// Keys of every block in pod `pod`'s prefix cache, sorted (what KV-event subscribers should
+    /// have reconstructed).
+    pub fn cached_block_hashes(&self, pod: usize) -> Result<Vec<u64>, SimError> {
+        self.pod(pod).map(|p| p.cached_block_hashes())
+    }
+
+    /// Every `vllm:lora_requests_info` series of pod `pod`, oldest first.
+    pub fn lora_info(&self, pod: usize) -> Result<Vec<engine::LoraInfoSeries>, SimError> {
+        self.pod(pod).map(|p| p.lora_info())
+    }
+
+    /// Where pod `pod` publishes KV events (`None` when events are off or no such pod).
+    pub fn kv_endpoints(&self, pod: usize) -> Option<KvEndpoints> {
+        self.fleet.kv_endpoints(pod)
+    }
+
+    /// Simulated crash of one pod: its listener closes and its open connections are cut; the other
+    /// pods keep serving. Returns once the pod's server is gone.
+    pub async fn crash(&self, pod: usize) -> Result<(), SimError> {
+        self.fleet.crash(pod).await
+    }
+
+    /// Restarts one pod on the same port with fresh engine state (empty cache, zeroed counters,
+    /// start-up adapters, KV-event sequence from 0), crashing it first when it is up.
+    pub async fn restart(&self, pod: usize) -> Result<(), SimError> {
+        self.fleet.restart(pod).await
+    }
+
+    /// Whether the pod's server is running.
+    pub fn is_up(&self, pod: usize) -> bool {
+        self.fleet.is_up(pod)
+    }
+
     /// Stops every server: queued requests fail at once, running ones get a short grace period.
     pub async fn shutdown(mut self) {
         let _ = self.stop.send(true);
         for p in self.pods.iter() {
             p.close();
         }
-        for mut task in std::mem::take(&mut self.tasks) {
-            if tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
+        self.fleet.drain(SHUTDOWN_GRACE).await;
+        if let Some(mut task) = self.admin_task.take()
+            && tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
                 .await
                 .is_err()
-            {
-                task.abort();
-                let _ = task.await;
-            }
+        {
+            task.abort();
+            let _ = task.await;
         }
         tracing::info!("sim stopped");
     }
@@ -277,7 +373,8 @@ impl Sim {
 impl Drop for Sim {
     fn drop(&mut self) {
         // Dropped without shutdown(): don't leave servers running behind the owner's back.
-        for task in &self.tasks {
+        self.fleet.abort_all();
+        if let Some(task) = &self.admin_task {
             task.abort();
         }
     }

@@ -1,15 +1,24 @@
-//! Multi-turn conversation load generator.
+//! Load generator: multi-turn conversations, independent short prompts and per-tenant traffic
+//! classes, in closed loop (fixed concurrency) or open loop (Poisson arrivals).
 //!
 //! Every conversation starts with the same system prompt (a prefix all pods can share) followed by a
 //! per-conversation preamble (a long prefix only that conversation uses), then runs `turns` streaming
-//! chat completions, each carrying the whole history including the assistant text actually received.
-//! A router that keeps a conversation on one pod turns that history into prefix-cache hits, which shows
-//! up as a high cached-token ratio and a low TTFT in the [`Report`].
+//! chat completions, each carrying the whole history including the assistant text actually received,
+//! with `think_time_ms` between turns. A router that keeps a conversation on one pod turns that
+//! history into prefix-cache hits, which shows up as a high cached-token ratio and a low TTFT in the
+//! [`Report`].
 //!
-//! Content depends only on the seed and the (conversation, turn) position, so the same schedule can be
-//! replayed against several targets and compared.
+//! Short prompts are single-turn requests with no shared prefix. Tenant classes ([`TenantClass`])
+//! send single-turn requests with their own fairness-id / objective headers, rate, burst and sizes;
+//! the report breaks every figure down per tenant.
+//!
+//! Content and arrival times depend only on the seed, so the same schedule can be replayed against
+//! several targets and compared.
 
 use std::collections::BTreeMap;
+use std::io::{IsTerminal, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -19,6 +28,58 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use xxhash_rust::xxh3::xxh3_64;
+
+/// Header carrying the fairness id (llm-d flow control).
+pub const FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
+/// Header naming the InferenceObjective (priority).
+pub const OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
+/// Tenant name of requests that belong to no [`TenantClass`].
+pub const DEFAULT_TENANT: &str = "default";
+
+/// How requests of the conversation and short-prompt workloads arrive.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arrival {
+    /// Closed loop: at most `concurrency` conversations (or short prompts) in flight.
+    #[default]
+    Closed,
+    /// Open loop: conversations (and short prompts) start at Poisson arrivals of `rate` per second,
+    /// however many are still running.
+    Poisson,
+}
+
+/// A tenant's traffic class: single-turn requests at a Poisson `rate`, the first `burst` of them
+/// sent at once at the start.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantClass {
+    pub name: String,
+    /// Sent as [`FAIRNESS_HEADER`]; defaults to `name`.
+    pub fairness_id: Option<String>,
+    /// Sent as [`OBJECTIVE_HEADER`] when set.
+    pub objective: Option<String>,
+    pub requests: usize,
+    /// Requests per second after the burst.
+    pub rate: f64,
+    pub burst: usize,
+    pub prompt_words: usize,
+    pub max_tokens: u32,
+}
+
+impl Default for TenantClass {
+    fn default() -> Self {
+        Self {
+            name: "tenant".into(),
+            fairness_id: None,
+            objective: None,
+            requests: 10,
+            rate: 10.0,
+            burst: 0,
+            prompt_words: 32,
+            max_tokens: 16,
+        }
+    }
+}
 
 /// The workload.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -33,7 +94,7 @@ pub struct LoadConfig {
     /// Words of each user message.
     pub user_words: usize,
     pub max_tokens: u32,
-    /// Conversations in flight at once.
+    /// Conversations in flight at once (closed loop).
     pub concurrency: usize,
     pub model: String,
     /// Extra request headers.
@@ -41,6 +102,17 @@ pub struct LoadConfig {
     pub seed: u64,
     /// Per-request timeout, in ms.
     pub request_timeout_ms: u64,
+    /// Pause between a conversation's turns, in ms.
+    pub think_time_ms: u64,
+    pub arrival: Arrival,
+    /// Arrivals per second in [`Arrival::Poisson`] mode.
+    pub rate: f64,
+    /// Independent single-turn prompts, sent besides the conversations.
+    pub short_prompts: usize,
+    pub short_prompt_words: usize,
+    pub tenants: Vec<TenantClass>,
+    /// Draw a progress bar on stderr (only when stderr is a terminal).
+    pub progress: bool,
 }
 
 impl Default for LoadConfig {
@@ -57,6 +129,13 @@ impl Default for LoadConfig {
             headers: Vec::new(),
             seed: 42,
             request_timeout_ms: 60_000,
+            think_time_ms: 0,
+            arrival: Arrival::Closed,
+            rate: 10.0,
+            short_prompts: 0,
+            short_prompt_words: 16,
+            tenants: Vec::new(),
+            progress: false,
         }
     }
 }
@@ -72,36 +151,91 @@ pub enum LoadError {
     Client(#[from] reqwest::Error),
 }
 
+fn header_map(pairs: &[(String, String)]) -> Result<HeaderMap, LoadError> {
+    let mut map = HeaderMap::new();
+    for (k, v) in pairs {
+        let bad = |reason: String| LoadError::InvalidHeader {
+            name: k.clone(),
+            reason,
+        };
+        let name = HeaderName::from_bytes(k.trim().as_bytes()).map_err(|e| bad(e.to_string()))?;
+        let value = HeaderValue::from_str(v.trim()).map_err(|e| bad(e.to_string()))?;
+        map.append(name, value);
+    }
+    Ok(map)
+}
+
 impl LoadConfig {
     pub fn validate(&self) -> Result<(), LoadError> {
-        if self.conversations == 0 || self.turns == 0 {
-            return Err(LoadError::InvalidConfig(
-                "conversations and turns must be > 0".into(),
-            ));
+        let invalid = |m: &str| Err(LoadError::InvalidConfig(m.into()));
+        if self.conversations > 0 && self.turns == 0 {
+            return invalid("turns must be > 0");
+        }
+        if self.conversations == 0 && self.short_prompts == 0 && self.tenants.is_empty() {
+            return invalid(
+                "conversations and turns must be > 0 (or give short prompts or tenants)",
+            );
         }
         if self.concurrency == 0 {
-            return Err(LoadError::InvalidConfig("concurrency must be > 0".into()));
+            return invalid("concurrency must be > 0");
         }
         if self.max_tokens == 0 {
-            return Err(LoadError::InvalidConfig("max_tokens must be > 0".into()));
+            return invalid("max_tokens must be > 0");
         }
+        if self.arrival == Arrival::Poisson && !(self.rate.is_finite() && self.rate > 0.0) {
+            return invalid("rate must be > 0 for Poisson arrivals");
+        }
+        for t in &self.tenants {
+            if t.name.is_empty() {
+                return invalid("tenant name must not be empty");
+            }
+            if t.burst < t.requests && !(t.rate.is_finite() && t.rate > 0.0) {
+                return invalid("tenant rate must be > 0");
+            }
+            if t.max_tokens == 0 {
+                return invalid("tenant max_tokens must be > 0");
+            }
+            header_map(&self.tenant_headers(t))?;
+        }
+        header_map(&self.headers)?;
         Ok(())
     }
 
-    fn header_map(&self) -> Result<HeaderMap, LoadError> {
-        let mut map = HeaderMap::new();
-        for (k, v) in &self.headers {
-            let bad = |reason: String| LoadError::InvalidHeader {
-                name: k.clone(),
-                reason,
-            };
-            let name =
-                HeaderName::from_bytes(k.trim().as_bytes()).map_err(|e| bad(e.to_string()))?;
-            let value = HeaderValue::from_str(v.trim()).map_err(|e| bad(e.to_string()))?;
-            map.append(name, value);
+    fn tenant_headers(&self, t: &TenantClass) -> Vec<(String, String)> {
+        let mut h = vec![(
+            FAIRNESS_HEADER.to_owned(),
+            t.fairness_id.clone().unwrap_or_else(|| t.name.clone()),
+        )];
+        if let Some(o) = &t.objective {
+            h.push((OBJECTIVE_HEADER.to_owned(), o.clone()));
         }
-        Ok(map)
+        h
     }
+
+    /// Requests the whole workload sends.
+    pub fn total_requests(&self) -> usize {
+        self.conversations * self.turns
+            + self.short_prompts
+            + self.tenants.iter().map(|t| t.requests).sum::<usize>()
+    }
+}
+
+/// Latency and cache figures of a set of requests.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Summary {
+    pub requests: u64,
+    pub errors: u64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub e2e_p50_ms: f64,
+    pub e2e_p90_ms: f64,
+    pub e2e_p99_ms: f64,
+    pub cached_ratio: f64,
+    pub output_tokens: u64,
+    pub requests_per_s: f64,
+    pub statuses: BTreeMap<u16, u64>,
+    pub dropped: BTreeMap<String, u64>,
 }
 
 /// Results of one run against one target.
@@ -114,14 +248,22 @@ pub struct Report {
     /// Connection failures, timeouts and truncated streams.
     pub transport_errors: u64,
     pub ttft_p50_ms: f64,
+    #[serde(default)]
+    pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
     pub e2e_p50_ms: f64,
+    #[serde(default)]
+    pub e2e_p90_ms: f64,
     pub e2e_p99_ms: f64,
     /// Sum of cached prompt tokens / sum of prompt tokens, from the usage chunks.
     pub cached_ratio: f64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    #[serde(default)]
+    pub output_tokens: u64,
     pub requests_per_s: f64,
+    #[serde(default)]
+    pub output_tokens_per_s: f64,
     pub duration_s: f64,
     /// Requests per serving pod (`x-inference-pod`).
     pub pods: BTreeMap<String, u64>,
@@ -129,6 +271,15 @@ pub struct Report {
     pub dropped: BTreeMap<String, u64>,
     /// Requests per HTTP status.
     pub statuses: BTreeMap<u16, u64>,
+    /// Failed requests per reason: `status:<code>`, `dropped:<reason>`, `transport`, `stream_error`.
+    #[serde(default)]
+    pub error_reasons: BTreeMap<String, u64>,
+    /// The same figures per tenant ([`DEFAULT_TENANT`] for conversations and short prompts).
+    #[serde(default)]
+    pub tenants: BTreeMap<String, Summary>,
+    /// TTFT of every successful request, sorted, in ms (for plots; not serialized).
+    #[serde(skip)]
+    pub ttft_samples_ms: Vec<f64>,
 }
 
 #[derive(Debug, Default)]
@@ -136,12 +287,15 @@ struct Record {
     status: Option<u16>,
     error: bool,
     transport_error: bool,
+    stream_error: bool,
     ttft: Option<Duration>,
     e2e: Duration,
     prompt_tokens: u64,
     cached_tokens: u64,
+    output_tokens: u64,
     pod: Option<String>,
     dropped: Option<String>,
+    tenant: Option<String>,
 }
 
 fn words(seed: u64, tag: &[u64], n: usize) -> String {
@@ -175,40 +329,208 @@ pub fn user_message(cfg: &LoadConfig, conv: usize, turn: usize) -> String {
     words(cfg.seed, &[2, conv as u64, turn as u64], cfg.user_words)
 }
 
+/// Arrival offsets of `n` events: the first `burst` at 0, then a Poisson process of `rate`/s, drawn
+/// from `seed` (so every target sees the same schedule).
+pub fn poisson_schedule(seed: u64, n: usize, burst: usize, rate: f64) -> Vec<Duration> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut t = 0.0f64;
+    (0..n)
+        .map(|i| {
+            if i >= burst && rate > 0.0 {
+                // Exponential gap by inversion; 1 - u keeps ln's argument in (0, 1].
+                let u: f64 = rng.random();
+                t += -(1.0 - u).ln() / rate;
+            }
+            Duration::from_secs_f64(t)
+        })
+        .collect()
+}
+
+/// Progress counter, drawn on stderr every 200 ms when enabled.
+#[derive(Debug, Default)]
+struct Progress {
+    done: AtomicU64,
+    errors: AtomicU64,
+}
+
+impl Progress {
+    fn record(&self, rec: &Record) {
+        self.done.fetch_add(1, Ordering::Relaxed);
+        if rec.error {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn draw(&self, total: usize, started: Instant, target: &str) {
+        let done = self.done.load(Ordering::Relaxed);
+        let frac = if total == 0 {
+            1.0
+        } else {
+            (done as f64 / total as f64).min(1.0)
+        };
+        let width = 30;
+        let filled = (frac * width as f64) as usize;
+        let mut err = std::io::stderr().lock();
+        let _ = write!(
+            err,
+            "\r{target} [{}{}] {done}/{total} req, {} errors, {:.1}s ",
+            "#".repeat(filled),
+            " ".repeat(width - filled),
+            self.errors.load(Ordering::Relaxed),
+            started.elapsed().as_secs_f64()
+        );
+        let _ = err.flush();
+    }
+}
+
 struct Ctx<'a> {
     cfg: &'a LoadConfig,
     client: reqwest::Client,
     url: String,
+    progress: Arc<Progress>,
+    started: Instant,
 }
 
 /// Runs the whole workload against `target` (a base URL such as `http://127.0.0.1:8080`).
 pub async fn run(cfg: &LoadConfig, target: &str) -> Result<Report, LoadError> {
     cfg.validate()?;
     let client = reqwest::Client::builder()
-        .default_headers(cfg.header_map()?)
+        .default_headers(header_map(&cfg.headers)?)
         .timeout(Duration::from_millis(cfg.request_timeout_ms))
         .build()?;
+    let started = Instant::now();
     let ctx = Ctx {
         cfg,
         client,
         url: format!("{}/v1/chat/completions", target.trim_end_matches('/')),
+        progress: Arc::new(Progress::default()),
+        started,
     };
-    let started = Instant::now();
-    let records: Vec<Record> = futures::stream::iter(0..cfg.conversations)
-        .map(|conv| conversation(&ctx, conv))
-        .buffer_unordered(cfg.concurrency)
-        .flat_map(futures::stream::iter)
-        .collect()
-        .await;
+    let total = cfg.total_requests();
+    let draw = cfg.progress && std::io::stderr().is_terminal();
+    let bar = draw.then(|| {
+        let progress = Arc::clone(&ctx.progress);
+        let target = target.to_owned();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            loop {
+                tick.tick().await;
+                progress.draw(total, started, &target);
+            }
+        })
+    });
+    let (convs, shorts, tenants) = futures::join!(
+        conversations(&ctx),
+        short_prompts(&ctx),
+        futures::future::join_all(
+            cfg.tenants
+                .iter()
+                .enumerate()
+                .map(|(i, t)| tenant(&ctx, i, t))
+        ),
+    );
+    if let Some(bar) = bar {
+        bar.abort();
+        let _ = bar.await;
+        ctx.progress.draw(total, started, target);
+        eprintln!();
+    }
+    let mut records = convs;
+    records.extend(shorts);
+    records.extend(tenants.into_iter().flatten());
     Ok(summarize(target, &records, started.elapsed()))
+}
+
+/// Runs `job(i)` for `n` items: closed loop with `concurrency` in flight, or at Poisson arrivals.
+async fn schedule<'a, F, Fut>(ctx: &Ctx<'a>, n: usize, salt: u64, job: F) -> Vec<Record>
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = Vec<Record>>,
+{
+    match ctx.cfg.arrival {
+        Arrival::Closed => {
+            futures::stream::iter(0..n)
+                .map(&job)
+                .buffer_unordered(ctx.cfg.concurrency)
+                .flat_map(futures::stream::iter)
+                .collect()
+                .await
+        }
+        Arrival::Poisson => {
+            let at = poisson_schedule(ctx.cfg.seed ^ salt, n, 0, ctx.cfg.rate);
+            let start = tokio::time::Instant::from_std(ctx.started);
+            at.into_iter()
+                .enumerate()
+                .map(|(i, off)| {
+                    let fut = job(i);
+                    async move {
+                        tokio::time::sleep_until(start + off).await;
+                        fut.await
+                    }
+                })
+                .collect::<futures::stream::FuturesUnordered<_>>()
+                .flat_map(futures::stream::iter)
+                .collect()
+                .await
+        }
+    }
+}
+
+async fn conversations(ctx: &Ctx<'_>) -> Vec<Record> {
+    schedule(ctx, ctx.cfg.conversations, 0x636f_6e76, |conv| {
+        conversation(ctx, conv)
+    })
+    .await
+}
+
+async fn short_prompts(ctx: &Ctx<'_>) -> Vec<Record> {
+    schedule(ctx, ctx.cfg.short_prompts, 0x7368_6f72, |i| async move {
+        let msgs = [json!({"role": "user",
+            "content": words(ctx.cfg.seed, &[3, i as u64], ctx.cfg.short_prompt_words)})];
+        let (rec, _) = one_request(ctx, &msgs, ctx.cfg.max_tokens, &HeaderMap::new(), None).await;
+        vec![rec]
+    })
+    .await
+}
+
+async fn tenant(ctx: &Ctx<'_>, idx: usize, t: &TenantClass) -> Vec<Record> {
+    // validate() checked the headers.
+    let headers = header_map(&ctx.cfg.tenant_headers(t)).unwrap_or_default();
+    let at = poisson_schedule(
+        ctx.cfg.seed ^ (idx as u64 + 1) << 20,
+        t.requests,
+        t.burst,
+        t.rate,
+    );
+    let start = tokio::time::Instant::from_std(ctx.started);
+    at.into_iter()
+        .enumerate()
+        .map(|(i, off)| {
+            let headers = &headers;
+            async move {
+                tokio::time::sleep_until(start + off).await;
+                let msgs = [json!({"role": "user",
+                    "content": words(ctx.cfg.seed, &[4, idx as u64, i as u64], t.prompt_words)})];
+                one_request(ctx, &msgs, t.max_tokens, headers, Some(&t.name))
+                    .await
+                    .0
+            }
+        })
+        .collect::<futures::stream::FuturesUnordered<_>>()
+        .collect()
+        .await
 }
 
 async fn conversation(ctx: &Ctx<'_>, conv: usize) -> Vec<Record> {
     let mut messages = vec![json!({"role": "system", "content": system_message(ctx.cfg, conv)})];
     let mut records = Vec::with_capacity(ctx.cfg.turns);
     for turn in 0..ctx.cfg.turns {
+        if turn > 0 && ctx.cfg.think_time_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ctx.cfg.think_time_ms)).await;
+        }
         messages.push(json!({"role": "user", "content": user_message(ctx.cfg, conv, turn)}));
-        let (record, text) = one_request(ctx, &messages).await;
+        let (record, text) =
+            one_request(ctx, &messages, ctx.cfg.max_tokens, &HeaderMap::new(), None).await;
         records.push(record);
         messages.push(json!({"role": "assistant", "content": text}));
     }
@@ -222,18 +544,44 @@ fn header(resp: &reqwest::Response, name: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-async fn one_request(ctx: &Ctx<'_>, messages: &[Value]) -> (Record, String) {
+async fn one_request(
+    ctx: &Ctx<'_>,
+    messages: &[Value],
+    max_tokens: u32,
+    headers: &HeaderMap,
+    tenant: Option<&str>,
+) -> (Record, String) {
+    let (rec, text) = send(ctx, messages, max_tokens, headers, tenant).await;
+    ctx.progress.record(&rec);
+    (rec, text)
+}
+
+async fn send(
+    ctx: &Ctx<'_>,
+    messages: &[Value],
+    max_tokens: u32,
+    headers: &HeaderMap,
+    tenant: Option<&str>,
+) -> (Record, String) {
     let body = json!({
         "model": ctx.cfg.model,
         "messages": messages,
-        "max_tokens": ctx.cfg.max_tokens,
+        "max_tokens": max_tokens,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
     let start = Instant::now();
-    let mut rec = Record::default();
+    let mut rec = Record {
+        tenant: tenant.map(str::to_owned),
+        ..Record::default()
+    };
     let mut text = String::new();
-    let resp = match ctx.client.post(&ctx.url).json(&body).send().await {
+    let req = ctx
+        .client
+        .post(&ctx.url)
+        .headers(headers.clone())
+        .json(&body);
+    let resp = match req.send().await {
         Ok(r) => r,
         Err(e) => {
             tracing::debug!(error = %e, "request failed");
@@ -256,6 +604,8 @@ async fn one_request(ctx: &Ctx<'_>, messages: &[Value]) -> (Record, String) {
     let mut stream = resp.bytes_stream();
     let mut buf: Vec<u8> = Vec::new();
     let mut done = false;
+    let mut chunks = 0u64;
+    let mut usage_completion = None;
     'read: while let Some(chunk) = stream.next().await {
         let chunk = match chunk {
             Ok(c) => c,
@@ -279,10 +629,12 @@ async fn one_request(ctx: &Ctx<'_>, messages: &[Value]) -> (Record, String) {
                 }
                 let Ok(v) = serde_json::from_str::<Value>(data) else {
                     rec.error = true;
+                    rec.stream_error = true;
                     continue;
                 };
                 if v.get("error").is_some() {
                     rec.error = true;
+                    rec.stream_error = true;
                 }
                 if let Some(choices) = v.get("choices").and_then(Value::as_array) {
                     for c in choices {
@@ -295,6 +647,7 @@ async fn one_request(ctx: &Ctx<'_>, messages: &[Value]) -> (Record, String) {
                             if rec.ttft.is_none() {
                                 rec.ttft = Some(start.elapsed());
                             }
+                            chunks += 1;
                             text.push_str(piece);
                         }
                     }
@@ -305,10 +658,12 @@ async fn one_request(ctx: &Ctx<'_>, messages: &[Value]) -> (Record, String) {
                         .pointer("/prompt_tokens_details/cached_tokens")
                         .and_then(Value::as_u64)
                         .unwrap_or(0);
+                    usage_completion = u.get("completion_tokens").and_then(Value::as_u64);
                 }
             }
         }
     }
+    rec.output_tokens = usage_completion.unwrap_or(chunks);
     if !done {
         rec.error = true;
         rec.transport_error = true;
@@ -327,22 +682,71 @@ fn percentile_ms(sorted: &[Duration], p: f64) -> f64 {
     sorted[idx].as_secs_f64() * 1000.0
 }
 
-fn summarize(target: &str, records: &[Record], elapsed: Duration) -> Report {
-    let mut r = Report {
-        target: target.to_owned(),
+fn summary(records: &[&Record], elapsed: Duration) -> Summary {
+    let mut s = Summary {
         requests: records.len() as u64,
-        duration_s: elapsed.as_secs_f64(),
-        ..Report::default()
+        ..Summary::default()
     };
     let mut ttft = Vec::new();
     let mut e2e = Vec::new();
+    let (mut prompt, mut cached) = (0u64, 0u64);
     for rec in records {
         if rec.error {
-            r.errors += 1;
+            s.errors += 1;
         } else {
             e2e.push(rec.e2e);
             ttft.extend(rec.ttft);
         }
+        prompt += rec.prompt_tokens;
+        cached += rec.cached_tokens;
+        s.output_tokens += rec.output_tokens;
+        if let Some(d) = &rec.dropped {
+            *s.dropped.entry(d.clone()).or_default() += 1;
+        }
+        if let Some(st) = rec.status {
+            *s.statuses.entry(st).or_default() += 1;
+        }
+    }
+    ttft.sort();
+    e2e.sort();
+    s.ttft_p50_ms = percentile_ms(&ttft, 50.0);
+    s.ttft_p90_ms = percentile_ms(&ttft, 90.0);
+    s.ttft_p99_ms = percentile_ms(&ttft, 99.0);
+    s.e2e_p50_ms = percentile_ms(&e2e, 50.0);
+    s.e2e_p90_ms = percentile_ms(&e2e, 90.0);
+    s.e2e_p99_ms = percentile_ms(&e2e, 99.0);
+    if prompt > 0 {
+        s.cached_ratio = cached as f64 / prompt as f64;
+    }
+    if elapsed.as_secs_f64() > 0.0 {
+        s.requests_per_s = s.requests as f64 / elapsed.as_secs_f64();
+    }
+    s
+}
+
+fn summarize(target: &str, records: &[Record], elapsed: Duration) -> Report {
+    let all: Vec<&Record> = records.iter().collect();
+    let s = summary(&all, elapsed);
+    let mut r = Report {
+        target: target.to_owned(),
+        requests: s.requests,
+        errors: s.errors,
+        ttft_p50_ms: s.ttft_p50_ms,
+        ttft_p90_ms: s.ttft_p90_ms,
+        ttft_p99_ms: s.ttft_p99_ms,
+        e2e_p50_ms: s.e2e_p50_ms,
+        e2e_p90_ms: s.e2e_p90_ms,
+        e2e_p99_ms: s.e2e_p99_ms,
+        cached_ratio: s.cached_ratio,
+        output_tokens: s.output_tokens,
+        requests_per_s: s.requests_per_s,
+        duration_s: elapsed.as_secs_f64(),
+        dropped: s.dropped,
+        statuses: s.statuses,
+        ..Report::default()
+    };
+    let mut by_tenant: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
+    for rec in records {
         if rec.transport_error {
             r.transport_errors += 1;
         }
@@ -351,68 +755,229 @@ fn summarize(target: &str, records: &[Record], elapsed: Duration) -> Report {
         if let Some(p) = &rec.pod {
             *r.pods.entry(p.clone()).or_default() += 1;
         }
-        if let Some(d) = &rec.dropped {
-            *r.dropped.entry(d.clone()).or_default() += 1;
+        if rec.error {
+            let reason = match (&rec.dropped, rec.status) {
+                (Some(d), _) => format!("dropped:{d}"),
+                (None, Some(st)) if !(200..300).contains(&st) => format!("status:{st}"),
+                _ if rec.stream_error => "stream_error".to_owned(),
+                _ => "transport".to_owned(),
+            };
+            *r.error_reasons.entry(reason).or_default() += 1;
         }
-        if let Some(s) = rec.status {
-            *r.statuses.entry(s).or_default() += 1;
+        if !rec.error
+            && let Some(t) = rec.ttft
+        {
+            r.ttft_samples_ms.push(t.as_secs_f64() * 1000.0);
         }
+        let tenant = rec.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
+        by_tenant.entry(tenant.to_owned()).or_default().push(rec);
     }
-    ttft.sort();
-    e2e.sort();
-    r.ttft_p50_ms = percentile_ms(&ttft, 50.0);
-    r.ttft_p99_ms = percentile_ms(&ttft, 99.0);
-    r.e2e_p50_ms = percentile_ms(&e2e, 50.0);
-    r.e2e_p99_ms = percentile_ms(&e2e, 99.0);
-    if r.prompt_tokens > 0 {
-        r.cached_ratio = r.cached_tokens as f64 / r.prompt_tokens as f64;
-    }
+    r.ttft_samples_ms.sort_by(f64::total_cmp);
     if r.duration_s > 0.0 {
-        r.requests_per_s = r.requests as f64 / r.duration_s;
+        r.output_tokens_per_s = r.output_tokens as f64 / r.duration_s;
     }
+    r.tenants = by_tenant
+        .into_iter()
+        .map(|(k, v)| (k, summary(&v, elapsed)))
+        .collect();
     r
 }
 
 /// A table row: label and how to format a report's cell.
 type TableRow = (&'static str, fn(&Report) -> String);
 
-/// Side-by-side table of reports, one column per target.
+fn table(header: &[String], rows: &[(String, Vec<String>)]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|n| n.len().max(10)).collect();
+    for (_, cells) in rows {
+        for (w, c) in widths.iter_mut().zip(cells) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let label_w = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+    let mut out = format!("{:label_w$}", "");
+    for (name, w) in header.iter().zip(&widths) {
+        out.push_str(&format!("  {name:>w$}"));
+    }
+    out.push('\n');
+    for (label, cells) in rows {
+        out.push_str(&format!("{label:label_w$}"));
+        for (c, w) in cells.iter().zip(&widths) {
+            out.push_str(&format!("  {c:>w$}"));
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn counts<K: std::fmt::Display>(m: &BTreeMap<K, u64>) -> String {
+    if m.is_empty() {
+        return "-".into();
+    }
+    m.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Side-by-side table of reports, one column per target; then one block per tenant when any
+/// report has tenant classes.
 pub fn render_table(reports: &[(String, Report)]) -> String {
     let fmt_rows: Vec<TableRow> = vec![
         ("requests", (|r| r.requests.to_string())),
         ("errors", (|r| r.errors.to_string())),
         ("transport errors", (|r| r.transport_errors.to_string())),
         ("ttft p50 ms", (|r| format!("{:.2}", r.ttft_p50_ms))),
+        ("ttft p90 ms", (|r| format!("{:.2}", r.ttft_p90_ms))),
         ("ttft p99 ms", (|r| format!("{:.2}", r.ttft_p99_ms))),
         ("e2e p50 ms", (|r| format!("{:.2}", r.e2e_p50_ms))),
+        ("e2e p90 ms", (|r| format!("{:.2}", r.e2e_p90_ms))),
         ("e2e p99 ms", (|r| format!("{:.2}", r.e2e_p99_ms))),
         ("cached ratio", (|r| format!("{:.3}", r.cached_ratio))),
         ("requests/s", (|r| format!("{:.1}", r.requests_per_s))),
+        (
+            "output tokens/s",
+            (|r| format!("{:.1}", r.output_tokens_per_s)),
+        ),
         ("pods used", (|r| r.pods.len().to_string())),
+        ("errors by reason", (|r| counts(&r.error_reasons))),
     ];
-    let mut widths: Vec<usize> = reports.iter().map(|(n, _)| n.len().max(10)).collect();
-    let cells: Vec<Vec<String>> = fmt_rows
+    let header: Vec<String> = reports.iter().map(|(n, _)| n.clone()).collect();
+    let rows: Vec<(String, Vec<String>)> = fmt_rows
         .iter()
-        .map(|(_, f)| reports.iter().map(|(_, r)| f(r)).collect())
+        .map(|(l, f)| ((*l).to_owned(), reports.iter().map(|(_, r)| f(r)).collect()))
         .collect();
-    for row in &cells {
-        for (w, c) in widths.iter_mut().zip(row) {
-            *w = (*w).max(c.len());
+    let mut out = table(&header, &rows);
+    let mut tenants: Vec<&String> = reports.iter().flat_map(|(_, r)| r.tenants.keys()).collect();
+    tenants.sort();
+    tenants.dedup();
+    if tenants.len() > 1 || tenants.first().is_some_and(|t| *t != DEFAULT_TENANT) {
+        type SummaryRow = (&'static str, fn(&Summary) -> String);
+        let srows: Vec<SummaryRow> = vec![
+            ("requests", (|s| s.requests.to_string())),
+            ("errors", (|s| s.errors.to_string())),
+            ("ttft p50 ms", (|s| format!("{:.2}", s.ttft_p50_ms))),
+            ("ttft p90 ms", (|s| format!("{:.2}", s.ttft_p90_ms))),
+            ("ttft p99 ms", (|s| format!("{:.2}", s.ttft_p99_ms))),
+            ("e2e p90 ms", (|s| format!("{:.2}", s.e2e_p90_ms))),
+            ("cached ratio", (|s| format!("{:.3}", s.cached_ratio))),
+            ("requests/s", (|s| format!("{:.1}", s.requests_per_s))),
+            ("statuses", (|s| counts(&s.statuses))),
+        ];
+        for t in tenants {
+            out.push_str(&format!("\ntenant {t}\n"));
+            let rows: Vec<(String, Vec<String>)> = srows
+                .iter()
+                .map(|(l, f)| {
+                    (
+                        (*l).to_owned(),
+                        reports
+                            .iter()
+                            .map(|(_, r)| r.tenants.get(t).map(f).unwrap_or_else(|| "-".into()))
+                            .collect(),
+                    )
+                })
+                .collect();
+            out.push_str(&table(&header, &rows));
         }
     }
-    let label_w = fmt_rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
-    let mut out = format!("{:label_w$}", "");
-    for ((name, _), w) in reports.iter().zip(&widths) {
-        out.push_str(&format!("  {name:>w$}"));
+    out
+}
+
+/// An SVG chart of each report's TTFT distribution (empirical CDF, log-scaled time axis), one
+/// coloured line per target.
+pub fn render_svg(reports: &[(String, Report)]) -> String {
+    const W: f64 = 720.0;
+    const H: f64 = 420.0;
+    const L: f64 = 60.0;
+    const R: f64 = 160.0;
+    const T: f64 = 30.0;
+    const B: f64 = 50.0;
+    const COLOURS: [&str; 6] = [
+        "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
+    ];
+    let all = reports
+        .iter()
+        .flat_map(|(_, r)| r.ttft_samples_ms.iter().copied());
+    let (lo, hi) = all.fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
+    let lo = if lo.is_finite() { lo.max(0.01) } else { 0.1 };
+    let hi = hi.max(lo * 10.0);
+    let (llo, lhi) = (lo.log10().floor(), hi.log10().ceil());
+    let x = |v: f64| L + (v.max(lo).log10() - llo) / (lhi - llo) * (W - L - R);
+    let y = |p: f64| T + (1.0 - p) * (H - T - B);
+    let mut out = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{L}\" y=\"18\" font-size=\"14\">TTFT distribution (CDF)</text>\n"
+    );
+    // Axes, decade ticks, quartile grid.
+    out.push_str(&format!(
+        "<line x1=\"{L}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n<line x1=\"{L}\" y1=\"{T}\" x2=\"{L}\" y2=\"{}\" stroke=\"black\"/>\n",
+        H - B,
+        W - R,
+        H - B,
+        H - B
+    ));
+    let mut d = llo;
+    while d <= lhi {
+        let v = 10f64.powf(d);
+        out.push_str(&format!(
+            "<line x1=\"{0:.1}\" y1=\"{T}\" x2=\"{0:.1}\" y2=\"{1}\" stroke=\"#ddd\"/><text x=\"{0:.1}\" y=\"{2}\" text-anchor=\"middle\">{3}</text>\n",
+            x(v),
+            H - B,
+            H - B + 16.0,
+            if v >= 1.0 { format!("{v:.0}") } else { format!("{v}") }
+        ));
+        d += 1.0;
     }
-    out.push('\n');
-    for ((label, _), row) in fmt_rows.iter().zip(&cells) {
-        out.push_str(&format!("{label:label_w$}"));
-        for (c, w) in row.iter().zip(&widths) {
-            out.push_str(&format!("  {c:>w$}"));
+    for q in [0.0, 0.25, 0.5, 0.75, 0.9, 1.0] {
+        out.push_str(&format!(
+            "<line x1=\"{L}\" y1=\"{0:.1}\" x2=\"{1}\" y2=\"{0:.1}\" stroke=\"#eee\"/><text x=\"{2}\" y=\"{3:.1}\" text-anchor=\"end\">{q}</text>\n",
+            y(q),
+            W - R,
+            L - 6.0,
+            y(q) + 4.0
+        ));
+    }
+    out.push_str(&format!(
+        "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">TTFT ms (log)</text>\n",
+        (L + W - R) / 2.0,
+        H - 12.0
+    ));
+    for (i, (name, r)) in reports.iter().enumerate() {
+        let colour = COLOURS[i % COLOURS.len()];
+        let n = r.ttft_samples_ms.len();
+        if n > 0 {
+            // At most ~400 points per line.
+            let step = n.div_ceil(400).max(1);
+            let pts: Vec<String> = r
+                .ttft_samples_ms
+                .iter()
+                .enumerate()
+                .filter(|(k, _)| k % step == 0 || *k == n - 1)
+                .map(|(k, v)| format!("{:.1},{:.1}", x(*v), y((k + 1) as f64 / n as f64)))
+                .collect();
+            out.push_str(&format!(
+                "<polyline fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" points=\"{}\"/>\n",
+                pts.join(" ")
+            ));
         }
-        out.push('\n');
+        let ly = T + 20.0 * i as f64 + 10.0;
+        let label: String = name
+            .chars()
+            .filter(|c| !matches!(c, '<' | '>' | '&' | '"'))
+            .collect();
+        out.push_str(&format!(
+            "<line x1=\"{0}\" y1=\"{ly}\" x2=\"{1}\" y2=\"{ly}\" stroke=\"{colour}\" stroke-width=\"3\"/><text x=\"{2}\" y=\"{3}\">{label} (p50 {4:.1} ms)</text>\n",
+            W - R + 10.0,
+            W - R + 30.0,
+            W - R + 36.0,
+            ly + 4.0,
+            r.ttft_p50_ms
+        ));
     }
+    out.push_str("</svg>\n");
     out
 }
 
@@ -474,7 +1039,54 @@ mod tests {
         assert_eq!(r.cached_ratio, 0.5);
         assert_eq!(r.dropped.get("shed"), Some(&1));
         assert_eq!(r.ttft_p50_ms, 3.0);
+        assert_eq!(r.error_reasons.get("dropped:shed"), Some(&1));
+        assert_eq!(r.tenants[DEFAULT_TENANT].requests, 2);
         let table = render_table(&[("t".into(), r)]);
         assert!(table.contains("cached ratio"));
+        assert!(!table.contains("tenant "));
+    }
+
+    #[test]
+    fn poisson_schedule_is_seeded_bursty_and_has_the_rate() {
+        let a = poisson_schedule(1, 2000, 5, 100.0);
+        assert_eq!(a, poisson_schedule(1, 2000, 5, 100.0));
+        assert_ne!(a, poisson_schedule(2, 2000, 5, 100.0));
+        assert!(a[..5].iter().all(|d| d.is_zero()));
+        assert!(a[5] > Duration::ZERO);
+        assert!(a.windows(2).all(|w| w[0] <= w[1]));
+        // 1995 gaps at 100/s: ~19.95 s.
+        let total = a[1999].as_secs_f64();
+        assert!((17.0..23.0).contains(&total), "{total}");
+    }
+
+    #[test]
+    fn tenants_get_their_own_rows_and_svg_has_a_line_per_target() {
+        let rec = |tenant: Option<&str>, ms: u64, err: bool| Record {
+            status: Some(if err { 429 } else { 200 }),
+            error: err,
+            ttft: Some(Duration::from_millis(ms)),
+            e2e: Duration::from_millis(ms * 2),
+            tenant: tenant.map(str::to_owned),
+            ..Record::default()
+        };
+        let recs = vec![
+            rec(Some("gold"), 5, false),
+            rec(Some("gold"), 7, false),
+            rec(Some("free"), 50, false),
+            rec(Some("free"), 1, true),
+        ];
+        let r = summarize("t", &recs, Duration::from_secs(2));
+        assert_eq!(r.tenants["gold"].ttft_p90_ms, 7.0);
+        assert_eq!(r.tenants["free"].errors, 1);
+        assert_eq!(r.tenants["free"].statuses.get(&429), Some(&1));
+        assert_eq!(r.error_reasons.get("status:429"), Some(&1));
+        assert_eq!(r.ttft_samples_ms, vec![5.0, 7.0, 50.0]);
+        let reports = vec![("a".to_owned(), r.clone()), ("b".to_owned(), r)];
+        let table = render_table(&reports);
+        assert!(table.contains("tenant gold") && table.contains("tenant free"));
+        let svg = render_svg(&reports);
+        assert!(svg.starts_with("<svg"));
+        assert_eq!(svg.matches("<polyline").count(), 2);
+        assert!(svg.trim_end().ends_with("</svg>"));
     }
 }

@@ -4,8 +4,28 @@
 
 use std::fmt::Write;
 
-use crate::engine::PodStats;
+use bytes::Bytes;
+
+use crate::engine::{LoraInfoSeries, PodStats};
 use crate::knobs::PodKnobs;
+
+/// A rendered exposition and the inputs it came from: a scraper polling an idle pod every 50 ms gets
+/// the cached bytes instead of a re-render.
+#[derive(Debug)]
+pub struct Cached {
+    pub key: CacheKey,
+    pub text: Bytes,
+}
+
+/// Everything the text depends on.
+#[derive(Debug, PartialEq)]
+pub struct CacheKey {
+    pub stats: PodStats,
+    pub block_size: usize,
+    pub kv_blocks: usize,
+    pub max_loras: usize,
+    pub lora_stamp: (usize, f64),
+}
 
 pub const NUM_REQUESTS_RUNNING: &str = "vllm:num_requests_running";
 pub const NUM_REQUESTS_WAITING: &str = "vllm:num_requests_waiting";
@@ -16,6 +36,7 @@ pub const PREFIX_CACHE_HITS: &str = "vllm:prefix_cache_hits_total";
 pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
 pub const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
 pub const REQUEST_SUCCESS: &str = "vllm:request_success_total";
+pub const LORA_REQUESTS_INFO: &str = "vllm:lora_requests_info";
 
 /// Prometheus label values escape backslash, quote and newline.
 fn escape(v: &str) -> String {
@@ -31,6 +52,19 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
 
 /// Renders the pod's metrics.
 pub fn render(model: &str, knobs: &PodKnobs, stats: &PodStats) -> String {
+    render_with_lora(model, knobs, stats, &[])
+}
+
+/// Renders the pod's metrics, with `vllm:lora_requests_info` when LoRA is enabled
+/// (`knobs.max_loras > 0`): one series per label combination ever seen, valued with the unix time
+/// of its last update, labels `max_lora`, `waiting_lora_adapters`, `running_lora_adapters` (adapter
+/// names joined by "," without spaces) and no `model_name`/`engine`, as vLLM exposes it.
+pub fn render_with_lora(
+    model: &str,
+    knobs: &PodKnobs,
+    stats: &PodStats,
+    lora: &[LoraInfoSeries],
+) -> String {
     let mut out = String::with_capacity(2048);
     let labels = format!("model_name=\"{}\",engine=\"0\"", escape(model));
     let sample = |out: &mut String, name: &str, kind: &str, help: &str, extra: &str, v: f64| {
@@ -113,6 +147,24 @@ pub fn render(model: &str, knobs: &PodKnobs, stats: &PodStats) -> String {
         "{CACHE_CONFIG_INFO}{{block_size=\"{}\",cache_dtype=\"auto\",enable_prefix_caching=\"True\",engine=\"0\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\"}} 1.0",
         knobs.block_size, knobs.kv_blocks
     );
+    if knobs.max_loras > 0 {
+        family(
+            &mut out,
+            LORA_REQUESTS_INFO,
+            "gauge",
+            "Running stats on lora requests.",
+        );
+        for s in lora {
+            let _ = writeln!(
+                out,
+                "{LORA_REQUESTS_INFO}{{max_lora=\"{}\",waiting_lora_adapters=\"{}\",running_lora_adapters=\"{}\"}} {:?}",
+                knobs.max_loras,
+                escape(&s.waiting),
+                escape(&s.running),
+                s.updated
+            );
+        }
+    }
     out
 }
 
@@ -150,5 +202,27 @@ mod tests {
         assert!(text.contains("block_size=\"16\""));
         assert!(text.contains("num_gpu_blocks=\"4096\""));
         assert!(text.contains("finished_reason=\"length\"} 7.0"));
+        // LoRA on by default (max_loras 1) but no series given.
+        assert!(text.contains("# TYPE vllm:lora_requests_info gauge"));
+        let series = [
+            LoraInfoSeries {
+                running: "a,b".into(),
+                waiting: "".into(),
+                updated: 1.5,
+            },
+            LoraInfoSeries {
+                running: "".into(),
+                waiting: "c".into(),
+                updated: 2.5,
+            },
+        ];
+        let text = render_with_lora("m", &PodKnobs::default(), &stats, &series);
+        assert!(text.contains("vllm:lora_requests_info{max_lora=\"1\",waiting_lora_adapters=\"\",running_lora_adapters=\"a,b\"} 1.5\n"));
+        assert!(text.contains("vllm:lora_requests_info{max_lora=\"1\",waiting_lora_adapters=\"c\",running_lora_adapters=\"\"} 2.5\n"));
+        let off = PodKnobs {
+            max_loras: 0,
+            ..PodKnobs::default()
+        };
+        assert!(!render_with_lora("m", &off, &stats, &series).contains("lora"));
     }
 }

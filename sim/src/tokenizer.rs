@@ -94,7 +94,46 @@ pub enum Prompt {
     IdLists(Vec<Vec<u32>>),
 }
 
-/// Prompt tokens of a completions request. Batched prompts are not simulated: the first entry is used.
+/// Every prompt of a completions request (a batch of strings or of token-id lists is several).
+pub fn prompt_list(prompt: &Prompt) -> Vec<Vec<u32>> {
+    match prompt {
+        Prompt::Text(t) => vec![tokenize(t)],
+        Prompt::Texts(ts) => ts.iter().map(|t| tokenize(t)).collect(),
+        Prompt::Ids(ids) => vec![ids.clone()],
+        Prompt::IdLists(lists) => lists.clone(),
+    }
+}
+
+/// The text of each token of `text` (`return_token_strs` of `/tokenize`).
+pub fn token_strs_into(text: &str, out: &mut Vec<String>) {
+    for word in text.split_whitespace() {
+        for piece in word.as_bytes().chunks(PIECE_BYTES) {
+            out.push(String::from_utf8_lossy(piece).into_owned());
+        }
+    }
+}
+
+/// Token texts of a chat conversation, aligned with [`chat_tokens`].
+pub fn chat_token_strs(messages: &[ChatMessage]) -> Vec<String> {
+    let mut out = Vec::new();
+    for m in messages {
+        out.push(format!("<|{}|>", m.role));
+        match &m.content {
+            Some(Content::Text(t)) => token_strs_into(t, &mut out),
+            Some(Content::Parts(parts)) => {
+                for p in parts {
+                    if let Some(t) = &p.text {
+                        token_strs_into(t, &mut out);
+                    }
+                }
+            }
+            None => {}
+        }
+    }
+    out
+}
+
+/// Prompt tokens of a completions request: the first prompt of a batch.
 pub fn prompt_tokens(prompt: &Prompt) -> Vec<u32> {
     match prompt {
         Prompt::Text(t) => tokenize(t),
@@ -153,6 +192,16 @@ mod tests {
         assert_eq!(prompt_tokens(&p), vec![5, 6, 7]);
         let p: Prompt = serde_json::from_str("[[1,2],[3]]").unwrap();
         assert_eq!(prompt_tokens(&p), vec![1, 2]);
+    }
+
+    #[test]
+    fn prompt_batches_and_token_strs() {
+        let p: Prompt = serde_json::from_str(r#"["a b","c"]"#).unwrap();
+        assert_eq!(prompt_list(&p), vec![tokenize("a b"), tokenize("c")]);
+        let msgs: Vec<ChatMessage> =
+            serde_json::from_str(r#"[{"role":"user","content":"hello w"}]"#).unwrap();
+        assert_eq!(chat_token_strs(&msgs), vec!["<|user|>", "hell", "o", "w"]);
+        assert_eq!(chat_token_strs(&msgs).len(), chat_tokens(&msgs).len());
     }
 
     #[test]

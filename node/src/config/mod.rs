@@ -14,6 +14,27 @@ pub const API_VERSION: &str = "llm-d.ai/v1alpha1";
 pub const DEPRECATED_API_VERSION: &str = "inference.networking.x-k8s.io/v1alpha1";
 pub const KIND: &str = "EndpointPickerConfig";
 
+/// llm-d's built-in default configuration (and its Helm chart's `default-plugins.yaml`).
+pub const BUILTIN_DEFAULT: &str = r#"
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: metrics-data-source
+- type: core-metrics-extractor
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+"#;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("config is not valid YAML: {0}")]
@@ -187,40 +208,9 @@ impl EndpointPickerConfig {
         Self::from_yaml(&text)
     }
 
-    /// The configuration llm-d uses when no file is given (queue 2, kv-cache 2, prefix 3).
-    /// `prefix-cache-scorer` is left out until the prefix index lands; see docs/configuration.md.
-    pub fn builtin_default() -> Self {
-        EndpointPickerConfig {
-            api_version: API_VERSION.into(),
-            kind: KIND.into(),
-            feature_gates: vec![],
-            plugins: ["queue-scorer", "kv-cache-utilization-scorer"]
-                .iter()
-                .map(|t| PluginSpec {
-                    name: None,
-                    type_name: (*t).to_string(),
-                    parameters: None,
-                })
-                .collect(),
-            scheduling_profiles: vec![ProfileSpec {
-                name: "default".into(),
-                plugins: vec![
-                    ProfilePluginRef {
-                        plugin_ref: "queue-scorer".into(),
-                        weight: Some(2.0),
-                    },
-                    ProfilePluginRef {
-                        plugin_ref: "kv-cache-utilization-scorer".into(),
-                        weight: Some(2.0),
-                    },
-                ],
-            }],
-            data_layer: None,
-            flow_control: None,
-            request_handler: None,
-            saturation_detector: None,
-            parser: None,
-        }
+    /// The configuration llm-d uses when no file is given: queue ×2, kv-cache ×2, prefix ×3.
+    pub fn builtin_default() -> Result<Self, ConfigError> {
+        Self::from_yaml(BUILTIN_DEFAULT)
     }
 
     /// Feature gates as (name, enabled); `name`, `name=true`, `name=false`.

@@ -31,6 +31,8 @@ use crate::plugins::Scheduler;
 pub struct PickerContext {
     pub store: Arc<Datastore>,
     pub scheduler: Scheduler,
+    /// The in-flight ledger the response path settles into (when a plugin uses one).
+    pub inflight: Option<Arc<crate::plugins::inflight::InflightTracker>>,
     pub metrics: Arc<Metrics>,
     pub max_body_bytes: usize,
     /// `passthrough-parser` configured: unknown paths are routed instead of refused.

@@ -22,7 +22,7 @@ use tonic::{Status, Streaming};
 use super::PickerContext;
 use super::reject::{DROPPED_REASON_HEADER, Rejection};
 use crate::metrics::RequestLabels;
-use crate::parsers::{self, ParsedRequest};
+use crate::parsers::{self, ParsedRequest, Prompt};
 use crate::plugins::{SchedError, SchedRequest};
 
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -61,6 +61,9 @@ struct StreamState {
     observability: bool,
     labels: Option<RequestLabels>,
     running: bool,
+    /// This stream sees the response, so it settles the request's in-flight charge.
+    settles: bool,
+    first_response_byte: bool,
 }
 
 pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
@@ -80,6 +83,8 @@ pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingReque
         observability: false,
         labels: None,
         running: false,
+        settles: false,
+        first_response_byte: false,
     };
     loop {
         let msg = match inbound.message().await {
@@ -135,6 +140,10 @@ impl StreamState {
                     .await
             }
             Req::ResponseHeaders(h) => {
+                self.settles = true;
+                if h.end_of_stream {
+                    self.settle();
+                }
                 if self.phase == Phase::Done || self.observability {
                     return Ok(());
                 }
@@ -154,6 +163,17 @@ impl StreamState {
             }
             Req::ResponseBody(b) => {
                 let eos = b.end_of_stream;
+                self.settles = true;
+                if !self.first_response_byte && !b.body.is_empty() {
+                    // Prefill is over once bytes flow: release the prompt tokens.
+                    self.first_response_byte = true;
+                    if let Some(t) = &self.ctx.inflight {
+                        t.release_tokens(&self.request_id);
+                    }
+                }
+                if eos {
+                    self.settle();
+                }
                 let result = if self.phase == Phase::Done || self.observability {
                     Ok(())
                 } else if self.response_body_mode == FULL_DUPLEX {
@@ -168,6 +188,8 @@ impl StreamState {
                 result
             }
             Req::ResponseTrailers(_) => {
+                self.settles = true;
+                self.settle();
                 self.complete();
                 if self.phase == Phase::Done || self.observability {
                     return Ok(());
@@ -286,10 +308,14 @@ impl StreamState {
 
         let t0 = Instant::now();
         let candidates = self.ctx.store.candidates(t0);
+        let no_prompt = Prompt::None;
         let req = SchedRequest {
             request_id: &self.request_id,
             model,
             target_model: model,
+            prompt: parsed.as_ref().map_or(&no_prompt, |p| &p.prompt),
+            cache_salt: parsed.as_ref().and_then(|p| p.cache_salt.as_deref()),
+            headers: &self.headers,
         };
         let decision = self
             .ctx
@@ -353,6 +379,8 @@ impl StreamState {
         if on_headers && has_body {
             self.stream_body_back(body).await?;
         }
+        // Record the decision after answering, off the latency path.
+        self.ctx.scheduler.pre_request(&req, &decision, &candidates);
         Ok(())
     }
 
@@ -414,7 +442,20 @@ impl StreamState {
         self.finish();
     }
 
+    /// The response ended (or its stream did): settle the in-flight charge once.
+    fn settle(&mut self) {
+        if self.settles {
+            self.settles = false;
+            if let Some(t) = &self.ctx.inflight {
+                t.finish(&self.request_id);
+            }
+        }
+    }
+
     fn finish(&mut self) {
+        // A stream that saw the response but ended without its end (client gone, EPP shutdown):
+        // nothing more will come for this request.
+        self.settle();
         if self.running {
             self.running = false;
             if let Some(l) = &self.labels {

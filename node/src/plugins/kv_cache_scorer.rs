@@ -1,7 +1,7 @@
 //! `kv-cache-utilization-scorer`: score = 1 - KV-cache usage (a fraction). Missing or stale
 //! metrics score 0.
 
-use super::{SchedRequest, Scorer};
+use super::{RequestData, SchedRequest, Scorer};
 use crate::datalayer::store::Candidate;
 
 pub const TYPE: &str = "kv-cache-utilization-scorer";
@@ -14,9 +14,16 @@ impl Scorer for KvCacheScorer {
         TYPE
     }
 
-    fn score(&self, _req: &SchedRequest<'_>, candidates: &[&Candidate], out: &mut [f64]) {
-        for (slot, c) in out.iter_mut().zip(candidates) {
-            *slot = c
+    fn score(
+        &self,
+        _req: &SchedRequest<'_>,
+        _data: &RequestData,
+        candidates: &[Candidate],
+        idx: &[usize],
+        out: &mut [f64],
+    ) {
+        for (slot, &i) in out.iter_mut().zip(idx) {
+            *slot = candidates[i]
                 .metrics()
                 .and_then(|m| m.kv_cache_usage)
                 .map(|u| 1.0 - u.clamp(0.0, 1.0))
@@ -29,27 +36,20 @@ impl Scorer for KvCacheScorer {
 mod tests {
     use super::*;
     use crate::datalayer::EndpointMetrics;
-    use crate::plugins::queue_scorer::tests::{cand, req};
-
-    fn kv(u: f64) -> Option<EndpointMetrics> {
-        Some(EndpointMetrics {
-            kv_cache_usage: Some(u),
-            ..Default::default()
-        })
-    }
+    use crate::plugins::testutil::*;
 
     #[test]
     fn scores() {
         let cs = [
-            cand("a", kv(0.25), false),
-            cand("b", kv(1.0), false),
+            cand("a", metrics(0.0, 0.0, 0.25), false),
+            cand("b", metrics(0.0, 0.0, 1.0), false),
             cand("c", None, false),
-            cand("d", kv(0.0), true),
+            cand("d", metrics(0.0, 0.0, 0.0), true),
             cand("e", Some(EndpointMetrics::default()), false),
         ];
-        let refs: Vec<_> = cs.iter().collect();
-        let mut out = vec![9.0; 5];
-        KvCacheScorer.score(&req(), &refs, &mut out);
-        assert_eq!(out, vec![0.75, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(
+            score_all(&KvCacheScorer, &RequestData::default(), &cs),
+            vec![0.75, 0.0, 0.0, 0.0, 0.0]
+        );
     }
 }

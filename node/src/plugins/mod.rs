@@ -2,19 +2,31 @@
 //!
 //! Each plugin is one module: an inert serde parameter struct decoded strictly from the YAML
 //! `parameters`, a constructor, and the trait impl with unit tests. [`registry`] maps llm-d's type
-//! names to constructors; [`build`] instantiates the configured plugins, injects llm-d's defaults and
-//! returns the [`Scheduler`] the request path runs.
+//! names to constructors; [`build`] instantiates the configured plugins, injects llm-d's defaults
+//! (including the data producers a consumer needs) and returns the [`Scheduler`].
+//!
+//! Per request: producers fill [`RequestData`] (prompt tokens, prefix matches, in-flight load) for
+//! every candidate; the profile's filters narrow the candidate indices, scorers score them, the
+//! picker orders them; after the answer is sent, producers record the decision (`pre_request`).
 
+pub mod filters;
+pub mod inflight;
 pub mod kv_cache_scorer;
+pub mod load_scorers;
+pub mod lora_affinity_scorer;
 pub mod max_score_picker;
+pub mod prefix;
 pub mod queue_scorer;
 pub mod random_picker;
 pub mod registry;
 pub mod scheduler;
+pub mod weighted_random_picker;
 
+use std::collections::HashMap;
 use std::fmt::Debug;
 
 use crate::datalayer::store::Candidate;
+use crate::parsers::Prompt;
 
 pub use registry::build;
 pub use scheduler::{SchedError, Scheduler};
@@ -25,13 +37,89 @@ pub struct SchedRequest<'a> {
     pub request_id: &'a str,
     pub model: &'a str,
     pub target_model: &'a str,
+    pub prompt: &'a Prompt,
+    pub cache_salt: Option<&'a str>,
+    pub headers: &'a HashMap<String, String>,
 }
 
-/// Scores every candidate; scores are clamped to [0, 1] by the scheduler and multiplied by the
-/// scorer's weight. `out[i]` belongs to `candidates[i]`.
+/// Prefix-cache match of the request on every candidate (llm-d's `PrefixCacheMatchInfo`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PrefixMatchInfo {
+    pub block_size: usize,
+    pub total_blocks: usize,
+    /// Matched leading blocks, per candidate (aligned with the candidate list).
+    pub matched: Vec<usize>,
+    /// The request's block hashes (recorded for the chosen pod after routing).
+    pub hashes: Vec<u64>,
+}
+
+/// In-flight load of one candidate, as this replica tracks it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct InflightLoad {
+    pub requests: u64,
+    pub tokens: u64,
+}
+
+/// Data produced for one request, aligned with the candidate list.
+#[derive(Debug, Clone, Default)]
+pub struct RequestData {
+    /// Prompt length in (estimated) tokens.
+    pub prompt_tokens: usize,
+    pub prefix: Option<PrefixMatchInfo>,
+    /// Empty unless an in-flight producer runs.
+    pub inflight: Vec<InflightLoad>,
+}
+
+impl RequestData {
+    /// Prompt tokens not already cached on candidate `i` (all of them without prefix data).
+    pub fn uncached_tokens(&self, i: usize) -> usize {
+        match &self.prefix {
+            Some(p) => self
+                .prompt_tokens
+                .saturating_sub(p.matched.get(i).copied().unwrap_or(0) * p.block_size),
+            None => self.prompt_tokens,
+        }
+    }
+}
+
+/// Computes per-request data before filters and scorers run, and records routing decisions.
+pub trait Producer: Send + Sync + Debug {
+    fn type_name(&self) -> &'static str;
+    fn produce(&self, req: &SchedRequest<'_>, candidates: &[Candidate], data: &mut RequestData);
+    /// The request was routed to `candidates[primary]`.
+    fn pre_request(
+        &self,
+        req: &SchedRequest<'_>,
+        data: &RequestData,
+        candidates: &[Candidate],
+        primary: usize,
+    );
+}
+
+/// Narrows the candidate set: `keep` holds candidate indices and is edited in place.
+pub trait Filter: Send + Sync + Debug {
+    fn type_name(&self) -> &'static str;
+    fn filter(
+        &self,
+        req: &SchedRequest<'_>,
+        data: &RequestData,
+        candidates: &[Candidate],
+        keep: &mut Vec<usize>,
+    );
+}
+
+/// Scores candidates `idx` (indices into `candidates`); `out[k]` belongs to `candidates[idx[k]]`.
+/// Scores are clamped to [0, 1] by the scheduler and multiplied by the scorer's weight.
 pub trait Scorer: Send + Sync + Debug {
     fn type_name(&self) -> &'static str;
-    fn score(&self, req: &SchedRequest<'_>, candidates: &[&Candidate], out: &mut [f64]);
+    fn score(
+        &self,
+        req: &SchedRequest<'_>,
+        data: &RequestData,
+        candidates: &[Candidate],
+        idx: &[usize],
+        out: &mut [f64],
+    );
 }
 
 /// Picks the endpoints to use, best first, from `(candidate index, total score)` pairs.
@@ -74,3 +162,73 @@ fn one() -> usize {
 #[derive(Debug, Clone, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NoParams {}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    use std::collections::HashMap;
+    use std::sync::{Arc, LazyLock};
+    use std::time::Instant;
+
+    use super::*;
+    use crate::datalayer::{Endpoint, EndpointMetrics};
+
+    pub static NO_HEADERS: LazyLock<HashMap<String, String>> = LazyLock::new(HashMap::new);
+    pub static NO_PROMPT: Prompt = Prompt::None;
+
+    pub fn cand(name: &str, m: Option<EndpointMetrics>, stale: bool) -> Candidate {
+        cand_at(name, "127.0.0.1:1", m, stale, &[])
+    }
+
+    pub fn cand_at(
+        name: &str,
+        addr: &str,
+        m: Option<EndpointMetrics>,
+        stale: bool,
+        labels: &[(&str, &str)],
+    ) -> Candidate {
+        let ep = Arc::new(Endpoint::new(
+            name.into(),
+            addr.parse().unwrap(),
+            labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        ));
+        if let Some(m) = m {
+            ep.set_metrics(m, Instant::now());
+        }
+        Candidate {
+            sample: ep.sample(),
+            endpoint: ep,
+            stale,
+        }
+    }
+
+    pub fn req() -> SchedRequest<'static> {
+        SchedRequest {
+            request_id: "r",
+            model: "m",
+            target_model: "m",
+            prompt: &NO_PROMPT,
+            cache_salt: None,
+            headers: &NO_HEADERS,
+        }
+    }
+
+    /// Run a scorer over all candidates.
+    pub fn score_all(s: &dyn Scorer, data: &RequestData, cs: &[Candidate]) -> Vec<f64> {
+        let idx: Vec<usize> = (0..cs.len()).collect();
+        let mut out = vec![-1.0; cs.len()];
+        s.score(&req(), data, cs, &idx, &mut out);
+        out
+    }
+
+    pub fn metrics(q: f64, running: f64, kv: f64) -> Option<EndpointMetrics> {
+        Some(EndpointMetrics {
+            waiting_queue_size: Some(q),
+            running_requests: Some(running),
+            kv_cache_usage: Some(kv),
+            ..Default::default()
+        })
+    }
+}

@@ -5,12 +5,18 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
+use super::filters::{self, LabelSelectorFilter, UtilizationFilter};
+use super::inflight::{self, InflightProducer, InflightTracker};
 use super::kv_cache_scorer::{self, KvCacheScorer};
+use super::load_scorers::{self, ActiveRequestScorer, RunningRequestsScorer, TokenLoadScorer};
+use super::lora_affinity_scorer::{self, LoraAffinityScorer};
 use super::max_score_picker::{self, MaxScorePicker};
+use super::prefix::{self, ApproxPrefixProducer, PrefixAffinityFilter, PrefixCacheScorer};
 use super::queue_scorer::{self, QueueScorer};
 use super::random_picker::{self, RandomPicker};
 use super::scheduler::{Profile, Scheduler, WeightedScorer};
-use super::{NoParams, Picker, PickerParams, Scorer, params};
+use super::weighted_random_picker::{self, WeightedRandomPicker};
+use super::{Filter, NoParams, Picker, PickerParams, Producer, Scorer, params};
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 
 pub const SINGLE_PROFILE_HANDLER: &str = "single-profile-handler";
@@ -26,28 +32,14 @@ pub const PARSERS: [&str; 4] = [
 /// llm-d plugin types this build recognises but does not implement yet: a config naming one fails
 /// with a message saying so, rather than "unknown type".
 const NOT_YET: &[&str] = &[
-    "prefix-cache-scorer",
-    "approx-prefix-cache-producer",
     "precise-prefix-cache-producer",
-    "prefix-cache-affinity-filter",
-    "running-requests-size-scorer",
-    "lora-affinity-scorer",
-    "token-load-scorer",
-    "active-request-scorer",
     "load-aware-scorer",
     "no-hit-lru-scorer",
     "session-affinity-scorer",
     "session-affinity-filter",
     "session-id-producer",
     "agent-identity",
-    "inflight-load-producer",
-    "token-producer",
-    "utilization-filter",
-    "label-selector-filter",
-    "decode-filter",
-    "prefill-filter",
     "encode-filter",
-    "weighted-random-picker",
     "disagg-profile-handler",
     "prefix-based-pd-decider",
     "always-disagg-pd-decider",
@@ -72,7 +64,12 @@ const NOT_YET: &[&str] = &[
 #[derive(Debug, Clone)]
 pub enum Plugin {
     Scorer(Arc<dyn Scorer>),
+    Filter(Arc<dyn Filter>),
     Picker(Arc<dyn Picker>),
+    PrefixProducer(Arc<ApproxPrefixProducer>),
+    InflightProducer(inflight::InflightParams),
+    /// `token-producer` (estimate backend: the count comes from the prompt's estimate tokens).
+    TokenProducer,
     ProfileHandler,
     MetricsSource(MetricsSourceParams),
     Extractor,
@@ -122,6 +119,18 @@ pub struct ExtractorParams {
     pub engine_label_key: Option<String>,
 }
 
+/// `token-producer` parameters: only the tokenizer-free `estimate` backend exists here.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TokenProducerParams {
+    #[serde(default = "estimate")]
+    pub backend: String,
+}
+
+fn estimate() -> String {
+    "estimate".into()
+}
+
 /// Construct one plugin by llm-d type name. `path` locates its parameters for error messages.
 pub fn construct(
     type_name: &str,
@@ -136,6 +145,70 @@ pub fn construct(
         kv_cache_scorer::TYPE => {
             let _: NoParams = params(parameters, path)?;
             Plugin::Scorer(Arc::new(KvCacheScorer))
+        }
+        prefix::SCORER_TYPE => Plugin::Scorer(Arc::new(PrefixCacheScorer {
+            params: params(parameters, path)?,
+        })),
+        prefix::PRODUCER_TYPE => Plugin::PrefixProducer(Arc::new(ApproxPrefixProducer::new(
+            params(parameters, path)?,
+        ))),
+        prefix::AFFINITY_FILTER_TYPE => {
+            let p: prefix::AffinityParams = params(parameters, path)?;
+            if p.ttft_source != "prefillThroughput" {
+                return Err(ConfigError::Field {
+                    path: format!("{path}.ttftSource"),
+                    message: format!(
+                        "ttftSource `{}` is not supported (only prefillThroughput)",
+                        p.ttft_source
+                    ),
+                });
+            }
+            Plugin::Filter(Arc::new(PrefixAffinityFilter { params: p }))
+        }
+        load_scorers::RUNNING_TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(RunningRequestsScorer))
+        }
+        load_scorers::TOKEN_LOAD_TYPE => Plugin::Scorer(Arc::new(TokenLoadScorer {
+            params: params(parameters, path)?,
+        })),
+        load_scorers::ACTIVE_REQUEST_TYPE => Plugin::Scorer(Arc::new(ActiveRequestScorer {
+            params: params(parameters, path)?,
+        })),
+        lora_affinity_scorer::TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(LoraAffinityScorer))
+        }
+        inflight::TYPE => Plugin::InflightProducer(params(parameters, path)?),
+        "token-producer" => {
+            let p: TokenProducerParams = params(parameters, path)?;
+            if p.backend != "estimate" {
+                return Err(ConfigError::Field {
+                    path: format!("{path}.backend"),
+                    message: format!("backend `{}` is not supported (only estimate)", p.backend),
+                });
+            }
+            Plugin::TokenProducer
+        }
+        filters::LABEL_SELECTOR_TYPE => Plugin::Filter(Arc::new(LabelSelectorFilter {
+            params: params(parameters, path)?,
+        })),
+        filters::DECODE_TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Filter(Arc::new(filters::decode_filter()))
+        }
+        filters::PREFILL_TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Filter(Arc::new(filters::prefill_filter()))
+        }
+        filters::UTILIZATION_TYPE => Plugin::Filter(Arc::new(UtilizationFilter {
+            params: params(parameters, path)?,
+        })),
+        weighted_random_picker::TYPE => {
+            let p: PickerParams = params(parameters, path)?;
+            Plugin::Picker(Arc::new(WeightedRandomPicker {
+                max_endpoints: p.max_num_of_endpoints,
+            }))
         }
         max_score_picker::TYPE => {
             let p: PickerParams = params(parameters, path)?;
@@ -201,6 +274,8 @@ pub fn construct(
 pub struct Built {
     pub scheduler: Scheduler,
     pub metrics_source: MetricsSourceParams,
+    /// The in-flight ledger, when a plugin needs one (the response path releases into it).
+    pub inflight: Option<Arc<InflightTracker>>,
     /// Effective configuration, for the start-up log line.
     pub summary: String,
 }
@@ -267,11 +342,13 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
 
     let profile = match cfg.scheduling_profiles.first() {
         None => {
-            // No profiles: one `default` profile with every scorer/picker, weight 1.
+            // No profiles: one `default` profile with every filter/scorer/picker, weight 1.
             let mut scorers = Vec::new();
+            let mut filters = Vec::new();
             let mut picker = None;
             for (name, _, p) in &instances {
                 match p {
+                    Plugin::Filter(f) => filters.push(f.clone()),
                     Plugin::Scorer(s) => scorers.push(WeightedScorer {
                         name: name.clone(),
                         weight: 1.0,
@@ -283,12 +360,14 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             }
             Profile {
                 name: "default".into(),
+                filters,
                 scorers,
                 picker: picker.unwrap_or(default_picker),
             }
         }
         Some(spec) => {
             let mut scorers = Vec::new();
+            let mut filters = Vec::new();
             let mut picker = None;
             for (j, r) in spec.plugins.iter().enumerate() {
                 let path = format!("schedulingProfiles[0].plugins[{j}].pluginRef");
@@ -300,6 +379,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
                     })?;
                 let (name, type_name, p) = &instances[*idx];
                 match p {
+                    Plugin::Filter(f) => filters.push(f.clone()),
                     Plugin::Scorer(s) => {
                         let weight = r.weight.unwrap_or(1.0);
                         if !weight.is_finite() || weight < 0.0 {
@@ -335,11 +415,59 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             }
             Profile {
                 name: spec.name.clone(),
+                filters,
                 scorers,
                 picker: picker.unwrap_or(default_picker),
             }
         }
     };
+
+    // Data producers: the configured ones, plus llm-d's defaults for every consumer that needs one.
+    let uses = |t: &[&str]| {
+        profile
+            .scorers
+            .iter()
+            .any(|s| t.contains(&s.scorer.type_name()))
+            || profile.filters.iter().any(|f| t.contains(&f.type_name()))
+    };
+    let needs_prefix = uses(&[prefix::SCORER_TYPE, prefix::AFFINITY_FILTER_TYPE]);
+    let needs_inflight = uses(&[
+        load_scorers::TOKEN_LOAD_TYPE,
+        load_scorers::ACTIVE_REQUEST_TYPE,
+        prefix::AFFINITY_FILTER_TYPE,
+    ]) || profile
+        .filters
+        .iter()
+        .any(|f| f.type_name() == filters::UTILIZATION_TYPE);
+    let mut producers: Vec<Arc<dyn Producer>> = Vec::new();
+    let configured_prefix = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::PrefixProducer(p) => Some(p.clone()),
+        _ => None,
+    });
+    match configured_prefix {
+        Some(p) => producers.push(p),
+        None if needs_prefix => producers.push(Arc::new(ApproxPrefixProducer::new(
+            prefix::ProducerParams::default(),
+        ))),
+        None => {}
+    }
+    let configured_inflight = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::InflightProducer(p) => Some(p.clone()),
+        _ => None,
+    });
+    let inflight_params = match configured_inflight {
+        Some(p) => Some(p),
+        None if needs_inflight => Some(inflight::InflightParams::default()),
+        None => None,
+    };
+    let inflight = inflight_params.map(|params| {
+        let tracker = Arc::new(InflightTracker::default());
+        producers.push(Arc::new(InflightProducer {
+            params,
+            tracker: tracker.clone(),
+        }));
+        tracker
+    });
 
     // Data layer: metrics-data-source (+ core-metrics-extractor) unless injectDefaults: false.
     let mut metrics_source = None;
@@ -405,8 +533,19 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
     }
 
     let summary = format!(
-        "profile={} scorers=[{}] picker={} metrics={}://<pod>{} every {}",
+        "producers=[{}] profile={} filters=[{}] scorers=[{}] picker={} metrics={}://<pod>{} every {}",
+        producers
+            .iter()
+            .map(|p| p.type_name())
+            .collect::<Vec<_>>()
+            .join(", "),
         profile.name,
+        profile
+            .filters
+            .iter()
+            .map(|f| f.type_name())
+            .collect::<Vec<_>>()
+            .join(", "),
         profile
             .scorers
             .iter()
@@ -419,8 +558,9 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         metrics_source.interval.as_deref().unwrap_or("base tick"),
     );
     Ok(Built {
-        scheduler: Scheduler { profile },
+        scheduler: Scheduler { producers, profile },
         metrics_source,
+        inflight,
         summary,
     })
 }
@@ -483,8 +623,30 @@ dataLayer:
 
     #[test]
     fn builtin_default_builds() {
-        let b = build(&EndpointPickerConfig::builtin_default()).unwrap();
-        assert_eq!(b.scheduler.profile.scorers.len(), 2);
+        let b = build(&EndpointPickerConfig::builtin_default().unwrap()).unwrap();
+        let p = &b.scheduler.profile;
+        let weights: Vec<_> = p
+            .scorers
+            .iter()
+            .map(|s| (s.scorer.type_name(), s.weight))
+            .collect();
+        assert_eq!(
+            weights,
+            vec![
+                ("queue-scorer", 2.0),
+                ("kv-cache-utilization-scorer", 2.0),
+                ("prefix-cache-scorer", 3.0)
+            ]
+        );
+        // the prefix scorer's producer was injected
+        let producers: Vec<_> = b
+            .scheduler
+            .producers
+            .iter()
+            .map(|p| p.type_name())
+            .collect();
+        assert_eq!(producers, vec!["approx-prefix-cache-producer"]);
+        assert!(b.inflight.is_none());
     }
 
     #[test]
@@ -499,7 +661,7 @@ dataLayer:
 
     #[test]
     fn not_yet_plugin_says_so() {
-        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: prefix-cache-scorer\n").unwrap_err().to_string();
+        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: disagg-profile-handler\n").unwrap_err().to_string();
         assert!(e.contains("does not implement yet"), "{e}");
     }
 

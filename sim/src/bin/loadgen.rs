@@ -1,11 +1,12 @@
-//! `loadgen`: runs the multi-turn conversation workload against one or more targets and compares them.
+//! `loadgen`: runs a workload (multi-turn conversations, short prompts, tenant classes; closed or
+//! open loop) against one or more targets on the same seeded schedule and compares them.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use sim::loadgen::{self, LoadConfig, Report};
+use sim::loadgen::{self, Arrival, LoadConfig, Report, TenantClass};
 
 #[derive(Debug, Parser)]
 #[command(about = "Multi-turn chat load generator; compares targets on the same seeded schedule")]
@@ -45,6 +46,58 @@ struct Args {
     /// Exit non-zero when any target had transport errors.
     #[arg(long)]
     fail_on_error: bool,
+    /// Pause between a conversation's turns, in ms.
+    #[arg(long, default_value_t = 0)]
+    think_time_ms: u64,
+    /// `closed` (fixed concurrency) or `poisson` (open loop at --rate arrivals/s).
+    #[arg(long, default_value = "closed")]
+    arrival: String,
+    /// Conversation (and short-prompt) arrivals per second with --arrival poisson.
+    #[arg(long, default_value_t = 10.0)]
+    rate: f64,
+    /// Independent single-turn prompts besides the conversations.
+    #[arg(long, default_value_t = 0)]
+    short_prompts: usize,
+    #[arg(long, default_value_t = 16)]
+    short_prompt_words: usize,
+    /// Tenant class `name=gold,requests=100,rate=20,burst=5,objective=premium,fairness=g,prompt_words=32,max_tokens=16`;
+    /// repeatable. Sends x-llm-d-inference-fairness-id / -objective headers.
+    #[arg(long = "tenant")]
+    tenants: Vec<String>,
+    /// Write an SVG plot of the TTFT distributions (one line per target) here.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// POST this URL before each target's run (e.g. the sim admin's /reset_prefix_caches).
+    #[arg(long)]
+    reset_url: Option<String>,
+    /// No progress bar (it is drawn only when stderr is a terminal anyway).
+    #[arg(long)]
+    no_progress: bool,
+}
+
+fn parse_tenant(spec: &str) -> anyhow::Result<TenantClass> {
+    let mut t = TenantClass::default();
+    for part in spec.split(',').filter(|p| !p.is_empty()) {
+        let Some((k, v)) = part.split_once('=') else {
+            bail!("--tenant {spec:?}: {part:?} is not key=value");
+        };
+        let num = |v: &str| {
+            v.parse::<f64>()
+                .with_context(|| format!("--tenant {k}={v}"))
+        };
+        match k {
+            "name" => t.name = v.to_owned(),
+            "fairness" | "fairness_id" => t.fairness_id = Some(v.to_owned()),
+            "objective" => t.objective = Some(v.to_owned()),
+            "requests" => t.requests = num(v)? as usize,
+            "rate" => t.rate = num(v)?,
+            "burst" => t.burst = num(v)? as usize,
+            "prompt_words" => t.prompt_words = num(v)? as usize,
+            "max_tokens" => t.max_tokens = num(v)? as u32,
+            other => bail!("--tenant: unknown key {other:?}"),
+        }
+    }
+    Ok(t)
 }
 
 fn parse_target(s: &str) -> (String, String) {
@@ -76,6 +129,21 @@ fn config(args: &Args) -> anyhow::Result<LoadConfig> {
         headers,
         seed: args.seed,
         request_timeout_ms: args.request_timeout_ms,
+        think_time_ms: args.think_time_ms,
+        arrival: match args.arrival.as_str() {
+            "closed" => Arrival::Closed,
+            "poisson" | "open" => Arrival::Poisson,
+            other => bail!("--arrival {other:?}: use closed or poisson"),
+        },
+        rate: args.rate,
+        short_prompts: args.short_prompts,
+        short_prompt_words: args.short_prompt_words,
+        tenants: args
+            .tenants
+            .iter()
+            .map(|t| parse_tenant(t))
+            .collect::<anyhow::Result<_>>()?,
+        progress: !args.no_progress,
     };
     cfg.validate()?;
     Ok(cfg)
@@ -95,6 +163,17 @@ async fn main() -> anyhow::Result<ExitCode> {
     let targets: Vec<(String, String)> = args.targets.iter().map(|t| parse_target(t)).collect();
     let mut reports: Vec<(String, Report)> = Vec::with_capacity(targets.len());
     for (name, url) in &targets {
+        if let Some(reset) = &args.reset_url {
+            let status = reqwest::Client::new()
+                .post(reset)
+                .send()
+                .await
+                .with_context(|| format!("POST {reset}"))?
+                .status();
+            if !status.is_success() {
+                bail!("POST {reset}: {status}");
+            }
+        }
         tracing::info!(target_name = %name, %url, "running workload");
         let report = loadgen::run(&cfg, url)
             .await
@@ -112,6 +191,10 @@ async fn main() -> anyhow::Result<ExitCode> {
             "targets": map,
         }))?;
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.svg {
+        std::fs::write(path, loadgen::render_svg(&reports))
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     if args.fail_on_error && reports.iter().any(|(_, r)| r.transport_errors > 0) {
         eprintln!("transport errors occurred");

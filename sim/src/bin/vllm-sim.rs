@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::Parser;
 use serde_json::json;
-use sim::{PodKnobs, Sim, SimConfig};
+use sim::{Encoding, KvEventsConfig, PodKnobs, Sim, SimConfig};
 
 #[derive(Debug, Parser)]
 #[command(about = "Simulated vLLM pods for exercising the endpoint picker")]
@@ -49,6 +49,34 @@ struct Args {
     error_rate: f64,
     #[arg(long, default_value_t = 0.0)]
     extra_latency_ms: f64,
+    /// LoRA slots per pod (vLLM --max-loras); 0 disables LoRA.
+    #[arg(long, default_value_t = 1)]
+    max_loras: usize,
+    /// Swap-in cost of a non-resident adapter, in ms.
+    #[arg(long, default_value_t = 20.0)]
+    lora_load_ms: f64,
+    /// Adapter loaded at start, `name=path` (or just `name`); repeatable.
+    #[arg(long = "lora-module")]
+    lora_modules: Vec<String>,
+    /// Publish vLLM KV-cache events over ZMQ (PUB + replay ROUTER per pod, ports in the JSON line).
+    #[arg(long)]
+    kv_events: bool,
+    /// Encode events as legacy arrays (vLLM <= 0.25) instead of maps.
+    #[arg(long)]
+    kv_events_legacy_array: bool,
+    /// Batches kept per pod for replay.
+    #[arg(long, default_value_t = 10_000)]
+    kv_events_buffer_steps: usize,
+    /// Label the first N pods `llm-d.ai/role: prefill`.
+    #[arg(long, default_value_t = 0)]
+    prefill_pods: usize,
+    /// Label the next N pods `llm-d.ai/role: decode`.
+    #[arg(long, default_value_t = 0)]
+    decode_pods: usize,
+    /// Tokio worker threads; 0 = one per core. 1 runs everything on a single thread, which avoids
+    /// cross-thread wake-ups (the cheapest setting for many mostly-idle pods).
+    #[arg(long, default_value_t = 0)]
+    worker_threads: usize,
 }
 
 impl Args {
@@ -70,7 +98,29 @@ impl Args {
                 default_max_tokens: self.default_max_tokens,
                 error_rate: self.error_rate,
                 extra_latency_ms: self.extra_latency_ms,
+                max_loras: self.max_loras,
+                lora_load_ms: self.lora_load_ms,
+                ..PodKnobs::default()
             },
+            lora_adapters: self
+                .lora_modules
+                .iter()
+                .map(|m| match m.split_once('=') {
+                    Some((n, p)) => (n.to_owned(), p.to_owned()),
+                    None => (m.clone(), format!("/adapters/{m}")),
+                })
+                .collect(),
+            kv_events: self.kv_events.then(|| KvEventsConfig {
+                encoding: if self.kv_events_legacy_array {
+                    Encoding::Array
+                } else {
+                    Encoding::Map
+                },
+                buffer_steps: self.kv_events_buffer_steps,
+                ..KvEventsConfig::default()
+            }),
+            prefill_pods: self.prefill_pods,
+            decode_pods: self.decode_pods,
         }
     }
 }
@@ -104,8 +154,24 @@ async fn shutdown_signal() -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let runtime = if args.worker_threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        if args.worker_threads > 1 {
+            b.worker_threads(args.worker_threads);
+        }
+        b.enable_all().build()
+    }
+    .context("building the runtime")?;
+    runtime.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
@@ -113,16 +179,19 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    let args = Args::parse();
     let cfg = args.config();
     cfg.validate().context("invalid configuration")?;
     let sim = Sim::start(cfg).await.context("starting sim")?;
     if let Some(path) = &args.pods_file {
         write_atomic(path, &sim.pods_yaml())?;
     }
+    let kv: Vec<_> = (0..sim.pods().len())
+        .filter_map(|i| sim.kv_endpoints(i))
+        .collect();
     let line = json!({
         "admin": sim.admin_addr().map(|a| a.to_string()),
         "pods": sim.pods(),
+        "kv_events": kv,
     });
     {
         let mut out = std::io::stdout().lock();

@@ -1,0 +1,231 @@
+//! Fairness, ordering and usage-limit policy plugins: their llm-d type names, their typed
+//! `parameters`, and the resolved values the state machine runs with.
+//!
+//! The *mechanics* of each policy live in [`crate::machine`] (they need the queue indexes); this module
+//! is the plugin surface the node's registry constructs from YAML.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+use crate::config::{ConfigError, decode_params};
+
+pub const GLOBAL_STRICT_FAIRNESS: &str = "global-strict-fairness-policy";
+pub const ROUND_ROBIN_FAIRNESS: &str = "round-robin-fairness-policy";
+pub const WEIGHTED_FAIRNESS: &str = "weighted-fairness-policy";
+pub const FCFS_ORDERING: &str = "fcfs-ordering-policy";
+pub const EDF_ORDERING: &str = "edf-ordering-policy";
+pub const SLO_DEADLINE_ORDERING: &str = "slo-deadline-ordering-policy";
+pub const STATIC_USAGE_LIMIT: &str = "static-usage-limit-policy";
+
+/// How a band picks the next flow to serve.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "kebab-case")]
+pub enum FairnessPolicy {
+    /// `global-strict-fairness-policy`: the flow whose head request is best by the band's ordering
+    /// policy (no fairness; the band behaves as one queue).
+    GlobalStrict,
+    /// `round-robin-fairness-policy`: a cursor over the band's non-empty flows sorted by fairness id;
+    /// one dispatch per turn.
+    RoundRobin,
+    /// `weighted-fairness-policy`: start-time fair queueing on virtual time (see [`WeightedFairnessParams`]).
+    Weighted(WeightedFairnessParams),
+}
+
+impl FairnessPolicy {
+    /// Build from a plugin type name and its `parameters` (path used in errors).
+    pub fn from_plugin(
+        type_name: &str,
+        parameters: Option<&serde_json::Value>,
+        path: &str,
+    ) -> Result<FairnessPolicy, ConfigError> {
+        match type_name {
+            GLOBAL_STRICT_FAIRNESS => {
+                decode_params::<NoParams>(parameters, path)?;
+                Ok(FairnessPolicy::GlobalStrict)
+            }
+            ROUND_ROBIN_FAIRNESS => {
+                decode_params::<NoParams>(parameters, path)?;
+                Ok(FairnessPolicy::RoundRobin)
+            }
+            WEIGHTED_FAIRNESS => {
+                let p: WeightedFairnessParams = decode_params(parameters, path)?;
+                p.validate(path)?;
+                Ok(FairnessPolicy::Weighted(p))
+            }
+            other => Err(ConfigError::WrongPluginKind {
+                path: path.to_string(),
+                type_name: other.to_string(),
+                expected: "fairness policy",
+            }),
+        }
+    }
+
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            FairnessPolicy::GlobalStrict => GLOBAL_STRICT_FAIRNESS,
+            FairnessPolicy::RoundRobin => ROUND_ROBIN_FAIRNESS,
+            FairnessPolicy::Weighted(_) => WEIGHTED_FAIRNESS,
+        }
+    }
+}
+
+/// How a flow orders its own requests. Every policy reduces to a `u64` key (smaller first), ties
+/// broken by arrival order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OrderingPolicy {
+    /// `fcfs-ordering-policy`: arrival order.
+    Fcfs,
+    /// `edf-ordering-policy`: earliest deadline first, deadline = enqueue time + effective TTL
+    /// (no TTL = far future).
+    Edf,
+    /// `slo-deadline-ordering-policy`: deadline = received + `x-llm-d-slo-ttft-ms` (absent = far future).
+    SloDeadline,
+}
+
+impl OrderingPolicy {
+    pub fn from_plugin(
+        type_name: &str,
+        parameters: Option<&serde_json::Value>,
+        path: &str,
+    ) -> Result<OrderingPolicy, ConfigError> {
+        let policy = match type_name {
+            FCFS_ORDERING => OrderingPolicy::Fcfs,
+            EDF_ORDERING => OrderingPolicy::Edf,
+            SLO_DEADLINE_ORDERING => OrderingPolicy::SloDeadline,
+            other => {
+                return Err(ConfigError::WrongPluginKind {
+                    path: path.to_string(),
+                    type_name: other.to_string(),
+                    expected: "ordering policy",
+                });
+            }
+        };
+        decode_params::<NoParams>(parameters, path)?;
+        Ok(policy)
+    }
+
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            OrderingPolicy::Fcfs => FCFS_ORDERING,
+            OrderingPolicy::Edf => EDF_ORDERING,
+            OrderingPolicy::SloDeadline => SLO_DEADLINE_ORDERING,
+        }
+    }
+}
+
+/// Parameters of plugins that take none (an empty map or absent `parameters`).
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoParams {}
+
+/// What a weighted flow is charged per dispatch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Charge {
+    /// One unit per request: dispatch counts follow the weights.
+    #[default]
+    Requests,
+    /// Prompt + expected output tokens (the enqueue's `tokens`), corrected to the actual tokens on
+    /// completion: token throughput follows the weights.
+    Tokens,
+}
+
+/// `weighted-fairness-policy` parameters.
+///
+/// Mechanism (start-time fair queueing): each flow carries a virtual *pass*; the band dispatches from
+/// the non-empty flow with the smallest pass and advances it by `charge / weight`. A flow that becomes
+/// non-empty starts at `max(its pass, band virtual time)` (the pass of the last dispatch), so idle time
+/// earns no credit and every waiting flow is reached within a bounded number of dispatches — nobody
+/// starves.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct WeightedFairnessParams {
+    /// Weight per fairness id.
+    pub weights: BTreeMap<String, f64>,
+    /// Weight of fairness ids not listed (1.0).
+    pub default_weight: f64,
+    /// `requests` (default) or `tokens`.
+    pub charge: Charge,
+}
+
+impl Default for WeightedFairnessParams {
+    fn default() -> Self {
+        WeightedFairnessParams {
+            weights: BTreeMap::new(),
+            default_weight: 1.0,
+            charge: Charge::Requests,
+        }
+    }
+}
+
+impl WeightedFairnessParams {
+    pub fn weight_of(&self, fairness_id: &str) -> f64 {
+        self.weights
+            .get(fairness_id)
+            .copied()
+            .unwrap_or(self.default_weight)
+    }
+
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        let ok = |w: f64| w.is_finite() && w > 0.0;
+        if !ok(self.default_weight) {
+            return Err(ConfigError::invalid(
+                format!("{path}.defaultWeight"),
+                "must be a finite number > 0",
+            ));
+        }
+        for (id, w) in &self.weights {
+            if !ok(*w) {
+                return Err(ConfigError::invalid(
+                    format!("{path}.weights.{id}"),
+                    "must be a finite number > 0",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `static-usage-limit-policy`: every band is gated (may not dispatch) while pool saturation is
+/// `>= threshold`. `threshold` in (0, 1], default 1.0.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct StaticUsageLimitParams {
+    pub threshold: f64,
+}
+
+impl Default for StaticUsageLimitParams {
+    fn default() -> Self {
+        StaticUsageLimitParams { threshold: 1.0 }
+    }
+}
+
+impl StaticUsageLimitParams {
+    pub fn from_plugin(
+        type_name: &str,
+        parameters: Option<&serde_json::Value>,
+        path: &str,
+    ) -> Result<StaticUsageLimitParams, ConfigError> {
+        if type_name != STATIC_USAGE_LIMIT {
+            return Err(ConfigError::WrongPluginKind {
+                path: path.to_string(),
+                type_name: type_name.to_string(),
+                expected: "usage limit policy (only static-usage-limit-policy is built)",
+            });
+        }
+        let p: StaticUsageLimitParams = decode_params(parameters, path)?;
+        if !(p.threshold > 0.0 && p.threshold <= 1.0) {
+            return Err(ConfigError::invalid(
+                format!("{path}.threshold"),
+                "must be in (0, 1]",
+            ));
+        }
+        Ok(p)
+    }
+
+    /// Whether a band may dispatch at this saturation.
+    pub fn allows(&self, saturation: f64) -> bool {
+        saturation < self.threshold
+    }
+}

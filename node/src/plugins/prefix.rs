@@ -1,0 +1,488 @@
+//! Approximate prefix-cache affinity: `approx-prefix-cache-producer`, `prefix-cache-scorer` and
+//! `prefix-cache-affinity-filter`.
+//!
+//! The producer hashes the prompt's estimate tokens into a block chain (`index::hashing`), matches
+//! it against the index of what was routed where (`index::ApproxIndex`) and, once a pod is chosen,
+//! records the chain for that pod. The scorer and the filter read the per-candidate match.
+
+use std::sync::RwLock;
+use std::time::Instant;
+
+use index::{ApproxIndex, BlockHasher, PodMatch, block_hashes_of_text, block_hashes_of_tokens};
+use serde::Deserialize;
+
+use super::{Filter, PrefixMatchInfo, Producer, RequestData, SchedRequest, Scorer};
+use crate::datalayer::store::Candidate;
+use crate::parsers::Prompt;
+
+pub const PRODUCER_TYPE: &str = "approx-prefix-cache-producer";
+pub const SCORER_TYPE: &str = "prefix-cache-scorer";
+pub const AFFINITY_FILTER_TYPE: &str = "prefix-cache-affinity-filter";
+/// llm-d clamps the block size up to this (issue #1158).
+pub const MIN_BLOCK_SIZE: usize = 64;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ProducerParams {
+    #[serde(default = "yes")]
+    pub auto_tune: bool,
+    #[serde(default = "d_block_tokens")]
+    pub block_size_tokens: usize,
+    #[serde(default = "d_max_tokens")]
+    pub max_prefix_tokens_to_match: usize,
+    #[serde(default = "d_max_blocks")]
+    pub max_prefix_blocks_to_match: usize,
+    #[serde(default = "d_lru")]
+    pub lru_capacity_per_server: usize,
+    /// Deprecated (characters per block in older llm-d); accepted and ignored.
+    #[serde(default)]
+    pub block_size: Option<usize>,
+}
+
+fn yes() -> bool {
+    true
+}
+fn d_block_tokens() -> usize {
+    16
+}
+fn d_max_tokens() -> usize {
+    131_072
+}
+fn d_max_blocks() -> usize {
+    2048
+}
+fn d_lru() -> usize {
+    31_250
+}
+
+impl Default for ProducerParams {
+    fn default() -> Self {
+        ProducerParams {
+            auto_tune: true,
+            block_size_tokens: d_block_tokens(),
+            max_prefix_tokens_to_match: d_max_tokens(),
+            max_prefix_blocks_to_match: d_max_blocks(),
+            lru_capacity_per_server: d_lru(),
+            block_size: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct ApproxPrefixProducer {
+    params: ProducerParams,
+    index: RwLock<ApproxIndex>,
+    epoch: Instant,
+}
+
+impl ApproxPrefixProducer {
+    pub fn new(params: ProducerParams) -> Self {
+        ApproxPrefixProducer {
+            index: RwLock::new(ApproxIndex::new(params.lru_capacity_per_server)),
+            params,
+            epoch: Instant::now(),
+        }
+    }
+
+    /// Block size for this request: the first candidate's engine block size when auto-tuning,
+    /// else the configured one; never below 64.
+    fn block_size(&self, candidates: &[Candidate]) -> usize {
+        let tuned = if self.params.auto_tune {
+            candidates
+                .first()
+                .and_then(|c| c.sample.as_ref())
+                .and_then(|s| s.metrics.block_size)
+                .map(|b| b as usize)
+        } else {
+            None
+        };
+        tuned
+            .unwrap_or(self.params.block_size_tokens)
+            .max(MIN_BLOCK_SIZE)
+    }
+
+    fn max_blocks(&self, block_size: usize) -> usize {
+        if self.params.max_prefix_tokens_to_match > 0 {
+            (self.params.max_prefix_tokens_to_match / block_size).max(1)
+        } else {
+            self.params.max_prefix_blocks_to_match // 0 = unlimited
+        }
+    }
+
+    /// Entries held in the index (for metrics and tests).
+    pub fn index_len(&self) -> usize {
+        match self.index.read() {
+            Ok(ix) => ix.len(),
+            Err(p) => p.into_inner().len(),
+        }
+    }
+}
+
+impl Producer for ApproxPrefixProducer {
+    fn type_name(&self) -> &'static str {
+        PRODUCER_TYPE
+    }
+
+    fn produce(&self, req: &SchedRequest<'_>, candidates: &[Candidate], data: &mut RequestData) {
+        let block_size = self.block_size(candidates);
+        let hasher = BlockHasher::new(
+            req.target_model,
+            req.cache_salt,
+            block_size,
+            self.max_blocks(block_size),
+        );
+        let hashes = match req.prompt {
+            Prompt::Text(t) => block_hashes_of_text(&hasher, t),
+            Prompt::Tokens(t) => block_hashes_of_tokens(&hasher, t),
+            Prompt::None => Vec::new(),
+        };
+        let mut matched = vec![0usize; candidates.len()];
+        if !hashes.is_empty() {
+            let ix = match self.index.read() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            let mut runs: Vec<PodMatch> = Vec::new();
+            ix.match_prefix(&hashes, &mut runs);
+            if !runs.is_empty() {
+                for (slot, c) in matched.iter_mut().zip(candidates) {
+                    if let Some(id) = ix.pod_id(&c.endpoint.hostport) {
+                        *slot = runs.iter().find(|m| m.pod == id).map_or(0, |m| m.blocks);
+                    }
+                }
+            }
+        }
+        data.prefix = Some(PrefixMatchInfo {
+            block_size,
+            total_blocks: hashes.len(),
+            matched,
+            hashes,
+        });
+    }
+
+    fn pre_request(
+        &self,
+        _req: &SchedRequest<'_>,
+        data: &RequestData,
+        candidates: &[Candidate],
+        primary: usize,
+    ) {
+        let Some(info) = &data.prefix else { return };
+        let primary = &candidates[primary];
+        if info.hashes.is_empty() {
+            return;
+        }
+        let capacity = if self.params.auto_tune {
+            primary
+                .sample
+                .as_ref()
+                .and_then(|s| s.metrics.num_gpu_blocks)
+                .filter(|n| *n > 0)
+                .map(|n| n as usize)
+        } else {
+            None
+        }
+        .unwrap_or(self.params.lru_capacity_per_server);
+        let ts = self.epoch.elapsed().as_micros() as u64;
+        let mut ix = match self.index.write() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let pod = ix.pod(&primary.endpoint.hostport);
+        ix.set_capacity(pod, capacity);
+        ix.insert(pod, &info.hashes, ts);
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ScorerParams {
+    #[serde(default)]
+    pub prefix_match_info_producer_name: Option<String>,
+    #[serde(default)]
+    pub match_length_weight: f64,
+    #[serde(default = "d_scale")]
+    pub match_length_scale_tokens: f64,
+}
+
+fn d_scale() -> f64 {
+    8192.0
+}
+
+/// score = w·min(1, matched·blockSize/scale)² + (1−w)·matched/total; 0 without match data.
+#[derive(Debug)]
+pub struct PrefixCacheScorer {
+    pub params: ScorerParams,
+}
+
+impl Scorer for PrefixCacheScorer {
+    fn type_name(&self) -> &'static str {
+        SCORER_TYPE
+    }
+
+    fn score(
+        &self,
+        _req: &SchedRequest<'_>,
+        data: &RequestData,
+        _candidates: &[Candidate],
+        idx: &[usize],
+        out: &mut [f64],
+    ) {
+        let w = self.params.match_length_weight;
+        for (slot, &i) in out.iter_mut().zip(idx) {
+            *slot = match &data.prefix {
+                Some(p) if p.total_blocks > 0 => {
+                    let m = p.matched.get(i).copied().unwrap_or(0) as f64;
+                    let len =
+                        (m * p.block_size as f64 / self.params.match_length_scale_tokens).min(1.0);
+                    w * len * len + (1.0 - w) * m / p.total_blocks as f64
+                }
+                _ => 0.0,
+            };
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AffinityParams {
+    #[serde(default = "d_threshold")]
+    pub affinity_threshold: f64,
+    #[serde(default)]
+    pub exploration_probability: f64,
+    #[serde(default = "d_penalty", rename = "maxTTFTPenaltyMs")]
+    pub max_ttft_penalty_ms: f64,
+    #[serde(default = "d_peak")]
+    pub peak_prefill_throughput: f64,
+    #[serde(default = "d_source")]
+    pub ttft_source: String,
+    #[serde(default)]
+    pub prefix_match_info_producer_name: Option<String>,
+}
+
+fn d_threshold() -> f64 {
+    0.80
+}
+fn d_penalty() -> f64 {
+    18_000.0
+}
+fn d_peak() -> f64 {
+    15_928.0
+}
+fn d_source() -> String {
+    "prefillThroughput".into()
+}
+
+/// Keeps the endpoints whose cached share of the prompt reaches the threshold ("sticky"), unless
+/// none does, the exploration coin says skip, or the best sticky endpoint's estimated TTFT exceeds
+/// the best other endpoint's by more than `maxTTFTPenaltyMs` (then all are kept and the scorers
+/// decide: the affinity breaks on an overloaded pod).
+#[derive(Debug)]
+pub struct PrefixAffinityFilter {
+    pub params: AffinityParams,
+}
+
+impl PrefixAffinityFilter {
+    fn ttft_ms(&self, data: &RequestData, i: usize) -> f64 {
+        let tokens = data.inflight.get(i).map_or(0, |l| l.tokens) as f64;
+        tokens / self.params.peak_prefill_throughput * 1000.0
+    }
+}
+
+impl Filter for PrefixAffinityFilter {
+    fn type_name(&self) -> &'static str {
+        AFFINITY_FILTER_TYPE
+    }
+
+    fn filter(
+        &self,
+        _req: &SchedRequest<'_>,
+        data: &RequestData,
+        _candidates: &[Candidate],
+        keep: &mut Vec<usize>,
+    ) {
+        let Some(p) = &data.prefix else { return };
+        if p.total_blocks == 0 {
+            return;
+        }
+        if self.params.exploration_probability > 0.0
+            && rand::random::<f64>() < self.params.exploration_probability
+        {
+            return;
+        }
+        let ratio =
+            |i: usize| p.matched.get(i).copied().unwrap_or(0) as f64 / p.total_blocks as f64;
+        let (sticky, rest): (Vec<usize>, Vec<usize>) = keep
+            .iter()
+            .partition(|&&i| ratio(i) >= self.params.affinity_threshold);
+        if sticky.is_empty() {
+            return;
+        }
+        if self.params.max_ttft_penalty_ms > 0.0 && !rest.is_empty() {
+            let best = |set: &[usize]| {
+                set.iter()
+                    .map(|&i| self.ttft_ms(data, i))
+                    .fold(f64::INFINITY, f64::min)
+            };
+            if best(&sticky) - best(&rest) > self.params.max_ttft_penalty_ms {
+                return;
+            }
+        }
+        *keep = sticky;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::datalayer::EndpointMetrics;
+    use crate::plugins::InflightLoad;
+    use crate::plugins::testutil::*;
+
+    fn info(matched: Vec<usize>, total: usize) -> RequestData {
+        RequestData {
+            prompt_tokens: total * 64,
+            prefix: Some(PrefixMatchInfo {
+                block_size: 64,
+                total_blocks: total,
+                matched,
+                hashes: vec![],
+            }),
+            inflight: vec![],
+        }
+    }
+
+    #[test]
+    fn scorer_formula() {
+        let cs = [
+            cand("a", None, false),
+            cand("b", None, false),
+            cand("c", None, false),
+        ];
+        let s = PrefixCacheScorer {
+            params: ScorerParams {
+                prefix_match_info_producer_name: None,
+                match_length_weight: 0.0,
+                match_length_scale_tokens: 8192.0,
+            },
+        };
+        assert_eq!(
+            score_all(&s, &info(vec![4, 1, 0], 4), &cs),
+            vec![1.0, 0.25, 0.0]
+        );
+        // w = 0.5: a has 4 blocks × 64 = 256 tokens → (256/8192)² = 1/1024
+        let s = PrefixCacheScorer {
+            params: ScorerParams {
+                prefix_match_info_producer_name: None,
+                match_length_weight: 0.5,
+                match_length_scale_tokens: 8192.0,
+            },
+        };
+        let got = score_all(&s, &info(vec![4, 0, 2], 4), &cs);
+        assert!((got[0] - (0.5 / 1024.0 + 0.5)).abs() < 1e-12, "{got:?}");
+        assert_eq!(got[1], 0.0);
+        // no match data, or an empty prompt → 0
+        assert_eq!(score_all(&s, &RequestData::default(), &cs), vec![0.0; 3]);
+        assert_eq!(score_all(&s, &info(vec![0, 0, 0], 0), &cs), vec![0.0; 3]);
+    }
+
+    fn affinity(threshold: f64, penalty: f64) -> PrefixAffinityFilter {
+        PrefixAffinityFilter {
+            params: AffinityParams {
+                affinity_threshold: threshold,
+                exploration_probability: 0.0,
+                max_ttft_penalty_ms: penalty,
+                peak_prefill_throughput: 1000.0,
+                ttft_source: d_source(),
+                prefix_match_info_producer_name: None,
+            },
+        }
+    }
+
+    #[test]
+    fn affinity_keeps_sticky_or_all() {
+        let cs = [
+            cand("a", None, false),
+            cand("b", None, false),
+            cand("c", None, false),
+        ];
+        let f = affinity(0.8, 0.0);
+        let mut keep = vec![0, 1, 2];
+        f.filter(&req(), &info(vec![5, 4, 1], 5), &cs, &mut keep);
+        assert_eq!(keep, vec![0, 1]);
+        let mut keep = vec![0, 1, 2];
+        f.filter(&req(), &info(vec![3, 0, 1], 5), &cs, &mut keep);
+        assert_eq!(keep, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn affinity_breaks_when_the_sticky_pod_is_overloaded() {
+        let cs = [cand("a", None, false), cand("b", None, false)];
+        let f = affinity(0.8, 500.0);
+        let mut data = info(vec![5, 0], 5);
+        // a: 2000 in-flight tokens = 2000 ms at 1000 tok/s; b idle → 2000 ms > 500 ms penalty
+        data.inflight = vec![
+            InflightLoad {
+                requests: 3,
+                tokens: 2000,
+            },
+            InflightLoad::default(),
+        ];
+        let mut keep = vec![0, 1];
+        f.filter(&req(), &data, &cs, &mut keep);
+        assert_eq!(keep, vec![0, 1]);
+        data.inflight[0].tokens = 400; // 400 ms ≤ 500 ms → stick
+        let mut keep = vec![0, 1];
+        f.filter(&req(), &data, &cs, &mut keep);
+        assert_eq!(keep, vec![0]);
+    }
+
+    #[test]
+    fn producer_matches_what_it_recorded() {
+        let p = ApproxPrefixProducer::new(ProducerParams {
+            auto_tune: false,
+            ..ProducerParams::default()
+        });
+        let cs = [
+            cand_at("a", "10.0.0.1:8000", None, false, &[]),
+            cand_at("b", "10.0.0.2:8000", None, false, &[]),
+        ];
+        let text: Vec<u8> = (0..2000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        let prompt = Prompt::Text(text.clone());
+        let mut r = req();
+        r.prompt = &prompt;
+        let mut data = RequestData::default();
+        p.produce(&r, &cs, &mut data);
+        let info = data.prefix.clone().unwrap();
+        // 2000 bytes = 500 tokens → 8 blocks of 64 (the last partial)
+        assert_eq!((info.block_size, info.total_blocks), (64, 8));
+        assert_eq!(info.matched, vec![0, 0]);
+        p.pre_request(&r, &data, &cs, 1);
+        // A longer prompt sharing the first 1024 bytes (4 full blocks) matches 4 blocks on b.
+        let mut longer = text[..1024].to_vec();
+        longer.extend_from_slice(&[b'z'; 600]);
+        let prompt2 = Prompt::Text(longer);
+        r.prompt = &prompt2;
+        let mut data = RequestData::default();
+        p.produce(&r, &cs, &mut data);
+        assert_eq!(data.prefix.unwrap().matched, vec![0, 4]);
+        assert_eq!(p.index_len(), 8);
+    }
+
+    #[test]
+    fn auto_tune_reads_engine_block_size_and_clamps() {
+        let p = ApproxPrefixProducer::new(ProducerParams::default());
+        let big = Some(EndpointMetrics {
+            block_size: Some(128),
+            ..Default::default()
+        });
+        let small = Some(EndpointMetrics {
+            block_size: Some(16),
+            ..Default::default()
+        });
+        assert_eq!(p.block_size(&[cand("a", big, false)]), 128);
+        assert_eq!(p.block_size(&[cand("a", small, false)]), 64);
+        assert_eq!(p.block_size(&[]), 64);
+        assert_eq!(p.max_blocks(64), 2048);
+    }
+}
