@@ -5,6 +5,6 @@ set -euo pipefail
 source "$(dirname "$0")/prepare.sh"
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
-# The end-to-end tests run the real binaries: build them first.
-cargo build --locked --workspace --bins
-cargo test --locked --workspace
+# `cargo test` also builds the binaries the end-to-end tests run (every package with integration
+# tests gets its bins built into target/debug). --no-fail-fast: report every failing test binary.
+cargo test --locked --workspace --no-fail-fast
