@@ -43,7 +43,7 @@ fn unknown_key_and_type_are_named() {
     let (ok, out) = epp(&["validate-config", "--config-text", &bad_key]);
     assert!(!ok);
     assert!(
-        out.contains("plugins[2].parameters") && out.contains("tieBreak"),
+        out.contains("config key `plugins[") && out.contains("].parameters.tieBreak`"),
         "{out}"
     );
 
