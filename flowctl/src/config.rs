@@ -27,7 +27,7 @@ use serde_json::Value;
 
 use crate::policy::{
     FCFS_ORDERING, FairnessPolicy, GLOBAL_STRICT_FAIRNESS, OrderingPolicy, STATIC_USAGE_LIMIT,
-    StaticUsageLimitParams,
+    UsageLimit,
 };
 use crate::saturation::{SaturationDetector, UTILIZATION_DETECTOR};
 use crate::units::{GoDuration, NANOS_PER_MILLI, NANOS_PER_SEC, Nanos, Quantity};
@@ -225,7 +225,7 @@ pub struct ControllerConfig {
     pub default_band: BandSettings,
     /// Template for a negative priority without a configured band.
     pub default_negative_band: BandSettings,
-    pub usage_limit: StaticUsageLimitParams,
+    pub usage_limit: UsageLimit,
     pub detector: SaturationDetector,
     pub eviction: EvictionConfig,
 }
@@ -240,7 +240,7 @@ impl Default for ControllerConfig {
             bands: Vec::new(),
             default_band: BandSettings::default(),
             default_negative_band: BandSettings::default(),
-            usage_limit: StaticUsageLimitParams::default(),
+            usage_limit: UsageLimit::default(),
             detector: SaturationDetector::default(),
             eviction: EvictionConfig::default(),
         }
@@ -258,12 +258,8 @@ impl ControllerConfig {
                 ));
             }
         }
-        if !(self.usage_limit.threshold > 0.0 && self.usage_limit.threshold <= 1.0) {
-            return Err(ConfigError::invalid(
-                "flowControl.usageLimitPolicyPluginRef",
-                "threshold must be in (0, 1]",
-            ));
-        }
+        self.usage_limit
+            .validate("flowControl.usageLimitPolicyPluginRef")?;
         Ok(())
     }
 
@@ -418,15 +414,15 @@ impl FlowControlConfig {
             });
         }
         let usage_limit = match &self.usage_limit_policy_plugin_ref {
-            None => StaticUsageLimitParams::default(),
+            None => UsageLimit::default(),
             Some(name) => {
                 let (ty, params, ppath) = lookup(
                     plugins,
                     name,
                     "flowControl.usageLimitPolicyPluginRef",
-                    &[STATIC_USAGE_LIMIT],
+                    &[STATIC_USAGE_LIMIT, crate::policy::PRIORITY_HOLDBACK],
                 )?;
-                StaticUsageLimitParams::from_plugin(ty, params, &ppath)?
+                UsageLimit::from_plugin(ty, params, &ppath)?
             }
         };
         let detector = match &self.saturation_detector {
@@ -483,7 +479,7 @@ mod tests {
         assert_eq!(cfg.default_band.max_requests, 5000);
         assert_eq!(cfg.default_band.fairness, FairnessPolicy::GlobalStrict);
         assert_eq!(cfg.default_band.ordering, OrderingPolicy::Fcfs);
-        assert_eq!(cfg.usage_limit.threshold, 1.0);
+        assert_eq!(cfg.usage_limit, UsageLimit::default());
         assert!(matches!(cfg.detector, SaturationDetector::Utilization(_)));
         assert!(!cfg.eviction.enabled);
         assert_eq!(cfg.eviction.max_per_decision, 2);
@@ -583,7 +579,10 @@ mod tests {
                 ..Default::default()
             })
         );
-        assert_eq!(cfg.usage_limit.threshold, 0.9);
+        assert_eq!(
+            cfg.usage_limit,
+            UsageLimit::Static(crate::policy::StaticUsageLimitParams { threshold: 0.9 })
+        );
         assert_eq!(cfg.band_settings(-3).max_requests, 3);
         assert_eq!(cfg.band_settings(-3).ordering, OrderingPolicy::SloDeadline);
         assert_eq!(cfg.band_settings(3).ordering, OrderingPolicy::Fcfs);

@@ -58,8 +58,14 @@ pub use outcome::{
     DROPPED_REASON_HEADER, DropReason, DropResponse, LegacyAdmission, legacy_admission,
 };
 pub use policy::{
-    Charge, FairnessPolicy, OrderingPolicy, StaticUsageLimitParams, WeightedFairnessParams,
+    Charge, FairnessPolicy, HoldbackDomain, HoldbackShape, OrderingPolicy, PriorityHoldbackParams,
+    StaticUsageLimitParams, UsageLimit, WeightedFairnessParams,
 };
+pub use policy::{
+    EDF_ORDERING, FCFS_ORDERING, GLOBAL_STRICT_FAIRNESS, PRIORITY_HOLDBACK, ROUND_ROBIN_FAIRNESS,
+    SLO_DEADLINE_ORDERING, STATIC_USAGE_LIMIT, WEIGHTED_FAIRNESS,
+};
+pub use saturation::{CONCURRENCY_DETECTOR, UTILIZATION_DETECTOR};
 pub use saturation::{
     ConcurrencyDetector, ConcurrencyMode, EndpointLoad, EndpointSnapshot, SaturationDetector,
     UtilizationDetector,

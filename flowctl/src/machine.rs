@@ -923,11 +923,31 @@ impl FlowController {
         }
     }
 
+    /// The usage-limit ceiling of band `b` (see [`UsageLimit::ceiling`]).
+    fn ceiling(&self, b: u32) -> f64 {
+        let n = self.band_order.len();
+        let rank = self.band_order.iter().position(|&x| x == b).unwrap_or(0);
+        let prio = |i: Option<&u32>| {
+            i.and_then(|&x| self.bands.get(x as usize))
+                .map_or(0, |band| band.priority)
+        };
+        let highest = prio(self.band_order.first());
+        let lowest = prio(self.band_order.last());
+        let priority = self.bands.get(b as usize).map_or(0, |band| band.priority);
+        self.config
+            .usage_limit
+            .ceiling(rank, n, priority, lowest, highest)
+    }
+
+    /// Whether the highest waiting band is gated at the current saturation (`None`: nothing waits).
+    fn top_band_gated(&self, probe: &Probe) -> Option<(u32, bool)> {
+        let b = self.top_waiting_band()?;
+        Some((b, probe.eval(&self.totals) >= self.ceiling(b)))
+    }
+
     fn dispatch_loop(&mut self, probe: &Probe, out: &mut Vec<Outcome>) {
-        while self.totals.queued_requests > 0
-            && self.config.usage_limit.allows(probe.eval(&self.totals))
-        {
-            let Some(b) = self.top_waiting_band() else {
+        while self.totals.queued_requests > 0 {
+            let Some((b, false)) = self.top_band_gated(probe) else {
                 return;
             };
             if !self.dispatch_one(b, out) {
@@ -995,30 +1015,23 @@ impl FlowController {
     /// One eviction decision; true if anything was evicted.
     fn evict(&mut self, now: Nanos, probe: &Probe, out: &mut Vec<Outcome>) -> bool {
         let ev = self.config.eviction;
-        if !ev.enabled
-            || self.totals.queued_requests == 0
-            || self.pool.is_empty()
-            || self.config.usage_limit.allows(probe.eval(&self.totals))
-        {
+        if !ev.enabled || self.totals.queued_requests == 0 || self.pool.is_empty() {
             return false;
         }
+        let Some((top_band, true)) = self.top_band_gated(probe) else {
+            return false;
+        };
         if let Some(last) = self.last_eviction
             && now < last.saturating_add(ev.grace)
         {
             return false;
         }
-        let Some(top) = self
-            .top_waiting_band()
-            .and_then(|b| self.bands.get(b as usize))
-            .map(|b| b.priority)
-        else {
+        let Some(top) = self.bands.get(top_band as usize).map(|b| b.priority) else {
             return false;
         };
         let mut evicted = 0;
         // Re-check before each revocation: evict only while still saturated.
-        while evicted < ev.max_per_decision
-            && !self.config.usage_limit.allows(probe.eval(&self.totals))
-        {
+        while evicted < ev.max_per_decision && probe.eval(&self.totals) >= self.ceiling(top_band) {
             let Some(&(priority, _, id)) = self.evictable.first() else {
                 break;
             };

@@ -16,6 +16,7 @@ pub const FCFS_ORDERING: &str = "fcfs-ordering-policy";
 pub const EDF_ORDERING: &str = "edf-ordering-policy";
 pub const SLO_DEADLINE_ORDERING: &str = "slo-deadline-ordering-policy";
 pub const STATIC_USAGE_LIMIT: &str = "static-usage-limit-policy";
+pub const PRIORITY_HOLDBACK: &str = "priority-holdback-policy";
 
 /// How a band picks the next flow to serve.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -187,6 +188,84 @@ impl WeightedFairnessParams {
     }
 }
 
+/// The usage-limit policy: the pool saturation at or above which a band is *gated* (may not
+/// dispatch). Gating is checked for the highest-priority band with waiting requests; ceilings never
+/// rise as priority falls, so a gated top band means every lower band is gated too.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "kebab-case")]
+pub enum UsageLimit {
+    /// `static-usage-limit-policy`: one ceiling for every band.
+    Static(StaticUsageLimitParams),
+    /// `priority-holdback-policy`: lower bands get lower ceilings, keeping headroom for the higher
+    /// ones.
+    PriorityHoldback(PriorityHoldbackParams),
+}
+
+impl Default for UsageLimit {
+    fn default() -> Self {
+        UsageLimit::Static(StaticUsageLimitParams::default())
+    }
+}
+
+impl From<StaticUsageLimitParams> for UsageLimit {
+    fn from(p: StaticUsageLimitParams) -> Self {
+        UsageLimit::Static(p)
+    }
+}
+
+impl UsageLimit {
+    /// Build from a plugin type name and its `parameters` (path used in errors).
+    pub fn from_plugin(
+        type_name: &str,
+        parameters: Option<&serde_json::Value>,
+        path: &str,
+    ) -> Result<UsageLimit, ConfigError> {
+        match type_name {
+            STATIC_USAGE_LIMIT => {
+                let p: StaticUsageLimitParams = decode_params(parameters, path)?;
+                p.validate(path)?;
+                Ok(UsageLimit::Static(p))
+            }
+            PRIORITY_HOLDBACK => {
+                let p: PriorityHoldbackParams = decode_params(parameters, path)?;
+                p.validate(path)?;
+                Ok(UsageLimit::PriorityHoldback(p))
+            }
+            _ => Err(ConfigError::WrongPluginKind {
+                path: path.to_string(),
+                type_name: type_name.to_string(),
+                expected: "usage limit policy (static-usage-limit-policy, priority-holdback-policy)",
+            }),
+        }
+    }
+
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        match self {
+            UsageLimit::Static(p) => p.validate(path),
+            UsageLimit::PriorityHoldback(p) => p.validate(path),
+        }
+    }
+
+    /// The ceiling of the band at `rank` (0 = highest priority) among `n` bands whose priorities
+    /// span `lowest..=highest`.
+    pub fn ceiling(&self, rank: usize, n: usize, priority: i32, lowest: i32, highest: i32) -> f64 {
+        match self {
+            UsageLimit::Static(p) => p.threshold,
+            UsageLimit::PriorityHoldback(p) => {
+                let span = p.max_ceiling - p.min_ceiling;
+                let position = match p.domain {
+                    HoldbackDomain::Rank if n > 1 => rank as f64 / (n - 1) as f64,
+                    HoldbackDomain::Value if highest > lowest => {
+                        f64::from(highest - priority) / (f64::from(highest) - f64::from(lowest))
+                    }
+                    _ => 0.0,
+                };
+                p.max_ceiling - position.clamp(0.0, 1.0) * span
+            }
+        }
+    }
+}
+
 /// `static-usage-limit-policy`: every band is gated (may not dispatch) while pool saturation is
 /// `>= threshold`. `threshold` in (0, 1], default 1.0.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -202,30 +281,69 @@ impl Default for StaticUsageLimitParams {
 }
 
 impl StaticUsageLimitParams {
-    pub fn from_plugin(
-        type_name: &str,
-        parameters: Option<&serde_json::Value>,
-        path: &str,
-    ) -> Result<StaticUsageLimitParams, ConfigError> {
-        if type_name != STATIC_USAGE_LIMIT {
-            return Err(ConfigError::WrongPluginKind {
-                path: path.to_string(),
-                type_name: type_name.to_string(),
-                expected: "usage limit policy (only static-usage-limit-policy is built)",
-            });
-        }
-        let p: StaticUsageLimitParams = decode_params(parameters, path)?;
-        if !(p.threshold > 0.0 && p.threshold <= 1.0) {
+    fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        if !(self.threshold > 0.0 && self.threshold <= 1.0) {
             return Err(ConfigError::invalid(
                 format!("{path}.threshold"),
                 "must be in (0, 1]",
             ));
         }
-        Ok(p)
+        Ok(())
     }
+}
 
-    /// Whether a band may dispatch at this saturation.
-    pub fn allows(&self, saturation: f64) -> bool {
-        saturation < self.threshold
+/// How `priority-holdback-policy` places a band between `maxCeiling` (highest) and `minCeiling`
+/// (lowest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HoldbackDomain {
+    /// By the band's rank among the bands: `c_i = max - i * (max - min) / (N - 1)`.
+    #[default]
+    Rank,
+    /// By the band's priority value, linearly between the lowest and highest priority.
+    Value,
+}
+
+/// The only `shape` llm-d defines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HoldbackShape {
+    #[default]
+    Linear,
+}
+
+/// `priority-holdback-policy` parameters (llm-d: `shape` linear, `domain` rank|value, `minCeiling`
+/// required, `maxCeiling` 1.0).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PriorityHoldbackParams {
+    #[serde(default)]
+    pub shape: HoldbackShape,
+    #[serde(default)]
+    pub domain: HoldbackDomain,
+    pub min_ceiling: f64,
+    #[serde(default = "one")]
+    pub max_ceiling: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+impl PriorityHoldbackParams {
+    fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        if !(self.max_ceiling > 0.0 && self.max_ceiling <= 1.0) {
+            return Err(ConfigError::invalid(
+                format!("{path}.maxCeiling"),
+                "must be in (0, 1]",
+            ));
+        }
+        if !(self.min_ceiling > 0.0 && self.min_ceiling <= self.max_ceiling) {
+            return Err(ConfigError::invalid(
+                format!("{path}.minCeiling"),
+                "must be in (0, maxCeiling]",
+            ));
+        }
+        Ok(())
     }
 }

@@ -50,6 +50,14 @@ impl Default for SaturationDetector {
 }
 
 impl SaturationDetector {
+    /// The llm-d plugin type name.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            SaturationDetector::Utilization(_) => UTILIZATION_DETECTOR,
+            SaturationDetector::Concurrency(_) => CONCURRENCY_DETECTOR,
+        }
+    }
+
     pub fn from_plugin(
         type_name: &str,
         parameters: Option<&serde_json::Value>,

@@ -17,7 +17,7 @@ use flowctl::{
     BandConfig, BandSettings, Charge, Command, ConcurrencyDetector, ControllerConfig, DropReason,
     EndpointSnapshot, EnqueueRequest, EvictionConfig, FairnessPolicy, FlowController, FlowKey,
     IgnoredReason, Nanos, OrderingPolicy, Outcome, SaturationDetector, StaticUsageLimitParams,
-    UtilizationDetector, WeightedFairnessParams,
+    UsageLimit, UtilizationDetector, WeightedFairnessParams,
 };
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -139,7 +139,7 @@ fn config() -> impl Strategy<Value = ControllerConfig> {
                         .collect(),
                     default_band: template.clone(),
                     default_negative_band: template,
-                    usage_limit: StaticUsageLimitParams { threshold },
+                    usage_limit: StaticUsageLimitParams { threshold }.into(),
                     detector,
                     eviction: EvictionConfig {
                         enabled: evict,
@@ -199,8 +199,15 @@ impl Model {
         }
     }
 
+    fn threshold(&self) -> f64 {
+        match self.cfg.usage_limit {
+            UsageLimit::Static(p) => p.threshold,
+            other => panic!("the model covers the static usage limit only, not {other:?}"),
+        }
+    }
+
     fn allows_dispatch(&self) -> bool {
-        self.saturation() < self.cfg.usage_limit.threshold
+        self.saturation() < self.threshold()
     }
 
     fn band_totals(&self, priority: i32) -> (u64, u64) {
@@ -562,7 +569,7 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
             "work-conserving: {} queued while saturation {} < {}",
             m.queued.len(),
             m.saturation(),
-            m.cfg.usage_limit.threshold
+            m.threshold()
         );
         prop_assert!(
             m.queued

@@ -9,17 +9,21 @@
 //! - [`datalayer`]: endpoints from discovery, and the `/metrics` scrapers that keep their state fresh;
 //! - [`parsers`]: request-body parsers chosen by path (OpenAI, Anthropic, vLLM);
 //! - [`extproc`]: the Envoy ext_proc service, one state machine per stream;
+//! - [`admission`]: request metadata (fairness id, objective → priority), llm-d's legacy admission
+//!   and flow control (the ext_proc stream waits while its request is queued);
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`;
 //! - [`metrics`]: the `llm_d_epp_*` Prometheus registry;
 //! - [`serve`]: start-up (validate, then bind), drain and shutdown.
 //!
 //! # Data flow for one request
-//! Envoy opens a stream → headers kept → body buffered to end of stream → parsed → the datastore
+//! Envoy opens a stream → headers kept → body buffered to end of stream → parsed → admitted
+//! (legacy check, or queued by flow control until dispatched) → the datastore
 //! snapshot gives candidates with their last metrics → scorers × weights → picker → the answer
 //! carries `x-gateway-destination-endpoint` as a header and as `envoy.lb` dynamic metadata, and the
 //! body is streamed back unchanged.
 
 pub mod admin;
+pub mod admission;
 pub mod config;
 pub mod datalayer;
 pub mod extproc;

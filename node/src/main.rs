@@ -75,6 +75,9 @@ struct ServeArgs {
     /// How long a draining replica waits for open streams before it stops.
     #[arg(long, default_value = "30s", value_parser = duration)]
     drain_timeout: Duration,
+    /// YAML file of `InferenceObjective` manifests (name → `spec.priority`), read at start-up.
+    #[arg(long)]
+    objectives_file: Option<PathBuf>,
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -116,6 +119,7 @@ fn main() -> anyhow::Result<()> {
                 refresh_metrics_interval: args.refresh_metrics_interval,
                 metrics_staleness_threshold: args.metrics_staleness_threshold,
                 drain_timeout: args.drain_timeout,
+                objectives_file: args.objectives_file,
             };
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
@@ -162,6 +166,7 @@ fn options_for_validation(
         refresh_metrics_interval: Duration::from_millis(50),
         metrics_staleness_threshold: Duration::from_secs(2),
         drain_timeout: Duration::ZERO,
+        objectives_file: None,
     }
 }
 

@@ -41,6 +41,38 @@ pub struct PoolLabels {
     pub name: String,
 }
 
+/// `flow_control_request_queue_duration_seconds` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabels {
+    pub fairness_id: String,
+    pub priority: String,
+    pub outcome: String,
+    pub inference_pool: String,
+    pub model_name: String,
+    pub target_model_name: String,
+}
+
+/// `flow_control_requests_total` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: String,
+    pub priority: String,
+    pub inference_pool: String,
+}
+
+/// Per-band gauges (`flow_control_queue_size`, `_queue_bytes`, `_capacity_utilization_requests`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BandLabels {
+    pub priority: String,
+    pub inference_pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SaturationLabels {
+    pub inference_pool: String,
+    pub stage: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AttemptLabels {
     pub status: String,
@@ -98,6 +130,23 @@ pub struct Metrics {
     streams_inflight: Gauge,
     streams_inflight_count: AtomicI64,
     model_cap: LabelCap,
+    fairness_cap: LabelCap,
+    pub flow: FlowMetrics,
+}
+
+/// Flow-control metrics (llm-d's `flow_control_*`), updated by [`crate::admission::FlowGate`].
+#[derive(Debug)]
+pub struct FlowMetrics {
+    pub queue_duration: Family<QueueLabels, Histogram, fn() -> Histogram>,
+    pub requests: Family<OutcomeLabels, Counter>,
+    pub queue_size: Family<BandLabels, Gauge>,
+    pub queue_bytes: Family<BandLabels, Gauge>,
+    pub inflight: Family<BandLabels, Gauge>,
+    pub saturation: Family<SaturationLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+}
+
+fn queue_histogram() -> Histogram {
+    Histogram::new(latency_buckets())
 }
 
 impl std::fmt::Debug for Metrics {
@@ -175,6 +224,44 @@ impl Metrics {
             "Open ext_proc streams",
             streams_inflight.clone(),
         );
+        let flow = FlowMetrics {
+            queue_duration: Family::new_with_constructor(queue_histogram as fn() -> Histogram),
+            requests: Family::default(),
+            queue_size: Family::default(),
+            queue_bytes: Family::default(),
+            inflight: Family::default(),
+            saturation: Family::default(),
+        };
+        registry.register(
+            "flow_control_request_queue_duration_seconds",
+            "Time requests spent in the flow-control queue, by outcome",
+            flow.queue_duration.clone(),
+        );
+        registry.register(
+            "flow_control_requests",
+            "Requests that left flow control, by outcome",
+            flow.requests.clone(),
+        );
+        registry.register(
+            "flow_control_queue_size",
+            "Requests waiting in flow control, per priority band",
+            flow.queue_size.clone(),
+        );
+        registry.register(
+            "flow_control_queue_bytes",
+            "Bytes of requests waiting in flow control, per priority band",
+            flow.queue_bytes.clone(),
+        );
+        registry.register(
+            "flow_control_inflight_requests",
+            "Requests dispatched by flow control and not yet completed, per priority band",
+            flow.inflight.clone(),
+        );
+        registry.register(
+            "flow_control_pool_saturation",
+            "Pool saturation as the flow-control dispatcher sees it",
+            flow.saturation.clone(),
+        );
         Metrics {
             registry,
             pool_name: pool_name.to_string(),
@@ -190,7 +277,18 @@ impl Metrics {
             streams_inflight,
             streams_inflight_count: AtomicI64::new(0),
             model_cap: LabelCap::default(),
+            fairness_cap: LabelCap::default(),
+            flow,
         }
+    }
+
+    pub fn pool_name(&self) -> &str {
+        &self.pool_name
+    }
+
+    /// A fairness id as a label value (capped like model names).
+    pub fn fairness_label(&self, fairness_id: &str) -> String {
+        self.fairness_cap.admit(fairness_id)
     }
 
     pub fn request_labels(&self, model: &str, target: &str) -> RequestLabels {

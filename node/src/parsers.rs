@@ -57,6 +57,18 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
+impl Prompt {
+    /// Estimated prompt tokens: the text's 4-byte pseudo-tokens, or the token ids.
+    pub fn estimated_tokens(&self) -> u64 {
+        let n = match self {
+            Prompt::Text(t) => index::hashing::estimate_token_count(t.len()),
+            Prompt::Tokens(t) => t.len(),
+            Prompt::None => 0,
+        };
+        n as u64
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParsedRequest {
     pub kind: ApiKind,

@@ -17,13 +17,14 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 
+use crate::admission::{Admission, FlowGate, LegacyAdmission, OBSERVE_INTERVAL, Objectives};
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 use crate::datalayer::Datastore;
 use crate::datalayer::discovery::FileDiscovery;
 use crate::datalayer::scraper::ScrapeConfig;
 use crate::extproc::{ExtProcService, PickerContext};
 use crate::metrics::Metrics;
-use crate::plugins;
+use crate::plugins::{self, AdmissionConfig};
 
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
@@ -40,6 +41,7 @@ pub struct ServeOptions {
     pub refresh_metrics_interval: Duration,
     pub metrics_staleness_threshold: Duration,
     pub drain_timeout: Duration,
+    pub objectives_file: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -132,6 +134,21 @@ pub async fn serve(
         client,
     };
     let initial = discovery.load_initial()?;
+    let objectives = match &opts.objectives_file {
+        Some(path) => Objectives::from_file(path)?,
+        None => Objectives::default(),
+    };
+    let admission = match &built.admission {
+        AdmissionConfig::Legacy(detector) => Admission::Legacy(LegacyAdmission::new(
+            detector.clone(),
+            built.inflight.clone(),
+        )?),
+        AdmissionConfig::FlowControl(config) => Admission::Flow(Arc::new(FlowGate::new(
+            config.as_ref().clone(),
+            store.clone(),
+            metrics.clone(),
+        )?)),
+    };
 
     let grpc = bind("ext_proc gRPC", opts.grpc_addr).await?;
     let health = bind("gRPC health", opts.health_addr).await?;
@@ -150,6 +167,8 @@ pub async fn serve(
         max_body_bytes: opts.max_body_bytes,
         passthrough,
         draining: AtomicBool::new(false),
+        admission,
+        objectives,
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();
@@ -212,6 +231,32 @@ pub async fn serve(
             }
         });
     }
+    if let Admission::Flow(gate) = &ctx.admission {
+        // The dispatcher's clock: pool observations (detector input, TTL expiry, gauges) and the
+        // sweep of admissions whose response was never observed.
+        let gate = gate.clone();
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(OBSERVE_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut last_sweep = tokio::time::Instant::now();
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(()),
+                    _ = tick.tick() => {
+                        gate.observe();
+                        if last_sweep.elapsed() >= Duration::from_secs(30) {
+                            last_sweep = tokio::time::Instant::now();
+                            let n = gate.sweep(Duration::from_secs(3600));
+                            if n > 0 {
+                                tracing::warn!(expired = n, "flow-control admissions expired without a response");
+                            }
+                        }
+                    }
+                }
+            }
+        });
+    }
     on_bound(bound);
     tracing::info!(ext_proc = %bound.ext_proc, health = %bound.health, admin = %bound.admin, "serving");
 
@@ -239,6 +284,15 @@ pub async fn serve(
         let deadline = tokio::time::Instant::now() + opts.drain_timeout;
         while metrics.streams_inflight() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    if let Admission::Flow(gate) = &ctx.admission {
+        // Whatever still waits in the queue gets 503 rejected-shutting-down; give those streams a
+        // moment to send that answer before the servers stop.
+        let queued = gate.counts().0;
+        gate.shutdown();
+        if queued > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
     stop.cancel();

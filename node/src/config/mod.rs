@@ -43,6 +43,8 @@ pub enum ConfigError {
     Field { path: String, message: String },
     #[error("{0}")]
     Invalid(String),
+    #[error(transparent)]
+    Flow(#[from] flowctl::ConfigError),
     #[error("reading config file {path}: {source}")]
     Io {
         path: String,
@@ -154,21 +156,10 @@ pub struct RequestHandlerSpec {
     pub parsers: Vec<PluginRefSpec>,
 }
 
-/// Decode `value` into `T`, reporting the failing key as `prefix.path`.
+/// Decode `value` into `T`, reporting the failing key as `prefix.path` (flowctl's strict decoder,
+/// shared so every config error reads the same).
 pub fn decode_at<T: DeserializeOwned>(value: &Value, prefix: &str) -> Result<T, ConfigError> {
-    serde_path_to_error::deserialize(value).map_err(|err| {
-        let inner = err.path().to_string();
-        let path = match (prefix.is_empty(), inner.as_str()) {
-            (true, _) => inner.clone(),
-            (false, ".") => prefix.to_string(),
-            (false, _) if inner.starts_with('[') => format!("{prefix}{inner}"),
-            (false, _) => format!("{prefix}.{inner}"),
-        };
-        ConfigError::Field {
-            path,
-            message: err.into_inner().to_string(),
-        }
-    })
+    Ok(flowctl::config::decode_at(value, prefix)?)
 }
 
 impl EndpointPickerConfig {
@@ -239,42 +230,11 @@ impl EndpointPickerConfig {
     }
 }
 
-/// Parse a Go-style duration ("50ms", "2s", "1m30s", "200us").
+/// Parse a Go duration ("50ms", "2s", "1m30s", "200us") with flowctl's parser.
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
-    let s = s.trim();
-    if s == "0" {
-        return Ok(std::time::Duration::ZERO);
-    }
-    let mut total = 0f64;
-    let mut rest = s;
-    if rest.is_empty() {
-        return Err("empty duration".into());
-    }
-    while !rest.is_empty() {
-        let num_end = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .ok_or_else(|| format!("duration `{s}` lacks a unit"))?;
-        let (num, tail) = rest.split_at(num_end);
-        let n: f64 = num
-            .parse()
-            .map_err(|_| format!("bad number in duration `{s}`"))?;
-        let unit_end = tail
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(tail.len());
-        let (unit, next) = tail.split_at(unit_end);
-        let scale = match unit {
-            "ns" => 1e-9,
-            "us" | "µs" => 1e-6,
-            "ms" => 1e-3,
-            "s" => 1.0,
-            "m" => 60.0,
-            "h" => 3600.0,
-            _ => return Err(format!("unknown unit `{unit}` in duration `{s}`")),
-        };
-        total += n * scale;
-        rest = next;
-    }
-    Ok(std::time::Duration::from_secs_f64(total))
+    flowctl::GoDuration::parse(s)
+        .map(|d| std::time::Duration::from_nanos(d.nanos()))
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

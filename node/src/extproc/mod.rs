@@ -22,6 +22,7 @@ use tonic::{Request, Response, Status, Streaming};
 pub use reject::{DROPPED_REASON_HEADER, Rejection};
 pub use stream::{DESTINATION_HEADER, ENVOY_LB_NAMESPACE};
 
+use crate::admission::{Admission, Objectives};
 use crate::datalayer::Datastore;
 use crate::metrics::Metrics;
 use crate::plugins::Scheduler;
@@ -38,6 +39,10 @@ pub struct PickerContext {
     /// `passthrough-parser` configured: unknown paths are routed instead of refused.
     pub passthrough: bool,
     pub draining: std::sync::atomic::AtomicBool,
+    /// Legacy admission or flow control.
+    pub admission: Admission,
+    /// `InferenceObjective` name → priority.
+    pub objectives: Objectives,
 }
 
 #[derive(Debug, Clone)]

@@ -57,6 +57,32 @@ impl Rejection {
         }
     }
 
+    /// A flow-control drop, with llm-d's status and `x-llm-d-request-dropped-reason`.
+    pub fn dropped(reason: flowctl::DropReason) -> Self {
+        let h = reason.http();
+        Rejection {
+            status: h.status,
+            code: if h.status == 429 {
+                "ResourceExhausted"
+            } else {
+                "ServiceUnavailable"
+            },
+            reason: h.dropped_reason,
+            message: h.message.into(),
+        }
+    }
+
+    /// The legacy admission controller's refusal of a sheddable request (no dropped-reason header).
+    pub fn sheddable_saturated() -> Self {
+        let h = flowctl::LegacyAdmission::Reject.http();
+        Rejection {
+            status: 429,
+            code: "ResourceExhausted",
+            reason: h.and_then(|h| h.dropped_reason),
+            message: h.map_or("system saturated", |h| h.message).into(),
+        }
+    }
+
     /// The body llm-d sends: `inference error: <Code> - <message>`.
     pub fn body(&self) -> String {
         format!("inference error: {} - {}", self.code, self.message)

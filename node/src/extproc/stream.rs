@@ -21,6 +21,7 @@ use tonic::{Status, Streaming};
 
 use super::PickerContext;
 use super::reject::{DROPPED_REASON_HEADER, Rejection};
+use crate::admission::{Admission, AdmitRequest, CONTROL_HEADERS, RequestMeta, Verdict};
 use crate::metrics::RequestLabels;
 use crate::parsers::{self, ParsedRequest, Prompt};
 use crate::plugins::{SchedError, SchedRequest};
@@ -306,6 +307,39 @@ impl StreamState {
         self.running = true;
         self.labels = Some(labels);
 
+        let meta = RequestMeta::from_headers(&self.headers, &self.ctx.objectives);
+        let mut ticket = None;
+        match &self.ctx.admission {
+            Admission::Legacy(legacy) => {
+                let now = Instant::now();
+                if legacy.check(meta.priority, &self.ctx.store.candidates(now), now) {
+                    return self.reject(Rejection::sheddable_saturated()).await;
+                }
+            }
+            Admission::Flow(gate) => {
+                let pending = gate.enqueue(AdmitRequest {
+                    request_id: &self.request_id,
+                    meta: &meta,
+                    bytes: self.body.len() as u64,
+                    tokens: parsed.as_ref().map_or(0, |p| p.prompt.estimated_tokens()),
+                    model,
+                    target_model: model,
+                });
+                // Hold the stream until the verdict; if Envoy goes away meanwhile (the client
+                // disconnected) dropping `pending` cancels the queued request.
+                let verdict = tokio::select! {
+                    v = pending.wait() => v,
+                    _ = self.tx.closed() => return Err(()),
+                };
+                match verdict {
+                    Verdict::Dispatched(t) => ticket = Some((gate.clone(), t)),
+                    Verdict::Rejected(reason) => {
+                        return self.reject(Rejection::dropped(reason)).await;
+                    }
+                }
+            }
+        }
+
         let t0 = Instant::now();
         let candidates = self.ctx.store.candidates(t0);
         let no_prompt = Prompt::None;
@@ -326,11 +360,18 @@ impl StreamState {
             .scheduled(t0.elapsed().as_secs_f64(), decision.is_ok());
         let decision = match decision {
             Ok(d) => d,
-            Err(SchedError::NoCandidates) => return self.reject(Rejection::no_endpoints()).await,
-            Err(SchedError::AllFiltered) => {
-                return self
-                    .reject(Rejection::saturated("every endpoint was filtered out"))
-                    .await;
+            Err(e) => {
+                if let Some((gate, t)) = ticket {
+                    // Admitted but going nowhere: give the slot back.
+                    gate.release(t);
+                }
+                return match e {
+                    SchedError::NoCandidates => self.reject(Rejection::no_endpoints()).await,
+                    SchedError::AllFiltered => {
+                        self.reject(Rejection::saturated("every endpoint was filtered out"))
+                            .await
+                    }
+                };
             }
         };
         let destination = decision
@@ -345,11 +386,17 @@ impl StreamState {
         if self.generated_request_id {
             set_headers.push(header(REQUEST_ID_HEADER, &self.request_id));
         }
+        // Client-supplied control headers are for the EPP, not the model server.
+        let remove_headers = CONTROL_HEADERS
+            .iter()
+            .filter(|h| self.headers.contains_key(**h))
+            .map(|h| h.to_string())
+            .collect();
         let common = CommonResponse {
             status: ResponseStatus::Continue as i32,
             header_mutation: Some(HeaderMutation {
                 set_headers,
-                remove_headers: vec![],
+                remove_headers,
             }),
             clear_route_cache: true,
             ..Default::default()
@@ -448,6 +495,9 @@ impl StreamState {
             self.settles = false;
             if let Some(t) = &self.ctx.inflight {
                 t.finish(&self.request_id);
+            }
+            if let Admission::Flow(gate) = &self.ctx.admission {
+                gate.complete(&self.request_id, None);
             }
         }
     }

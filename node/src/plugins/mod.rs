@@ -28,7 +28,7 @@ use std::fmt::Debug;
 use crate::datalayer::store::Candidate;
 use crate::parsers::Prompt;
 
-pub use registry::build;
+pub use registry::{AdmissionConfig, build};
 pub use scheduler::{SchedError, Scheduler};
 
 /// What the scheduler knows about the request being routed.

@@ -48,14 +48,6 @@ const NOT_YET: &[&str] = &[
     "header-profile-handler",
     "latency-slo-admitter",
     "probabilistic-admitter",
-    "utilization-detector",
-    "concurrency-detector",
-    "global-strict-fairness-policy",
-    "round-robin-fairness-policy",
-    "fcfs-ordering-policy",
-    "edf-ordering-policy",
-    "slo-deadline-ordering-policy",
-    "static-usage-limit-policy",
     "predicted-latency-producer",
     "latency-scorer",
 ];
@@ -74,6 +66,18 @@ pub enum Plugin {
     MetricsSource(MetricsSourceParams),
     Extractor,
     Parser(&'static str),
+    /// A flow-control policy or saturation detector: used through `flowControl` references, not by
+    /// the scheduler. Its parameters are validated at construction.
+    FlowControl,
+}
+
+/// How requests are admitted, from `featureGates` and `flowControl`.
+#[derive(Debug, Clone)]
+pub enum AdmissionConfig {
+    /// Gate off: llm-d's legacy controller with this detector.
+    Legacy(flowctl::SaturationDetector),
+    /// Gate on: flow control.
+    FlowControl(Box<flowctl::ControllerConfig>),
 }
 
 /// `metrics-data-source` parameters.
@@ -255,6 +259,24 @@ pub fn construct(
                 .unwrap_or("openai-parser");
             Plugin::Parser(name)
         }
+        flowctl::UTILIZATION_DETECTOR | flowctl::CONCURRENCY_DETECTOR => {
+            flowctl::SaturationDetector::from_plugin(type_name, parameters, path)?;
+            Plugin::FlowControl
+        }
+        flowctl::GLOBAL_STRICT_FAIRNESS
+        | flowctl::ROUND_ROBIN_FAIRNESS
+        | flowctl::WEIGHTED_FAIRNESS => {
+            flowctl::FairnessPolicy::from_plugin(type_name, parameters, path)?;
+            Plugin::FlowControl
+        }
+        flowctl::FCFS_ORDERING | flowctl::EDF_ORDERING | flowctl::SLO_DEADLINE_ORDERING => {
+            flowctl::OrderingPolicy::from_plugin(type_name, parameters, path)?;
+            Plugin::FlowControl
+        }
+        flowctl::STATIC_USAGE_LIMIT | flowctl::PRIORITY_HOLDBACK => {
+            flowctl::UsageLimit::from_plugin(type_name, parameters, path)?;
+            Plugin::FlowControl
+        }
         t if NOT_YET.contains(&t) => {
             return Err(ConfigError::invalid(format!(
                 "{path}: plugin type `{t}` is an llm-d plugin this build does not implement yet"
@@ -276,17 +298,13 @@ pub struct Built {
     pub metrics_source: MetricsSourceParams,
     /// The in-flight ledger, when a plugin needs one (the response path releases into it).
     pub inflight: Option<Arc<InflightTracker>>,
+    pub admission: AdmissionConfig,
     /// Effective configuration, for the start-up log line.
     pub summary: String,
 }
 
 /// Instantiate every plugin, apply llm-d's default injection and validate references.
 pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
-    if cfg.gate("flowControl")? == Some(true) {
-        return Err(ConfigError::invalid(
-            "featureGates: `flowControl` is not implemented by this build yet",
-        ));
-    }
     // Validate every other gate entry's syntax.
     for g in &cfg.feature_gates {
         let name = g.split_once('=').map_or(g.as_str(), |(n, _)| n);
@@ -528,9 +546,21 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             }
         }
     }
-    if cfg.flow_control.is_some() {
-        tracing::warn!("flowControl section present but the flowControl gate is off: ignored");
-    }
+    let admission = if cfg.gate("flowControl")? == Some(true) {
+        AdmissionConfig::FlowControl(Box::new(crate::admission::controller_config(cfg)?))
+    } else {
+        if cfg
+            .flow_control
+            .as_ref()
+            .and_then(|v| v.as_object())
+            .is_some_and(|o| o.keys().any(|k| k != "saturationDetector"))
+        {
+            tracing::warn!(
+                "flowControl section present but the flowControl gate is off: only its saturationDetector is used"
+            );
+        }
+        AdmissionConfig::Legacy(crate::admission::legacy_detector(cfg)?)
+    };
 
     let summary = format!(
         "producers=[{}] profile={} filters=[{}] scorers=[{}] picker={} metrics={}://<pod>{} every {}",
@@ -556,11 +586,25 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         metrics_source.scheme,
         metrics_source.path,
         metrics_source.interval.as_deref().unwrap_or("base tick"),
-    );
+    ) + &match &admission {
+        AdmissionConfig::Legacy(d) => format!(" admission=legacy({})", d.type_name()),
+        AdmissionConfig::FlowControl(c) => format!(
+            " admission=flow-control(bands=[{}] detector={} maxRequests={} ttl={}s)",
+            c.bands
+                .iter()
+                .map(|b| b.priority.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+            c.detector.type_name(),
+            c.max_requests,
+            c.default_request_ttl / 1_000_000_000,
+        ),
+    };
     Ok(Built {
         scheduler: Scheduler { producers, profile },
         metrics_source,
         inflight,
+        admission,
         summary,
     })
 }
@@ -684,8 +728,52 @@ dataLayer:
     }
 
     #[test]
-    fn flow_control_gate_refused_honestly() {
-        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nfeatureGates: [flowControl]\n").unwrap_err().to_string();
-        assert!(e.contains("flowControl"), "{e}");
+    fn flow_control_gate_builds_the_controller_config() {
+        let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nfeatureGates: [flowControl]\nplugins:\n- {name: rr, type: round-robin-fairness-policy}\n- {name: conc, type: concurrency-detector, parameters: {maxConcurrency: 4}}\nflowControl:\n  maxRequests: 1k\n  defaultRequestTTL: 30s\n  priorityBands: [{priority: 10, fairnessPolicyRef: rr}, {priority: -1}]\n  saturationDetector: {pluginRef: conc}\n").unwrap();
+        let AdmissionConfig::FlowControl(c) = b.admission else {
+            panic!("gate on must build flow control")
+        };
+        assert_eq!(
+            (c.max_requests, c.default_request_ttl),
+            (1000, 30_000_000_000)
+        );
+        assert_eq!(c.bands.len(), 2);
+        assert_eq!(
+            c.bands[0].settings.fairness,
+            flowctl::FairnessPolicy::RoundRobin
+        );
+        assert!(
+            b.summary
+                .contains("flow-control(bands=[10,-1] detector=concurrency-detector"),
+            "{}",
+            b.summary
+        );
+        // Bad references and parameters are named by path.
+        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nfeatureGates: [flowControl]\nflowControl:\n  priorityBands: [{priority: 1, fairnessPolicyRef: nope}]\n").unwrap_err().to_string();
+        assert!(
+            e.contains("flowControl.priorityBands[0].fairnessPolicyRef"),
+            "{e}"
+        );
+        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {type: utilization-detector, parameters: {queueDepthThreshhold: 3}}\n").unwrap_err().to_string();
+        assert!(
+            e.contains("plugins[0].parameters.queueDepthThreshhold"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn gate_off_uses_the_legacy_controller_with_the_configured_detector() {
+        let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {name: u, type: utilization-detector, parameters: {queueDepthThreshold: 3}}\nflowControl:\n  saturationDetector: {pluginRef: u}\n").unwrap();
+        let AdmissionConfig::Legacy(flowctl::SaturationDetector::Utilization(d)) = b.admission
+        else {
+            panic!("gate off must build the legacy controller")
+        };
+        assert_eq!(d.queue_depth_threshold, 3.0);
+        // The deprecated top-level location still works.
+        let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {name: c, type: concurrency-detector}\nsaturationDetector: {pluginRef: c}\n").unwrap();
+        assert!(matches!(
+            b.admission,
+            AdmissionConfig::Legacy(flowctl::SaturationDetector::Concurrency(_))
+        ));
     }
 }

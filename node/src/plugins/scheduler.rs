@@ -48,15 +48,6 @@ pub struct Decision {
     pub data: RequestData,
 }
 
-/// Estimated prompt tokens: the text's 4-byte pseudo-tokens, or the token ids.
-fn prompt_tokens(p: &crate::parsers::Prompt) -> usize {
-    match p {
-        crate::parsers::Prompt::Text(t) => index::hashing::estimate_token_count(t.len()),
-        crate::parsers::Prompt::Tokens(t) => t.len(),
-        crate::parsers::Prompt::None => 0,
-    }
-}
-
 impl Scheduler {
     pub fn schedule(
         &self,
@@ -68,7 +59,7 @@ impl Scheduler {
             return Err(SchedError::NoCandidates);
         }
         let mut data = RequestData {
-            prompt_tokens: prompt_tokens(req.prompt),
+            prompt_tokens: req.prompt.estimated_tokens() as usize,
             ..RequestData::default()
         };
         for p in &self.producers {
