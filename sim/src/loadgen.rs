@@ -227,6 +227,8 @@ pub struct Summary {
     pub errors: u64,
     pub ttft_p50_ms: f64,
     pub ttft_p90_ms: f64,
+    #[serde(default)]
+    pub ttft_p95_ms: f64,
     pub ttft_p99_ms: f64,
     pub e2e_p50_ms: f64,
     pub e2e_p90_ms: f64,
@@ -711,6 +713,7 @@ fn summary(records: &[&Record], elapsed: Duration) -> Summary {
     e2e.sort();
     s.ttft_p50_ms = percentile_ms(&ttft, 50.0);
     s.ttft_p90_ms = percentile_ms(&ttft, 90.0);
+    s.ttft_p95_ms = percentile_ms(&ttft, 95.0);
     s.ttft_p99_ms = percentile_ms(&ttft, 99.0);
     s.e2e_p50_ms = percentile_ms(&e2e, 50.0);
     s.e2e_p90_ms = percentile_ms(&e2e, 90.0);
