@@ -185,3 +185,159 @@ async fn premium_ttft_survives_a_best_effort_burst_only_with_flow_control() {
         p95(&plain_burst, "premium")
     );
 }
+
+/// One pod, one slot, a 500 ms TTL and a one-request band cap: a waiting request is cancelled when
+/// its client goes away (its entry leaves the queue), then one expires with 429
+/// `rejected-ttl-expired`, and one over the cap gets 429 `rejected-saturated` at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_requests_cancel_expire_and_overflow_with_llmd_reasons() {
+    let config = "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: queue-scorer
+- {name: one, type: concurrency-detector, parameters: {maxConcurrency: 1}}
+flowControl:
+  defaultRequestTTL: 500ms
+  saturationDetector: {pluginRef: one}
+  priorityBands: [{priority: 0, maxRequests: 1}]
+";
+    let c = LocalCluster::start(ClusterSpec {
+        sim: SimConfig {
+            pods: 1,
+            knobs: PodKnobs {
+                max_num_seqs: 1,
+                decode_ms_per_token: 5.0,
+                ..PodKnobs::default()
+            },
+            ..SimConfig::default()
+        },
+        epp_args: vec!["--config-text".into(), config.into()],
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    chaos::wait::until("EPP scraped the pod", Duration::from_secs(20), || async {
+        c.epps[0]
+            .metrics()
+            .await
+            .is_ok_and(|m| m.contains("llm_d_epp_pool_ready_endpoints{name=\"default-pool\"} 1"))
+    })
+    .await
+    .unwrap();
+    let url = format!("{}/v1/chat/completions", c.envoy.url());
+    let body = |max_tokens: u32| {
+        serde_json::json!({
+            "model": "sim-model",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": max_tokens,
+        })
+        .to_string()
+    };
+    let client = reqwest::Client::new();
+    let metric = |m: &str, needle: &str| -> Option<f64> {
+        m.lines()
+            .find(|l| l.starts_with(needle))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    };
+
+    // A holds the only slot for ~3 s (600 tokens × 5 ms).
+    let long = tokio::spawn({
+        let (client, url, b) = (client.clone(), url.clone(), body(600));
+        async move {
+            client
+                .post(url)
+                .header("content-type", "application/json")
+                .body(b)
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    });
+    chaos::wait::until("A dispatched", Duration::from_secs(5), || async {
+        c.epps[0].metrics().await.is_ok_and(|m| {
+            metric(
+                &m,
+                "llm_d_epp_flow_control_inflight_requests{priority=\"0\"",
+            ) == Some(1.0)
+        })
+    })
+    .await
+    .unwrap();
+
+    // B waits, then its client gives up: the queue empties without a dispatch.
+    let b = client
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(body(1))
+        .timeout(Duration::from_millis(150))
+        .send()
+        .await;
+    assert!(b.is_err(), "B should have timed out while queued: {b:?}");
+    chaos::wait::until("B cancelled", Duration::from_secs(5), || async {
+        c.epps[0].metrics().await.is_ok_and(|m| {
+            metric(
+                &m,
+                "llm_d_epp_flow_control_requests_total{outcome=\"rejected-context-cancelled\",priority=\"0\"",
+            ) == Some(1.0)
+                && metric(&m, "llm_d_epp_flow_control_queue_size{priority=\"0\"") == Some(0.0)
+        })
+    })
+    .await
+    .unwrap();
+
+    // C waits past the TTL; D arrives while C occupies the band's only queue place.
+    let c_req = tokio::spawn({
+        let (client, url, b) = (client.clone(), url.clone(), body(1));
+        async move {
+            let t = std::time::Instant::now();
+            let r = client
+                .post(url)
+                .header("content-type", "application/json")
+                .body(b)
+                .send()
+                .await
+                .unwrap();
+            (
+                r.status().as_u16(),
+                r.headers()
+                    .get("x-llm-d-request-dropped-reason")
+                    .map(|v| v.to_str().unwrap().to_string()),
+                t.elapsed(),
+            )
+        }
+    });
+    chaos::wait::until("C queued", Duration::from_secs(5), || async {
+        c.epps[0].metrics().await.is_ok_and(|m| {
+            metric(&m, "llm_d_epp_flow_control_queue_size{priority=\"0\"") == Some(1.0)
+        })
+    })
+    .await
+    .unwrap();
+    let d = client
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(body(1))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(d.status().as_u16(), 429);
+    assert_eq!(
+        d.headers()["x-llm-d-request-dropped-reason"],
+        "rejected-saturated"
+    );
+    let (status, reason, waited) = c_req.await.unwrap();
+    assert_eq!(
+        (status, reason.as_deref()),
+        (429, Some("rejected-ttl-expired"))
+    );
+    assert!(
+        waited >= Duration::from_millis(450),
+        "C expired after {waited:?}, before its 500 ms TTL"
+    );
+    assert_eq!(long.await.unwrap().as_u16(), 200);
+    c.shutdown().await;
+}
