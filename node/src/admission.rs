@@ -765,6 +765,20 @@ mod tests {
         assert!(e.contains("twice"), "{e}");
     }
 
+    #[test]
+    fn example_objectives_file_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/objectives.yaml");
+        let o = Objectives::from_file(&path).unwrap();
+        assert_eq!(
+            (
+                o.priority("interactive"),
+                o.priority("standard"),
+                o.priority("batch")
+            ),
+            (Some(10), Some(0), Some(-10))
+        );
+    }
+
     fn gate(cfg: ControllerConfig) -> Arc<FlowGate> {
         let store = Arc::new(Datastore::new(Duration::from_secs(2)));
         Arc::new(FlowGate::new(cfg, store, Arc::new(Metrics::new("pool"))).unwrap())

@@ -74,6 +74,11 @@ pub struct SaturationLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DisaggLabels {
+    pub decision_type: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AttemptLabels {
     pub status: String,
 }
@@ -131,6 +136,7 @@ pub struct Metrics {
     streams_inflight_count: AtomicI64,
     model_cap: LabelCap,
     fairness_cap: LabelCap,
+    disagg_decisions: Family<DisaggLabels, Counter>,
     pub flow: FlowMetrics,
 }
 
@@ -262,6 +268,12 @@ impl Metrics {
             "Pool saturation as the flow-control dispatcher sees it",
             flow.saturation.clone(),
         );
+        let disagg_decisions = Family::<DisaggLabels, Counter>::default();
+        registry.register(
+            "disagg_decision",
+            "Routing decisions by disaggregation type (decode-only, prefill-decode)",
+            disagg_decisions.clone(),
+        );
         Metrics {
             registry,
             pool_name: pool_name.to_string(),
@@ -278,8 +290,17 @@ impl Metrics {
             streams_inflight_count: AtomicI64::new(0),
             model_cap: LabelCap::default(),
             fairness_cap: LabelCap::default(),
+            disagg_decisions,
             flow,
         }
+    }
+
+    pub fn disagg_decision(&self, decision_type: &str) {
+        self.disagg_decisions
+            .get_or_create(&DisaggLabels {
+                decision_type: decision_type.to_string(),
+            })
+            .inc();
     }
 
     pub fn pool_name(&self) -> &str {

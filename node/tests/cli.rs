@@ -83,3 +83,37 @@ fn serve_refuses_bad_config_before_binding() {
     assert!(!out.contains("\"ext_proc\""), "{out}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The sample configs of `deploy/examples` (flow control, P/D) and the built-in default validate,
+/// and the effective configuration says what they do.
+#[test]
+fn example_configs_validate() {
+    let dir = format!("{}/../deploy/examples", env!("CARGO_MANIFEST_DIR"));
+    let (ok, out) = epp(&[
+        "validate-config",
+        "--config-file",
+        &format!("{dir}/flow-control.yaml"),
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("admission=flow-control(bands=[10,0,-10] detector=concurrency-detector maxRequests=10000 ttl=30s)"),
+        "{out}"
+    );
+    let (ok, out) = epp(&[
+        "validate-config",
+        "--config-file",
+        &format!("{dir}/pd.yaml"),
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("disagg-profile-handler decode: profile=decode")
+            && out.contains("prefill when prefix-based-pd-decider: profile=prefill"),
+        "{out}"
+    );
+    let (ok, out) = epp(&["validate-config"]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("admission=legacy(utilization-detector)"),
+        "{out}"
+    );
+}

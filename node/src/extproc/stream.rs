@@ -24,9 +24,12 @@ use super::reject::{DROPPED_REASON_HEADER, Rejection};
 use crate::admission::{Admission, AdmitRequest, CONTROL_HEADERS, RequestMeta, Verdict};
 use crate::metrics::RequestLabels;
 use crate::parsers::{self, ParsedRequest, Prompt};
+use crate::plugins::scheduler::Handler;
 use crate::plugins::{SchedError, SchedRequest};
 
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The prefill pod of a disaggregated request (`ip:port`), for the decode pod's sidecar.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 pub const ENVOY_LB_NAMESPACE: &str = "envoy.lb";
 const REQUEST_ID_HEADER: &str = "x-request-id";
 /// Largest body chunk streamed back to Envoy (llm-d uses the same bound).
@@ -386,9 +389,24 @@ impl StreamState {
         if self.generated_request_id {
             set_headers.push(header(REQUEST_ID_HEADER, &self.request_id));
         }
+        let prefiller = decision
+            .prefill
+            .and_then(|i| candidates.get(i))
+            .map(|c| c.endpoint.hostport.as_str());
+        if let Some(p) = prefiller {
+            set_headers.push(header(PREFILLER_HEADER, p));
+        }
+        if matches!(self.ctx.scheduler.handler, Handler::Disagg { .. }) {
+            self.ctx.metrics.disagg_decision(if prefiller.is_some() {
+                "prefill-decode"
+            } else {
+                "decode-only"
+            });
+        }
         // Client-supplied control headers are for the EPP, not the model server.
         let remove_headers = CONTROL_HEADERS
             .iter()
+            .chain(prefiller.is_none().then_some(&PREFILLER_HEADER))
             .filter(|h| self.headers.contains_key(**h))
             .map(|h| h.to_string())
             .collect();

@@ -188,6 +188,7 @@ impl Producer for InflightProducer {
         data: &RequestData,
         candidates: &[Candidate],
         primary: usize,
+        _prefill: Option<usize>,
     ) {
         let uncached = data.uncached_tokens(primary) as u64;
         let mut tokens = uncached;
@@ -270,7 +271,7 @@ mod tests {
             }),
             inflight: vec![],
         };
-        p.pre_request(&req(), &data, &cs, 1);
+        p.pre_request(&req(), &data, &cs, 1, None);
         assert_eq!(
             tracker.load("10.0.0.2:1"),
             InflightLoad {

@@ -86,13 +86,15 @@ impl RequestData {
 pub trait Producer: Send + Sync + Debug {
     fn type_name(&self) -> &'static str;
     fn produce(&self, req: &SchedRequest<'_>, candidates: &[Candidate], data: &mut RequestData);
-    /// The request was routed to `candidates[primary]`.
+    /// The request was routed to `candidates[primary]` (and prefilled on `candidates[prefill]`
+    /// when disaggregated).
     fn pre_request(
         &self,
         req: &SchedRequest<'_>,
         data: &RequestData,
         candidates: &[Candidate],
         primary: usize,
+        prefill: Option<usize>,
     );
 }
 

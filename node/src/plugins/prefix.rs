@@ -166,31 +166,37 @@ impl Producer for ApproxPrefixProducer {
         data: &RequestData,
         candidates: &[Candidate],
         primary: usize,
+        prefill: Option<usize>,
     ) {
         let Some(info) = &data.prefix else { return };
-        let primary = &candidates[primary];
         if info.hashes.is_empty() {
             return;
         }
-        let capacity = if self.params.auto_tune {
-            primary
-                .sample
-                .as_ref()
-                .and_then(|s| s.metrics.num_gpu_blocks)
-                .filter(|n| *n > 0)
-                .map(|n| n as usize)
-        } else {
-            None
-        }
-        .unwrap_or(self.params.lru_capacity_per_server);
         let ts = self.epoch.elapsed().as_micros() as u64;
         let mut ix = match self.index.write() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        let pod = ix.pod(&primary.endpoint.hostport);
-        ix.set_capacity(pod, capacity);
-        ix.insert(pod, &info.hashes, ts);
+        // The decode pod receives the KV blocks; a prefill pod computed them too.
+        for c in std::iter::once(primary).chain(prefill) {
+            let Some(target) = candidates.get(c) else {
+                continue;
+            };
+            let capacity = if self.params.auto_tune {
+                target
+                    .sample
+                    .as_ref()
+                    .and_then(|s| s.metrics.num_gpu_blocks)
+                    .filter(|n| *n > 0)
+                    .map(|n| n as usize)
+            } else {
+                None
+            }
+            .unwrap_or(self.params.lru_capacity_per_server);
+            let pod = ix.pod(&target.endpoint.hostport);
+            ix.set_capacity(pod, capacity);
+            ix.insert(pod, &info.hashes, ts);
+        }
     }
 }
 
@@ -457,7 +463,7 @@ mod tests {
         // 2000 bytes = 500 tokens → 8 blocks of 64 (the last partial)
         assert_eq!((info.block_size, info.total_blocks), (64, 8));
         assert_eq!(info.matched, vec![0, 0]);
-        p.pre_request(&r, &data, &cs, 1);
+        p.pre_request(&r, &data, &cs, 1, None);
         // A longer prompt sharing the first 1024 bytes (4 full blocks) matches 4 blocks on b.
         let mut longer = text[..1024].to_vec();
         longer.extend_from_slice(&[b'z'; 600]);

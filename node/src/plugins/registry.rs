@@ -14,12 +14,16 @@ use super::max_score_picker::{self, MaxScorePicker};
 use super::prefix::{self, ApproxPrefixProducer, PrefixAffinityFilter, PrefixCacheScorer};
 use super::queue_scorer::{self, QueueScorer};
 use super::random_picker::{self, RandomPicker};
-use super::scheduler::{Profile, Scheduler, WeightedScorer};
+use super::scheduler::{
+    ALWAYS_DISAGG_PD_DECIDER, Handler, PREFIX_BASED_PD_DECIDER, PdDecider, Profile, Scheduler,
+    WeightedScorer,
+};
 use super::weighted_random_picker::{self, WeightedRandomPicker};
 use super::{Filter, NoParams, Picker, PickerParams, Producer, Scorer, params};
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 
 pub const SINGLE_PROFILE_HANDLER: &str = "single-profile-handler";
+pub const DISAGG_PROFILE_HANDLER: &str = "disagg-profile-handler";
 pub const METRICS_DATA_SOURCE: &str = "metrics-data-source";
 pub const CORE_METRICS_EXTRACTOR: &str = "core-metrics-extractor";
 pub const PARSERS: [&str; 4] = [
@@ -40,9 +44,6 @@ const NOT_YET: &[&str] = &[
     "session-id-producer",
     "agent-identity",
     "encode-filter",
-    "disagg-profile-handler",
-    "prefix-based-pd-decider",
-    "always-disagg-pd-decider",
     "always-disagg-multimodal-decider",
     "data-parallel-profile-handler",
     "header-profile-handler",
@@ -62,7 +63,9 @@ pub enum Plugin {
     InflightProducer(inflight::InflightParams),
     /// `token-producer` (estimate backend: the count comes from the prompt's estimate tokens).
     TokenProducer,
-    ProfileHandler,
+    ProfileHandler(HandlerSpec),
+    /// A P/D decider of `disagg-profile-handler`.
+    Decider(PdDecider),
     MetricsSource(MetricsSourceParams),
     Extractor,
     Parser(&'static str),
@@ -228,7 +231,21 @@ pub fn construct(
         }
         SINGLE_PROFILE_HANDLER => {
             let _: NoParams = params(parameters, path)?;
-            Plugin::ProfileHandler
+            Plugin::ProfileHandler(HandlerSpec::Single)
+        }
+        DISAGG_PROFILE_HANDLER => {
+            Plugin::ProfileHandler(HandlerSpec::Disagg(params(parameters, path)?))
+        }
+        PREFIX_BASED_PD_DECIDER => {
+            let p: PrefixDeciderParams = params(parameters, path)?;
+            Plugin::Decider(PdDecider::PrefixBased {
+                non_cached_tokens: p.non_cached_tokens,
+                prompt_tokens: p.prompt_tokens,
+            })
+        }
+        ALWAYS_DISAGG_PD_DECIDER => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Decider(PdDecider::Always)
         }
         METRICS_DATA_SOURCE => {
             let p: MetricsSourceParams = params(parameters, path)?;
@@ -291,6 +308,143 @@ pub fn construct(
     Ok(plugin)
 }
 
+fn describe_profile(profile: &Profile) -> String {
+    format!(
+        "profile={} filters=[{}] scorers=[{}] picker={}",
+        profile.name,
+        profile
+            .filters
+            .iter()
+            .map(|f| f.type_name())
+            .collect::<Vec<_>>()
+            .join(", "),
+        profile
+            .scorers
+            .iter()
+            .map(|s| format!("{}({})*{}", s.name, s.scorer.type_name(), s.weight))
+            .collect::<Vec<_>>()
+            .join(", "),
+        profile.picker.type_name(),
+    )
+}
+
+/// Build configured profile `k` from its plugin references.
+fn build_profile(
+    k: usize,
+    spec: &crate::config::ProfileSpec,
+    instances: &[(String, String, Plugin)],
+    by_name: &HashMap<String, usize>,
+    default_picker: &Arc<dyn Picker>,
+) -> Result<Profile, ConfigError> {
+    let mut scorers = Vec::new();
+    let mut filters = Vec::new();
+    let mut picker = None;
+    for (j, r) in spec.plugins.iter().enumerate() {
+        let path = format!("schedulingProfiles[{k}].plugins[{j}].pluginRef");
+        let idx = by_name
+            .get(&r.plugin_ref)
+            .ok_or_else(|| ConfigError::Field {
+                path: path.clone(),
+                message: format!("no plugin named `{}`", r.plugin_ref),
+            })?;
+        let (name, type_name, p) = &instances[*idx];
+        match p {
+            Plugin::Filter(f) => filters.push(f.clone()),
+            Plugin::Scorer(s) => {
+                let weight = r.weight.unwrap_or(1.0);
+                if !weight.is_finite() || weight < 0.0 {
+                    return Err(ConfigError::Field {
+                        path: format!("schedulingProfiles[{k}].plugins[{j}].weight"),
+                        message: "weight must be a finite number >= 0".into(),
+                    });
+                }
+                scorers.push(WeightedScorer {
+                    name: name.clone(),
+                    weight,
+                    scorer: s.clone(),
+                });
+            }
+            Plugin::Picker(p) => {
+                if picker.is_some() {
+                    return Err(ConfigError::Field {
+                        path,
+                        message: "a profile takes one picker".into(),
+                    });
+                }
+                picker = Some(p.clone());
+            }
+            _ => {
+                return Err(ConfigError::Field {
+                    path,
+                    message: format!(
+                        "plugin `{name}` of type `{type_name}` cannot be used in a scheduling profile"
+                    ),
+                });
+            }
+        }
+    }
+    Ok(Profile {
+        name: spec.name.clone(),
+        filters,
+        scorers,
+        picker: picker.unwrap_or_else(|| default_picker.clone()),
+    })
+}
+
+/// A configured profile handler.
+#[derive(Debug, Clone)]
+pub enum HandlerSpec {
+    Single,
+    Disagg(DisaggParams),
+}
+
+/// `disagg-profile-handler` parameters (llm-d's names and defaults).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DisaggParams {
+    #[serde(default)]
+    pub profiles: DisaggProfiles,
+    #[serde(default)]
+    pub deciders: DisaggDeciders,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct DisaggProfiles {
+    pub decode: String,
+    pub prefill: String,
+    pub encode: String,
+}
+
+impl Default for DisaggProfiles {
+    fn default() -> Self {
+        DisaggProfiles {
+            decode: "decode".into(),
+            prefill: "prefill".into(),
+            encode: "encode".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DisaggDeciders {
+    #[serde(default)]
+    pub prefill: Option<String>,
+    #[serde(default)]
+    pub encode: Option<String>,
+}
+
+/// `prefix-based-pd-decider` parameters.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PrefixDeciderParams {
+    #[serde(default)]
+    pub non_cached_tokens: usize,
+    #[serde(default)]
+    pub prompt_tokens: usize,
+}
+
 /// What the configuration builds: the scheduler and the data-layer settings.
 #[derive(Debug, Clone)]
 pub struct Built {
@@ -333,22 +487,24 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         instances.push((name, spec.type_name.clone(), plugin));
     }
 
-    // The profile handler: exactly one, default single-profile-handler.
-    let handlers = instances
+    // The profile handler: at most one, default single-profile-handler.
+    let handlers: Vec<&HandlerSpec> = instances
         .iter()
-        .filter(|(_, _, p)| matches!(p, Plugin::ProfileHandler))
-        .count();
-    if handlers > 1 {
+        .filter_map(|(_, _, p)| match p {
+            Plugin::ProfileHandler(h) => Some(h),
+            _ => None,
+        })
+        .collect();
+    if handlers.len() > 1 {
         return Err(ConfigError::invalid(
             "plugins: more than one profile handler configured",
         ));
     }
-    if cfg.scheduling_profiles.len() > 1 {
-        return Err(ConfigError::invalid(format!(
-            "schedulingProfiles: {} profiles need a multi-profile handler; `{SINGLE_PROFILE_HANDLER}` runs exactly one",
-            cfg.scheduling_profiles.len()
-        )));
-    }
+    let handler_spec = handlers
+        .first()
+        .copied()
+        .cloned()
+        .unwrap_or(HandlerSpec::Single);
 
     // First picker anywhere, or the default max-score-picker.
     let first_picker = instances.iter().find_map(|(_, _, p)| match p {
@@ -358,105 +514,137 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
     let default_picker: Arc<dyn Picker> =
         first_picker.unwrap_or_else(|| Arc::new(MaxScorePicker { max_endpoints: 1 }));
 
-    let profile = match cfg.scheduling_profiles.first() {
-        None => {
-            // No profiles: one `default` profile with every filter/scorer/picker, weight 1.
-            let mut scorers = Vec::new();
-            let mut filters = Vec::new();
-            let mut picker = None;
-            for (name, _, p) in &instances {
-                match p {
-                    Plugin::Filter(f) => filters.push(f.clone()),
-                    Plugin::Scorer(s) => scorers.push(WeightedScorer {
-                        name: name.clone(),
-                        weight: 1.0,
-                        scorer: s.clone(),
-                    }),
-                    Plugin::Picker(p) if picker.is_none() => picker = Some(p.clone()),
-                    _ => {}
-                }
-            }
-            Profile {
-                name: "default".into(),
-                filters,
-                scorers,
-                picker: picker.unwrap_or(default_picker),
+    let profiles: Vec<Profile> = if cfg.scheduling_profiles.is_empty() {
+        // No profiles: one `default` profile with every filter/scorer/picker, weight 1.
+        let mut scorers = Vec::new();
+        let mut filters = Vec::new();
+        let mut picker = None;
+        for (name, _, p) in &instances {
+            match p {
+                Plugin::Filter(f) => filters.push(f.clone()),
+                Plugin::Scorer(s) => scorers.push(WeightedScorer {
+                    name: name.clone(),
+                    weight: 1.0,
+                    scorer: s.clone(),
+                }),
+                Plugin::Picker(p) if picker.is_none() => picker = Some(p.clone()),
+                _ => {}
             }
         }
-        Some(spec) => {
-            let mut scorers = Vec::new();
-            let mut filters = Vec::new();
-            let mut picker = None;
-            for (j, r) in spec.plugins.iter().enumerate() {
-                let path = format!("schedulingProfiles[0].plugins[{j}].pluginRef");
-                let idx = by_name
-                    .get(&r.plugin_ref)
-                    .ok_or_else(|| ConfigError::Field {
-                        path: path.clone(),
-                        message: format!("no plugin named `{}`", r.plugin_ref),
-                    })?;
-                let (name, type_name, p) = &instances[*idx];
-                match p {
-                    Plugin::Filter(f) => filters.push(f.clone()),
-                    Plugin::Scorer(s) => {
-                        let weight = r.weight.unwrap_or(1.0);
-                        if !weight.is_finite() || weight < 0.0 {
-                            return Err(ConfigError::Field {
-                                path: format!("schedulingProfiles[0].plugins[{j}].weight"),
-                                message: "weight must be a finite number >= 0".into(),
-                            });
-                        }
-                        scorers.push(WeightedScorer {
-                            name: name.clone(),
-                            weight,
-                            scorer: s.clone(),
-                        });
-                    }
-                    Plugin::Picker(p) => {
-                        if picker.is_some() {
-                            return Err(ConfigError::Field {
-                                path,
-                                message: "a profile takes one picker".into(),
-                            });
-                        }
-                        picker = Some(p.clone());
-                    }
-                    _ => {
-                        return Err(ConfigError::Field {
-                            path,
-                            message: format!(
-                                "plugin `{name}` of type `{type_name}` cannot be used in a scheduling profile"
-                            ),
-                        });
-                    }
-                }
+        vec![Profile {
+            name: "default".into(),
+            filters,
+            scorers,
+            picker: picker.unwrap_or(default_picker),
+        }]
+    } else {
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for (k, spec) in cfg.scheduling_profiles.iter().enumerate() {
+            if !seen.insert(spec.name.as_str()) {
+                return Err(ConfigError::Field {
+                    path: format!("schedulingProfiles[{k}].name"),
+                    message: format!("duplicate profile name `{}`", spec.name),
+                });
             }
-            Profile {
-                name: spec.name.clone(),
-                filters,
-                scorers,
-                picker: picker.unwrap_or(default_picker),
+            out.push(build_profile(
+                k,
+                spec,
+                &instances,
+                &by_name,
+                &default_picker,
+            )?);
+        }
+        out
+    };
+
+    let handler = match handler_spec {
+        HandlerSpec::Single => {
+            if profiles.len() > 1 {
+                return Err(ConfigError::invalid(format!(
+                    "schedulingProfiles: {} profiles need a multi-profile handler; `{SINGLE_PROFILE_HANDLER}` runs exactly one",
+                    profiles.len()
+                )));
+            }
+            match profiles.into_iter().next() {
+                Some(p) => Handler::Single(p),
+                None => return Err(ConfigError::invalid("schedulingProfiles: no profile")),
             }
         }
+        HandlerSpec::Disagg(params) => {
+            let find = |name: &str, key: &str| {
+                profiles
+                    .iter()
+                    .find(|p| p.name == name)
+                    .cloned()
+                    .ok_or_else(|| {
+                        ConfigError::invalid(format!(
+                            "{DISAGG_PROFILE_HANDLER}: parameters.profiles.{key} names `{name}`, which is not a scheduling profile"
+                        ))
+                    })
+            };
+            let decode = find(&params.profiles.decode, "decode")?;
+            if params.deciders.encode.is_some() {
+                return Err(ConfigError::invalid(format!(
+                    "{DISAGG_PROFILE_HANDLER}: parameters.deciders.encode: encode disaggregation is not implemented by this build yet"
+                )));
+            }
+            let prefill = match &params.deciders.prefill {
+                None => {
+                    tracing::warn!(
+                        "{DISAGG_PROFILE_HANDLER} without deciders.prefill: every request is decode-only"
+                    );
+                    None
+                }
+                Some(name) => {
+                    let decider = by_name
+                        .get(name)
+                        .and_then(|i| match &instances[*i].2 {
+                            Plugin::Decider(d) => Some(*d),
+                            _ => None,
+                        })
+                        .ok_or_else(|| {
+                            ConfigError::invalid(format!(
+                                "{DISAGG_PROFILE_HANDLER}: parameters.deciders.prefill: `{name}` is not a P/D decider plugin"
+                            ))
+                        })?;
+                    Some((find(&params.profiles.prefill, "prefill")?, decider))
+                }
+            };
+            Handler::Disagg { decode, prefill }
+        }
+    };
+    let has_decider = matches!(
+        handler,
+        Handler::Disagg {
+            prefill: Some((_, PdDecider::PrefixBased { .. })),
+            ..
+        }
+    );
+    let scheduler_profiles: Vec<Profile> = match &handler {
+        Handler::Single(p) => vec![p.clone()],
+        Handler::Disagg { decode, prefill } => std::iter::once(decode.clone())
+            .chain(prefill.as_ref().map(|(p, _)| p.clone()))
+            .collect(),
     };
 
     // Data producers: the configured ones, plus llm-d's defaults for every consumer that needs one.
     let uses = |t: &[&str]| {
-        profile
-            .scorers
-            .iter()
-            .any(|s| t.contains(&s.scorer.type_name()))
-            || profile.filters.iter().any(|f| t.contains(&f.type_name()))
+        scheduler_profiles.iter().any(|profile| {
+            profile
+                .scorers
+                .iter()
+                .any(|s| t.contains(&s.scorer.type_name()))
+                || profile.filters.iter().any(|f| t.contains(&f.type_name()))
+        })
     };
-    let needs_prefix = uses(&[prefix::SCORER_TYPE, prefix::AFFINITY_FILTER_TYPE]);
+    let needs_prefix = has_decider || uses(&[prefix::SCORER_TYPE, prefix::AFFINITY_FILTER_TYPE]);
     let needs_inflight = uses(&[
         load_scorers::TOKEN_LOAD_TYPE,
         load_scorers::ACTIVE_REQUEST_TYPE,
         prefix::AFFINITY_FILTER_TYPE,
-    ]) || profile
-        .filters
-        .iter()
-        .any(|f| f.type_name() == filters::UTILIZATION_TYPE);
+        filters::UTILIZATION_TYPE,
+    ]);
     let mut producers: Vec<Arc<dyn Producer>> = Vec::new();
     let configured_prefix = instances.iter().find_map(|(_, _, p)| match p {
         Plugin::PrefixProducer(p) => Some(p.clone()),
@@ -562,27 +750,30 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         AdmissionConfig::Legacy(crate::admission::legacy_detector(cfg)?)
     };
 
+    let profiles_summary = match &handler {
+        Handler::Single(p) => describe_profile(p),
+        Handler::Disagg { decode, prefill } => {
+            let mut s = format!(
+                "{DISAGG_PROFILE_HANDLER} decode: {}",
+                describe_profile(decode)
+            );
+            match prefill {
+                Some((p, d)) => {
+                    s += &format!(" | prefill when {}: {}", d.type_name(), describe_profile(p))
+                }
+                None => s += " | no prefill decider",
+            }
+            s
+        }
+    };
     let summary = format!(
-        "producers=[{}] profile={} filters=[{}] scorers=[{}] picker={} metrics={}://<pod>{} every {}",
+        "producers=[{}] {} metrics={}://<pod>{} every {}",
         producers
             .iter()
             .map(|p| p.type_name())
             .collect::<Vec<_>>()
             .join(", "),
-        profile.name,
-        profile
-            .filters
-            .iter()
-            .map(|f| f.type_name())
-            .collect::<Vec<_>>()
-            .join(", "),
-        profile
-            .scorers
-            .iter()
-            .map(|s| format!("{}({})*{}", s.name, s.scorer.type_name(), s.weight))
-            .collect::<Vec<_>>()
-            .join(", "),
-        profile.picker.type_name(),
+        profiles_summary,
         metrics_source.scheme,
         metrics_source.path,
         metrics_source.interval.as_deref().unwrap_or("base tick"),
@@ -601,7 +792,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         ),
     };
     Ok(Built {
-        scheduler: Scheduler { producers, profile },
+        scheduler: Scheduler { producers, handler },
         metrics_source,
         inflight,
         admission,
@@ -647,7 +838,7 @@ dataLayer:
     #[test]
     fn sample_config_loads() {
         let b = load(SAMPLE).unwrap();
-        let p = &b.scheduler.profile;
+        let p = b.scheduler.primary();
         assert_eq!(p.scorers.len(), 2);
         assert_eq!(p.scorers[0].weight, 2.0);
         assert_eq!(p.scorers[1].weight, 1.0);
@@ -658,7 +849,7 @@ dataLayer:
     #[test]
     fn defaults_injected_without_profiles() {
         let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\n").unwrap();
-        let p = &b.scheduler.profile;
+        let p = b.scheduler.primary();
         assert_eq!(p.name, "default");
         assert_eq!(p.scorers.len(), 1);
         assert_eq!(p.scorers[0].weight, 1.0);
@@ -668,7 +859,7 @@ dataLayer:
     #[test]
     fn builtin_default_builds() {
         let b = build(&EndpointPickerConfig::builtin_default().unwrap()).unwrap();
-        let p = &b.scheduler.profile;
+        let p = b.scheduler.primary();
         let weights: Vec<_> = p
             .scorers
             .iter()
@@ -705,7 +896,7 @@ dataLayer:
 
     #[test]
     fn not_yet_plugin_says_so() {
-        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: disagg-profile-handler\n").unwrap_err().to_string();
+        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: session-affinity-scorer\n").unwrap_err().to_string();
         assert!(e.contains("does not implement yet"), "{e}");
     }
 

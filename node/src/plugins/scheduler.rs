@@ -1,4 +1,5 @@
-//! Runs the scheduling profile for one request: producers, filters, weighted scorers, picker.
+//! Runs the scheduling profiles for one request: producers once, then per profile filters,
+//! weighted scorers and the picker; the profile handler decides which profiles run.
 //!
 //! Aggregation follows llm-d: every scorer's per-endpoint score is clamped to [0, 1], multiplied by
 //! its weight and summed (not normalised by the sum of weights). Filters run in order and stop the
@@ -24,11 +25,64 @@ pub struct Profile {
     pub picker: Arc<dyn Picker>,
 }
 
-/// The only profile handler in this build: run the single profile.
+/// Whether a prefill/decode split is worth it for this request (llm-d's P/D deciders).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PdDecider {
+    /// `prefix-based-pd-decider`: disaggregate when the prompt has at least `prompt_tokens` tokens
+    /// (0 = no gate) and at least `non_cached_tokens` of them are not cached on the chosen decode
+    /// pod (0 = never disaggregate).
+    PrefixBased {
+        non_cached_tokens: usize,
+        prompt_tokens: usize,
+    },
+    /// `always-disagg-pd-decider`.
+    Always,
+}
+
+impl PdDecider {
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            PdDecider::PrefixBased { .. } => PREFIX_BASED_PD_DECIDER,
+            PdDecider::Always => ALWAYS_DISAGG_PD_DECIDER,
+        }
+    }
+
+    /// Decide for the request routed to decode candidate `decode`.
+    pub fn disaggregate(&self, data: &RequestData, decode: usize) -> bool {
+        match *self {
+            PdDecider::Always => true,
+            PdDecider::PrefixBased {
+                non_cached_tokens,
+                prompt_tokens,
+            } => {
+                non_cached_tokens > 0
+                    && data.prompt_tokens >= prompt_tokens
+                    && data.uncached_tokens(decode) >= non_cached_tokens
+            }
+        }
+    }
+}
+
+pub const PREFIX_BASED_PD_DECIDER: &str = "prefix-based-pd-decider";
+pub const ALWAYS_DISAGG_PD_DECIDER: &str = "always-disagg-pd-decider";
+
+/// The profile handler.
+#[derive(Debug, Clone)]
+pub enum Handler {
+    /// `single-profile-handler`: run the one profile.
+    Single(Profile),
+    /// `disagg-profile-handler`: run the decode profile; then, if the decider approves, the
+    /// prefill profile, whose pick is sent upstream as `x-prefiller-host-port`.
+    Disagg {
+        decode: Profile,
+        prefill: Option<(Profile, PdDecider)>,
+    },
+}
+
 #[derive(Debug, Clone)]
 pub struct Scheduler {
     pub producers: Vec<Arc<dyn Producer>>,
-    pub profile: Profile,
+    pub handler: Handler,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -46,9 +100,31 @@ pub struct Decision {
     pub picked: Vec<usize>,
     pub scores: Vec<f64>,
     pub data: RequestData,
+    /// The prefill pod of a disaggregated request.
+    pub prefill: Option<usize>,
 }
 
 impl Scheduler {
+    /// The primary profile (the single one, or the decode profile).
+    pub fn primary(&self) -> &Profile {
+        match &self.handler {
+            Handler::Single(p) => p,
+            Handler::Disagg { decode, .. } => decode,
+        }
+    }
+
+    /// Every profile, primary first.
+    pub fn profiles(&self) -> impl Iterator<Item = &Profile> {
+        let prefill = match &self.handler {
+            Handler::Disagg {
+                prefill: Some((p, _)),
+                ..
+            } => Some(p),
+            _ => None,
+        };
+        std::iter::once(self.primary()).chain(prefill)
+    }
+
     pub fn schedule(
         &self,
         req: &SchedRequest<'_>,
@@ -65,40 +141,27 @@ impl Scheduler {
         for p in &self.producers {
             p.produce(req, candidates, &mut data);
         }
-        let mut keep: Vec<usize> = (0..candidates.len()).collect();
-        for f in &self.profile.filters {
-            f.filter(req, &data, candidates, &mut keep);
-            if keep.is_empty() {
-                return Err(SchedError::AllFiltered);
-            }
-        }
-        let mut total = vec![0.0f64; keep.len()];
-        let mut buf = vec![0.0f64; keep.len()];
-        for ws in &self.profile.scorers {
-            buf.iter_mut().for_each(|s| *s = 0.0);
-            ws.scorer.score(req, &data, candidates, &keep, &mut buf);
-            for (t, s) in total.iter_mut().zip(&buf) {
-                let s = if s.is_finite() {
-                    s.clamp(0.0, 1.0)
-                } else {
-                    0.0
-                };
-                *t += s * ws.weight;
-            }
-        }
-        let mut scored: Vec<(usize, f64)> = keep.iter().copied().zip(total).collect();
         let mut scores = vec![0.0; candidates.len()];
-        for (i, s) in &scored {
-            scores[*i] = *s;
-        }
-        let picked = self.profile.picker.pick(&mut scored, rng);
-        if picked.is_empty() {
-            return Err(SchedError::AllFiltered);
+        let picked = run_profile(self.primary(), req, &data, candidates, rng, &mut scores)?;
+        let mut prefill = None;
+        if let Handler::Disagg {
+            prefill: Some((profile, decider)),
+            ..
+        } = &self.handler
+            && decider.disaggregate(&data, picked[0])
+        {
+            let mut unused = vec![0.0; candidates.len()];
+            // No prefill pod left (all filtered): decode does the prefill itself, as llm-d.
+            prefill = run_profile(profile, req, &data, candidates, rng, &mut unused)
+                .ok()
+                .and_then(|p| p.first().copied())
+                .filter(|p| *p != picked[0]);
         }
         Ok(Decision {
             picked,
             scores,
             data,
+            prefill,
         })
     }
 
@@ -115,10 +178,53 @@ impl Scheduler {
         if primary >= candidates.len() {
             return;
         }
+        let prefill = decision.prefill.filter(|p| *p < candidates.len());
         for p in &self.producers {
-            p.pre_request(req, &decision.data, candidates, primary);
+            p.pre_request(req, &decision.data, candidates, primary, prefill);
         }
     }
+}
+
+/// One profile: filters in order, weighted scorers summed, the picker. `scores` receives every
+/// kept candidate's total.
+fn run_profile(
+    profile: &Profile,
+    req: &SchedRequest<'_>,
+    data: &RequestData,
+    candidates: &[Candidate],
+    rng: &mut dyn rand::RngCore,
+    scores: &mut [f64],
+) -> Result<Vec<usize>, SchedError> {
+    let mut keep: Vec<usize> = (0..candidates.len()).collect();
+    for f in &profile.filters {
+        f.filter(req, data, candidates, &mut keep);
+        if keep.is_empty() {
+            return Err(SchedError::AllFiltered);
+        }
+    }
+    let mut total = vec![0.0f64; keep.len()];
+    let mut buf = vec![0.0f64; keep.len()];
+    for ws in &profile.scorers {
+        buf.iter_mut().for_each(|s| *s = 0.0);
+        ws.scorer.score(req, data, candidates, &keep, &mut buf);
+        for (t, s) in total.iter_mut().zip(&buf) {
+            let s = if s.is_finite() {
+                s.clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
+            *t += s * ws.weight;
+        }
+    }
+    let mut scored: Vec<(usize, f64)> = keep.iter().copied().zip(total).collect();
+    for (i, s) in &scored {
+        scores[*i] = *s;
+    }
+    let picked = profile.picker.pick(&mut scored, rng);
+    if picked.is_empty() {
+        return Err(SchedError::AllFiltered);
+    }
+    Ok(picked)
 }
 
 #[cfg(test)]
@@ -170,6 +276,139 @@ mod tests {
         }
         assert_eq!(d.picked, vec![2]);
         assert_eq!(d.data.prompt_tokens, 256);
+    }
+
+    const PD_CONFIG: &str = "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: decode-filter
+- type: prefill-filter
+- type: prefix-cache-scorer
+- type: queue-scorer
+- {name: pd, type: prefix-based-pd-decider, parameters: {nonCachedTokens: 100}}
+- {type: disagg-profile-handler, parameters: {deciders: {prefill: pd}}}
+schedulingProfiles:
+- name: decode
+  plugins: [{pluginRef: decode-filter}, {pluginRef: prefix-cache-scorer, weight: 2}, {pluginRef: queue-scorer}]
+- name: prefill
+  plugins: [{pluginRef: prefill-filter}, {pluginRef: queue-scorer}]
+";
+
+    fn pd_pods() -> Vec<Candidate> {
+        vec![
+            cand_at(
+                "d1",
+                "10.0.0.1:8000",
+                metrics(0.0, 0.0, 0.0),
+                false,
+                &[("llm-d.ai/role", "decode")],
+            ),
+            cand_at(
+                "d2",
+                "10.0.0.2:8000",
+                metrics(1.0, 0.0, 0.0),
+                false,
+                &[("llm-d.ai/role", "decode")],
+            ),
+            cand_at(
+                "p1",
+                "10.0.0.3:8000",
+                metrics(2.0, 0.0, 0.0),
+                false,
+                &[("llm-d.ai/role", "prefill")],
+            ),
+            cand_at(
+                "p2",
+                "10.0.0.4:8000",
+                metrics(0.0, 0.0, 0.0),
+                false,
+                &[("llm-d.ai/role", "prefill")],
+            ),
+        ]
+    }
+
+    /// A long uncached prompt is prefilled on the least-queued prefill pod and decoded on a decode
+    /// pod; the same prompt again is cached on that decode pod and stays decode-only.
+    #[test]
+    fn prefix_based_pd_decider_splits_only_uncached_prompts() {
+        let cfg = EndpointPickerConfig::from_yaml(PD_CONFIG).unwrap();
+        let s = crate::plugins::build(&cfg).unwrap().scheduler;
+        let cs = pd_pods();
+        // 2048 bytes = 512 estimate tokens, all uncached at first.
+        let text: Vec<u8> = (0..2048u32).map(|i| b'a' + (i % 19) as u8).collect();
+        let prompt = crate::parsers::Prompt::Text(text);
+        let mut r = req();
+        r.prompt = &prompt;
+        let mut rng = rand::rng();
+        let first = s.schedule(&r, &cs, &mut rng).unwrap();
+        assert_eq!(first.picked, vec![0], "decode: d1 has the shorter queue");
+        assert_eq!(first.prefill, Some(3), "prefill: p2 has the shorter queue");
+        s.pre_request(&r, &first, &cs);
+        let again = s.schedule(&r, &cs, &mut rng).unwrap();
+        assert_eq!(again.picked, vec![0]);
+        assert_eq!(again.prefill, None, "cached on d1: decode-only");
+        // A short prompt (below nonCachedTokens) never splits.
+        let short = crate::parsers::Prompt::Text(b"hello there".to_vec());
+        r.prompt = &short;
+        assert_eq!(s.schedule(&r, &cs, &mut rng).unwrap().prefill, None);
+    }
+
+    #[test]
+    fn pd_decider_formula() {
+        let data = RequestData {
+            prompt_tokens: 1000,
+            prefix: Some(crate::plugins::PrefixMatchInfo {
+                block_size: 64,
+                total_blocks: 15,
+                matched: vec![10, 0],
+                hashes: vec![],
+            }),
+            inflight: vec![],
+        };
+        let d = PdDecider::PrefixBased {
+            non_cached_tokens: 400,
+            prompt_tokens: 0,
+        };
+        // 1000 − 10·64 = 360 uncached on pod 0 (< 400), 1000 on pod 1.
+        assert!(!d.disaggregate(&data, 0));
+        assert!(d.disaggregate(&data, 1));
+        let gated = PdDecider::PrefixBased {
+            non_cached_tokens: 400,
+            prompt_tokens: 2000,
+        };
+        assert!(
+            !gated.disaggregate(&data, 1),
+            "prompt below the promptTokens gate"
+        );
+        let never = PdDecider::PrefixBased {
+            non_cached_tokens: 0,
+            prompt_tokens: 0,
+        };
+        assert!(!never.disaggregate(&data, 1), "nonCachedTokens 0 = never");
+        assert!(PdDecider::Always.disaggregate(&data, 0));
+    }
+
+    #[test]
+    fn disagg_config_errors_are_clear() {
+        let e = crate::plugins::build(
+            &EndpointPickerConfig::from_yaml(&PD_CONFIG.replace("name: decode\n", "name: dec\n"))
+                .unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("profiles.decode") && e.contains("`decode`"),
+            "{e}"
+        );
+        let e = crate::plugins::build(
+            &EndpointPickerConfig::from_yaml(
+                &PD_CONFIG.replace("prefill: pd}", "prefill: queue-scorer}"),
+            )
+            .unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("not a P/D decider"), "{e}");
     }
 
     #[test]
