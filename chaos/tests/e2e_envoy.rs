@@ -83,11 +83,8 @@ async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
         let body = if path.ends_with("chat/completions") {
             chat(stream, "hello there")
         } else {
-            let mut b = json!({"model": "sim-model", "prompt": "once upon a time", "max_tokens": 8, "stream": stream});
-            if stream {
-                b["stream_options"] = json!({"include_usage": true});
-            }
-            b
+            // No stream_options: the EPP asks for usage itself (the client sees the extra chunk).
+            json!({"model": "sim-model", "prompt": "once upon a time", "max_tokens": 8, "stream": stream})
         };
         let resp = client
             .post(format!("{}{path}", c.envoy.url()))
@@ -124,6 +121,25 @@ async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
         m.contains("llm_d_epp_scheduler_e2e_duration_seconds_count"),
         "{m}"
     );
+    // Usage from JSON and SSE bodies, seen by the observing stream, labelled by the routing one.
+    let count = |name: &str| -> f64 {
+        let key = format!(
+            "{name}_count{{model_name=\"sim-model\",target_model_name=\"sim-model\",fairness_id=\"default-flow\",priority=\"0\"}} "
+        );
+        m.lines()
+            .find_map(|l| l.strip_prefix(key.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    for name in [
+        "llm_d_epp_request_input_tokens",
+        "llm_d_epp_request_output_tokens",
+    ] {
+        assert!(
+            count(name) >= 5.0,
+            "{name}: warm-up + 4 requests expected:\n{m}"
+        );
+    }
     c.shutdown().await;
 }
 

@@ -73,6 +73,15 @@ pub struct SaturationLabels {
     pub stage: String,
 }
 
+/// Token histograms' labels (llm-d's request labels).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TokenLabels {
+    pub model_name: String,
+    pub target_model_name: String,
+    pub fairness_id: String,
+    pub priority: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DisaggLabels {
     pub decision_type: String,
@@ -137,6 +146,9 @@ pub struct Metrics {
     model_cap: LabelCap,
     fairness_cap: LabelCap,
     disagg_decisions: Family<DisaggLabels, Counter>,
+    input_tokens: Family<TokenLabels, Histogram, fn() -> Histogram>,
+    output_tokens: Family<TokenLabels, Histogram, fn() -> Histogram>,
+    cached_tokens: Family<TokenLabels, Histogram, fn() -> Histogram>,
     pub flow: FlowMetrics,
 }
 
@@ -149,6 +161,19 @@ pub struct FlowMetrics {
     pub queue_bytes: Family<BandLabels, Gauge>,
     pub inflight: Family<BandLabels, Gauge>,
     pub saturation: Family<SaturationLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+}
+
+/// llm-d's token buckets: powers of two, 1 … 1048576 (prompt) and 1 … 8192 (output).
+fn prompt_token_histogram() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        1.0, 2.0, 21,
+    ))
+}
+
+fn output_token_histogram() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        1.0, 2.0, 14,
+    ))
 }
 
 fn queue_histogram() -> Histogram {
@@ -274,6 +299,27 @@ impl Metrics {
             "Routing decisions by disaggregation type (decode-only, prefill-decode)",
             disagg_decisions.clone(),
         );
+        let input_tokens: Family<TokenLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(prompt_token_histogram as fn() -> Histogram);
+        registry.register(
+            "request_input_tokens",
+            "Prompt tokens per request, from the response's usage",
+            input_tokens.clone(),
+        );
+        let output_tokens: Family<TokenLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(output_token_histogram as fn() -> Histogram);
+        registry.register(
+            "request_output_tokens",
+            "Output tokens per request, from the response's usage",
+            output_tokens.clone(),
+        );
+        let cached_tokens: Family<TokenLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(prompt_token_histogram as fn() -> Histogram);
+        registry.register(
+            "request_cached_tokens",
+            "Prompt tokens served from the prefix cache per request, from the response's usage",
+            cached_tokens.clone(),
+        );
         Metrics {
             registry,
             pool_name: pool_name.to_string(),
@@ -291,7 +337,39 @@ impl Metrics {
             model_cap: LabelCap::default(),
             fairness_cap: LabelCap::default(),
             disagg_decisions,
+            input_tokens,
+            output_tokens,
+            cached_tokens,
             flow,
+        }
+    }
+
+    /// Record a response's token usage.
+    pub fn usage(&self, labels: &TokenLabels, input: u64, output: u64, cached: u64) {
+        self.input_tokens
+            .get_or_create(labels)
+            .observe(input as f64);
+        self.output_tokens
+            .get_or_create(labels)
+            .observe(output as f64);
+        self.cached_tokens
+            .get_or_create(labels)
+            .observe(cached as f64);
+    }
+
+    /// Token labels for a route, label values capped like request labels.
+    pub fn token_labels(
+        &self,
+        model: &str,
+        target: &str,
+        fairness_id: &str,
+        priority: i32,
+    ) -> TokenLabels {
+        TokenLabels {
+            model_name: self.model_cap.admit(model),
+            target_model_name: self.model_cap.admit(target),
+            fairness_id: self.fairness_cap.admit(fairness_id),
+            priority: priority.to_string(),
         }
     }
 

@@ -78,6 +78,45 @@ pub struct ParsedRequest {
     pub prompt: Prompt,
     /// vLLM's `cache_salt` (salts the prefix-cache hashes).
     pub cache_salt: Option<String>,
+    /// A streaming OpenAI request that did not ask for usage: how to add
+    /// `stream_options.include_usage: true` so the response reports token counts.
+    pub usage_edit: Option<UsageEdit>,
+}
+
+/// How to turn on `stream_options.include_usage` in a request body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageEdit {
+    /// No `stream_options` key: append one before the closing brace (no re-serialization).
+    Append,
+    /// `stream_options` exists without `include_usage: true`: re-serialize with it set.
+    Rewrite,
+}
+
+/// The body with `stream_options.include_usage: true`; `None` if it cannot be edited safely.
+pub fn with_include_usage(body: &[u8], edit: UsageEdit) -> Option<Vec<u8>> {
+    match edit {
+        UsageEdit::Append => {
+            let end = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
+            if body[end] != b'}' {
+                return None;
+            }
+            const FIELD: &[u8] = br#","stream_options":{"include_usage":true}"#;
+            let mut out = Vec::with_capacity(body.len() + FIELD.len());
+            out.extend_from_slice(&body[..end]);
+            out.extend_from_slice(FIELD);
+            out.extend_from_slice(&body[end..]);
+            Some(out)
+        }
+        UsageEdit::Rewrite => {
+            let mut v: Value = serde_json::from_slice(body).ok()?;
+            let opts = v
+                .as_object_mut()?
+                .get_mut("stream_options")?
+                .as_object_mut()?;
+            opts.insert("include_usage".into(), Value::Bool(true));
+            serde_json::to_vec(&v).ok()
+        }
+    }
 }
 
 /// Append the text of a chat `content` (a string, or an array of parts) to `out`.
@@ -175,6 +214,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             stream: false,
             prompt: Prompt::None,
             cache_salt: None,
+            usage_edit: None,
         });
     }
     let v: Value = serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
@@ -249,12 +289,29 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         .get("cache_salt")
         .and_then(Value::as_str)
         .map(String::from);
+    let usage_edit = match (kind, stream, obj.get("stream_options")) {
+        (ApiKind::ChatCompletions | ApiKind::Completions, true, None | Some(Value::Null)) => {
+            // `"stream_options": null` would be duplicated by appending: rewrite instead.
+            if obj.contains_key("stream_options") {
+                None
+            } else {
+                Some(UsageEdit::Append)
+            }
+        }
+        (ApiKind::ChatCompletions | ApiKind::Completions, true, Some(Value::Object(o)))
+            if o.get("include_usage") != Some(&Value::Bool(true)) =>
+        {
+            Some(UsageEdit::Rewrite)
+        }
+        _ => None,
+    };
     Ok(ParsedRequest {
         kind,
         model,
         stream,
         prompt,
         cache_salt,
+        usage_edit,
     })
 }
 
@@ -274,6 +331,41 @@ mod tests {
         );
         assert_eq!(kind_for_path("/v1/nope", false), None);
         assert_eq!(kind_for_path("/v1/nope", true), Some(ApiKind::Passthrough));
+    }
+
+    #[test]
+    fn include_usage_is_added_to_streaming_openai_requests_only() {
+        let p = |body: &str| parse(ApiKind::ChatCompletions, body.as_bytes()).unwrap();
+        let plain = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}  "#;
+        let edit = p(plain).usage_edit.unwrap();
+        assert_eq!(edit, UsageEdit::Append);
+        let out = with_include_usage(plain.as_bytes(), edit).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], Value::Bool(true));
+        assert_eq!(v["messages"][0]["content"], "hi");
+        let other = r#"{"stream":true,"stream_options":{"continuous_usage_stats":true},"messages":[{"role":"user","content":"x"}]}"#;
+        let edit = p(other).usage_edit.unwrap();
+        assert_eq!(edit, UsageEdit::Rewrite);
+        let v: Value =
+            serde_json::from_slice(&with_include_usage(other.as_bytes(), edit).unwrap()).unwrap();
+        assert_eq!(
+            v["stream_options"]["continuous_usage_stats"],
+            Value::Bool(true)
+        );
+        assert_eq!(v["stream_options"]["include_usage"], Value::Bool(true));
+        // Already asked, not streaming, null options, other APIs: untouched.
+        assert_eq!(p(r#"{"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"x"}]}"#).usage_edit, None);
+        assert_eq!(
+            p(r#"{"stream":false,"messages":[{"role":"user","content":"x"}]}"#).usage_edit,
+            None
+        );
+        assert_eq!(p(r#"{"stream":true,"stream_options":null,"messages":[{"role":"user","content":"x"}]}"#).usage_edit, None);
+        let a = parse(
+            ApiKind::AnthropicMessages,
+            br#"{"stream":true,"max_tokens":5,"messages":[]}"#,
+        )
+        .unwrap();
+        assert_eq!(a.usage_edit, None);
     }
 
     #[test]

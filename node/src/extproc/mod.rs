@@ -10,6 +10,7 @@
 
 mod reject;
 mod stream;
+pub mod usage;
 
 use std::sync::Arc;
 

@@ -21,6 +21,7 @@ use tonic::{Status, Streaming};
 
 use super::PickerContext;
 use super::reject::{DROPPED_REASON_HEADER, Rejection};
+use super::usage::{ROUTE_INFO_HEADER, RouteInfo, UsageScanner};
 use crate::admission::{Admission, AdmitRequest, CONTROL_HEADERS, RequestMeta, Verdict};
 use crate::metrics::RequestLabels;
 use crate::parsers::{self, ParsedRequest, Prompt};
@@ -68,6 +69,9 @@ struct StreamState {
     /// This stream sees the response, so it settles the request's in-flight charge.
     settles: bool,
     first_response_byte: bool,
+    /// Set by the routing stream; decoded from the request headers by an observing stream.
+    route_info: Option<RouteInfo>,
+    usage: Option<UsageScanner>,
 }
 
 pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
@@ -89,6 +93,8 @@ pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingReque
         running: false,
         settles: false,
         first_response_byte: false,
+        route_info: None,
+        usage: None,
     };
     loop {
         let msg = match inbound.message().await {
@@ -145,6 +151,16 @@ impl StreamState {
             }
             Req::ResponseHeaders(h) => {
                 self.settles = true;
+                if self.route_info.is_none() {
+                    self.route_info = self
+                        .headers
+                        .get(ROUTE_INFO_HEADER)
+                        .and_then(|v| RouteInfo::decode(v));
+                }
+                if self.route_info.is_some() {
+                    let ct = header_value(h.headers.as_ref(), "content-type");
+                    self.usage = Some(UsageScanner::new(ct.as_deref()));
+                }
                 if h.end_of_stream {
                     self.settle();
                 }
@@ -168,6 +184,9 @@ impl StreamState {
             Req::ResponseBody(b) => {
                 let eos = b.end_of_stream;
                 self.settles = true;
+                if let Some(u) = &mut self.usage {
+                    u.feed(&b.body);
+                }
                 if !self.first_response_byte && !b.body.is_empty() {
                     // Prefill is over once bytes flow: release the prompt tokens.
                     self.first_response_byte = true;
@@ -385,7 +404,17 @@ impl StreamState {
             .join(",");
         tracing::debug!(request_id = %self.request_id, %destination, model, "routed");
 
-        let mut set_headers = vec![header(DESTINATION_HEADER, &destination)];
+        let info = RouteInfo {
+            model: model.to_string(),
+            target_model: model.to_string(),
+            fairness_id: meta.fairness_id.clone(),
+            priority: meta.priority,
+        };
+        let mut set_headers = vec![
+            header(DESTINATION_HEADER, &destination),
+            header(ROUTE_INFO_HEADER, &info.encode()),
+        ];
+        self.route_info = Some(info);
         if self.generated_request_id {
             set_headers.push(header(REQUEST_ID_HEADER, &self.request_id));
         }
@@ -421,7 +450,15 @@ impl StreamState {
         };
         let metadata = destination_metadata(&destination);
         self.phase = Phase::Routed;
-        let body = std::mem::take(&mut self.body);
+        let mut body = std::mem::take(&mut self.body);
+        if self.request_body_mode == FULL_DUPLEX
+            && let Some(edit) = parsed.as_ref().and_then(|p| p.usage_edit)
+            && let Some(edited) = parsers::with_include_usage(&body, edit)
+        {
+            // Streaming OpenAI requests report usage only when asked: ask, so token metrics
+            // and flow control's token accounting see real counts.
+            body = edited;
+        }
         // In FULL_DUPLEX_STREAMED mode (and for body-less requests) the destination rides on the
         // request-headers answer and the body follows; in BUFFERED/STREAMED mode Envoy already
         // had its header answer, so the destination rides on the body answer.
@@ -511,11 +548,21 @@ impl StreamState {
     fn settle(&mut self) {
         if self.settles {
             self.settles = false;
+            let usage = self.usage.take().and_then(|mut u| u.finish());
+            if let (Some(u), Some(info)) = (usage, &self.route_info) {
+                let labels = self.ctx.metrics.token_labels(
+                    &info.model,
+                    &info.target_model,
+                    &info.fairness_id,
+                    info.priority,
+                );
+                self.ctx.metrics.usage(&labels, u.input, u.output, u.cached);
+            }
             if let Some(t) = &self.ctx.inflight {
                 t.finish(&self.request_id);
             }
             if let Admission::Flow(gate) = &self.ctx.admission {
-                gate.complete(&self.request_id, None);
+                gate.complete(&self.request_id, usage.map(|u| u.input + u.output));
             }
         }
     }

@@ -1,0 +1,309 @@
+//! Token usage read from responses: OpenAI JSON and SSE (`usage` on the final chunk when
+//! `stream_options.include_usage` is on), and Anthropic messages (`message_start` carries the input
+//! usage, `message_delta` the output count).
+//!
+//! The scanner sees the body in whatever chunks Envoy forwards. SSE is scanned line by line and
+//! only lines mentioning `"usage"` are parsed; a JSON body is kept (bounded) and parsed at its end.
+
+use serde_json::Value;
+
+/// Largest non-streaming body kept for parsing; larger ones report no usage.
+const MAX_JSON_BODY: usize = 4 << 20;
+/// Longest SSE line kept while waiting for its end.
+const MAX_LINE: usize = 1 << 20;
+
+/// Token counts of one response.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub input: u64,
+    pub output: u64,
+    pub cached: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct UsageScanner {
+    sse: bool,
+    buf: Vec<u8>,
+    overflow: bool,
+    usage: Option<Usage>,
+}
+
+impl UsageScanner {
+    /// `content_type` of the response decides SSE vs JSON.
+    pub fn new(content_type: Option<&str>) -> Self {
+        UsageScanner {
+            sse: content_type.is_some_and(|c| c.contains("text/event-stream")),
+            ..Default::default()
+        }
+    }
+
+    pub fn feed(&mut self, chunk: &[u8]) {
+        if self.overflow {
+            return;
+        }
+        if !self.sse {
+            if self.buf.len() + chunk.len() > MAX_JSON_BODY {
+                self.overflow = true;
+                self.buf = Vec::new();
+            } else {
+                self.buf.extend_from_slice(chunk);
+            }
+            return;
+        }
+        let mut rest = chunk;
+        while let Some(nl) = rest.iter().position(|b| *b == b'\n') {
+            if self.buf.is_empty() {
+                self.line(&rest[..nl]);
+            } else {
+                let mut line = std::mem::take(&mut self.buf);
+                line.extend_from_slice(&rest[..nl]);
+                self.line(&line);
+            }
+            rest = &rest[nl + 1..];
+        }
+        if !rest.is_empty() {
+            if self.buf.len() + rest.len() > MAX_LINE {
+                // A pathological line: drop it, keep scanning after the next newline.
+                self.buf.clear();
+            } else {
+                self.buf.extend_from_slice(rest);
+            }
+        }
+    }
+
+    /// The body ended: the usage seen, if any.
+    pub fn finish(&mut self) -> Option<Usage> {
+        if self.sse {
+            if !self.buf.is_empty() {
+                let line = std::mem::take(&mut self.buf);
+                self.line(&line);
+            }
+        } else if !self.overflow && !self.buf.is_empty() {
+            if let Ok(v) = serde_json::from_slice::<Value>(&self.buf) {
+                self.absorb(&v);
+            }
+            self.buf = Vec::new();
+        }
+        self.usage
+    }
+
+    fn line(&mut self, line: &[u8]) {
+        let Some(data) = line.strip_prefix(b"data:") else {
+            return;
+        };
+        if !contains(data, b"\"usage\"") {
+            return;
+        }
+        if let Ok(v) = serde_json::from_slice::<Value>(data.trim_ascii()) {
+            self.absorb(&v);
+        }
+    }
+
+    fn absorb(&mut self, v: &Value) {
+        // OpenAI: top-level usage; Anthropic streaming: message_start.message.usage, message_delta.usage.
+        let usage = v
+            .get("usage")
+            .filter(|u| u.is_object())
+            .or_else(|| v.get("message").and_then(|m| m.get("usage")));
+        let Some(u) = usage else { return };
+        let n = |k: &str| u.get(k).and_then(Value::as_u64);
+        let got = if n("prompt_tokens").is_some() || n("completion_tokens").is_some() {
+            Usage {
+                input: n("prompt_tokens").unwrap_or(0),
+                output: n("completion_tokens").unwrap_or(0),
+                cached: u
+                    .get("prompt_tokens_details")
+                    .and_then(|d| d.get("cached_tokens"))
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0),
+            }
+        } else {
+            let cache_read = n("cache_read_input_tokens").unwrap_or(0);
+            Usage {
+                input: n("input_tokens").unwrap_or(0)
+                    + cache_read
+                    + n("cache_creation_input_tokens").unwrap_or(0),
+                output: n("output_tokens").unwrap_or(0),
+                cached: cache_read,
+            }
+        };
+        // Later events complete earlier ones (Anthropic splits input and output); keep maxima.
+        let cur = self.usage.get_or_insert_with(Usage::default);
+        cur.input = cur.input.max(got.input);
+        cur.output = cur.output.max(got.output);
+        cur.cached = cur.cached.max(got.cached);
+    }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(ct: &str, chunks: &[&str]) -> Option<Usage> {
+        let mut s = UsageScanner::new(Some(ct));
+        for c in chunks {
+            s.feed(c.as_bytes());
+        }
+        s.finish()
+    }
+
+    #[test]
+    fn openai_json() {
+        let body = r#"{"choices":[],"usage":{"prompt_tokens":120,"completion_tokens":7,"total_tokens":127,"prompt_tokens_details":{"cached_tokens":64}}}"#;
+        let (a, b) = body.split_at(40);
+        assert_eq!(
+            scan("application/json", &[a, b]),
+            Some(Usage {
+                input: 120,
+                output: 7,
+                cached: 64
+            })
+        );
+        assert_eq!(scan("application/json", &["{\"choices\":[]}"]), None);
+        assert_eq!(scan("application/json", &["not json"]), None);
+    }
+
+    #[test]
+    fn openai_sse_split_across_chunks() {
+        let stream = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":50,\"completion_tokens\":3,\"prompt_tokens_details\":null}}\n\ndata: [DONE]\n\n";
+        for cut in [1, 30, 70, 100, stream.len() - 3] {
+            let (a, b) = stream.split_at(cut);
+            assert_eq!(
+                scan("text/event-stream; charset=utf-8", &[a, b]),
+                Some(Usage {
+                    input: 50,
+                    output: 3,
+                    cached: 0
+                }),
+                "cut at {cut}"
+            );
+        }
+        // No usage chunk (client did not ask and nothing was injected).
+        assert_eq!(
+            scan(
+                "text/event-stream",
+                &["data: {\"choices\":[]}\n\ndata: [DONE]\n\n"]
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn anthropic_stream_and_message() {
+        let stream = [
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":10,\"cache_read_input_tokens\":30,\"output_tokens\":1}}}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"usage\"}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\n",
+        ];
+        assert_eq!(
+            scan("text/event-stream", &stream),
+            Some(Usage {
+                input: 40,
+                output: 9,
+                cached: 30
+            })
+        );
+        let msg = r#"{"type":"message","usage":{"input_tokens":5,"output_tokens":2}}"#;
+        assert_eq!(
+            scan("application/json", &[msg]),
+            Some(Usage {
+                input: 5,
+                output: 2,
+                cached: 0
+            })
+        );
+    }
+}
+
+/// What the routing stream tells the stream that observes the response (which may run on another
+/// replica): carried upstream in [`ROUTE_INFO_HEADER`] — Envoy's route removes it before the model
+/// server — as `key=value` pairs joined by `;`, values percent-encoded.
+pub const ROUTE_INFO_HEADER: &str = "x-llm-d-epp-route";
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RouteInfo {
+    pub model: String,
+    pub target_model: String,
+    pub fairness_id: String,
+    pub priority: i32,
+}
+
+impl RouteInfo {
+    pub fn encode(&self) -> String {
+        format!(
+            "m={};t={};f={};p={}",
+            pct(&self.model),
+            pct(&self.target_model),
+            pct(&self.fairness_id),
+            self.priority
+        )
+    }
+
+    pub fn decode(s: &str) -> Option<RouteInfo> {
+        let mut info = RouteInfo::default();
+        for kv in s.split(';') {
+            let (k, v) = kv.split_once('=')?;
+            match k.trim() {
+                "m" => info.model = unpct(v)?,
+                "t" => info.target_model = unpct(v)?,
+                "f" => info.fairness_id = unpct(v)?,
+                "p" => info.priority = v.parse().ok()?,
+                _ => {}
+            }
+        }
+        Some(info)
+    }
+}
+
+fn pct(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~:/@".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn unpct(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod route_info_tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_with_awkward_values() {
+        let info = RouteInfo {
+            model: "meta-llama/Llama-3.1-8B".into(),
+            target_model: "lora;a=b %".into(),
+            fairness_id: "tenant é 1".into(),
+            priority: -7,
+        };
+        let enc = info.encode();
+        assert!(enc.is_ascii() && !enc.contains(' '), "{enc}");
+        assert_eq!(RouteInfo::decode(&enc), Some(info));
+        assert_eq!(RouteInfo::decode("m=a;p=x"), None);
+        assert_eq!(RouteInfo::decode("m=%zz"), None);
+    }
+}
