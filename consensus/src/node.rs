@@ -1,0 +1,928 @@
+//! [`ConsensusNode`]: the handle the rest of the system uses.
+//!
+//! A node owns its Raft core, the peer gRPC server (on a listener the caller bound), and a
+//! batcher task that coalesces concurrent proposals into one log entry. Leader-only operations
+//! (writes, read indexes, membership changes) run locally on the leader and are forwarded over
+//! the peer RPCs by followers, following `ForwardToLeader` hints.
+
+use std::collections::BTreeMap;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use openraft::BasicNode;
+use openraft::ChangeMembers;
+use openraft::ServerState;
+use openraft::error::ClientWriteError;
+use openraft::error::InitializeError;
+use openraft::error::RaftError;
+use serde::Deserialize;
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio::sync::mpsc;
+use tokio::sync::oneshot;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::config::ConsensusConfig;
+use crate::error::ConsensusError;
+use crate::network::client::ChannelPool;
+use crate::network::client::NetworkFactory;
+use crate::network::client::NodeRpc;
+use crate::network::proto::raft_peer_server::RaftPeerServer;
+use crate::network::server::PeerService;
+use crate::network::tls::TlsMaterial;
+use crate::network::wire::AddLearnerRequest;
+use crate::network::wire::AdminReply;
+use crate::network::wire::MembershipChange;
+use crate::network::wire::ReadIndexReply;
+use crate::network::wire::RemoteError;
+use crate::network::wire::WriteReply;
+use crate::state_machine::Batch;
+use crate::state_machine::StateMachine;
+use crate::storage;
+use crate::storage::StateReader;
+use crate::types::LogId;
+use crate::types::NodeId;
+use crate::types::Raft;
+use crate::types::RaftMetrics;
+use crate::types::TypeConfig;
+
+/// A point-in-time view of this node's Raft progress.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsensusMetrics {
+    /// This node.
+    pub node_id: NodeId,
+    /// `Leader`, `Follower`, `Candidate`, `Learner` or `Shutdown`.
+    pub state: String,
+    /// Current term.
+    pub term: u64,
+    /// Known leader.
+    pub leader: Option<NodeId>,
+    /// Index of the last entry in the local log.
+    pub last_log_index: Option<u64>,
+    /// Index of the last entry this node knows to be committed.
+    pub commit_index: Option<u64>,
+    /// Index of the last entry applied to the local state machine.
+    pub last_applied: Option<u64>,
+    /// `commit_index - last_applied` (entries committed but not yet applied here).
+    pub apply_lag: u64,
+    /// Last log index covered by the local snapshot.
+    pub snapshot_index: Option<u64>,
+    /// Last purged log index.
+    pub purged_index: Option<u64>,
+    /// Voter ids of the effective membership.
+    pub voters: Vec<NodeId>,
+    /// Learner ids of the effective membership.
+    pub learners: Vec<NodeId>,
+    /// Leader only: milliseconds since a quorum last acknowledged it.
+    pub millis_since_quorum_ack: Option<u64>,
+}
+
+/// One member as seen by this node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberStatus {
+    /// Node id.
+    pub node_id: NodeId,
+    /// Peer address.
+    pub addr: String,
+    /// Voter (true) or learner (false).
+    pub voter: bool,
+    /// Leader view only: last log index known to be replicated to this member.
+    pub matched_index: Option<u64>,
+}
+
+/// JSON-serializable cluster view for `/debug/cluster`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    /// This node's peer address.
+    pub addr: String,
+    /// This node's progress.
+    pub metrics: ConsensusMetrics,
+    /// All members of the effective membership.
+    pub members: Vec<MemberStatus>,
+}
+
+struct Proposal<S: StateMachine> {
+    commands: Vec<S::Command>,
+    reply: oneshot::Sender<Result<Vec<S::Output>, ConsensusError>>,
+}
+
+/// State shared by the node handle, the batcher and the peer service.
+pub(crate) struct Inner<S: StateMachine> {
+    pub(crate) id: NodeId,
+    pub(crate) addr: String,
+    pub(crate) config: ConsensusConfig,
+    pub(crate) raft: Raft<S>,
+    pub(crate) reader: StateReader<S>,
+    pool: ChannelPool,
+}
+
+/// Where a leader-only request goes next.
+enum Target {
+    Local,
+    Remote { id: NodeId, addr: String },
+}
+
+/// Retry delay between leader lookups: 10 ms doubling to 200 ms.
+fn retry_delay(attempt: u32) -> Duration {
+    Duration::from_millis(10u64.saturating_mul(1u64 << attempt.min(5)))
+        .min(Duration::from_millis(200))
+}
+
+/// Whether a failed RPC certainly never reached the peer (so retrying cannot duplicate it).
+fn never_sent(err: &ConsensusError) -> bool {
+    let ConsensusError::Rpc { status, .. } = err else {
+        return false;
+    };
+    if status.code() != tonic::Code::Unavailable {
+        return false;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(status.as_ref());
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+            );
+        }
+        source = e.source();
+    }
+    false
+}
+
+impl<S: StateMachine> Inner<S> {
+    fn metrics_now(&self) -> RaftMetrics {
+        self.raft.metrics().borrow().clone()
+    }
+
+    fn is_leader(&self) -> bool {
+        self.raft.metrics().borrow().current_leader == Some(self.id)
+    }
+
+    fn addr_of(&self, id: NodeId) -> Option<String> {
+        self.raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .get_node(&id)
+            .map(|n| n.addr.clone())
+    }
+
+    /// Resolves the leader, waiting until `deadline` for one to be known.
+    async fn target(
+        &self,
+        hint: Option<(NodeId, Option<String>)>,
+        deadline: Instant,
+    ) -> Result<Target, ConsensusError> {
+        let leader = match hint {
+            Some((id, addr)) => Some((id, addr)),
+            None => self
+                .raft
+                .metrics()
+                .borrow()
+                .current_leader
+                .map(|id| (id, None)),
+        };
+        let id = match leader {
+            Some((id, _)) if id == self.id => return Ok(Target::Local),
+            Some((id, Some(addr))) => return Ok(Target::Remote { id, addr }),
+            Some((id, None)) => id,
+            None => {
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                let m = self
+                    .raft
+                    .wait(Some(remaining))
+                    .metrics(|m| m.current_leader.is_some(), "leader known")
+                    .await
+                    .map_err(|_| ConsensusError::NoLeader {
+                        waited: self.config.propose_timeout,
+                    })?;
+                match m.current_leader {
+                    Some(id) if id == self.id => return Ok(Target::Local),
+                    Some(id) => id,
+                    None => {
+                        return Err(ConsensusError::NoLeader {
+                            waited: self.config.propose_timeout,
+                        });
+                    }
+                }
+            }
+        };
+        match self.addr_of(id) {
+            Some(addr) => Ok(Target::Remote { id, addr }),
+            None => Err(ConsensusError::Rejected {
+                node_id: self.id,
+                reason: format!("leader {id} has no known address"),
+            }),
+        }
+    }
+
+    fn remote_to_error(&self, from: NodeId, e: RemoteError) -> ConsensusError {
+        match e {
+            RemoteError::ForwardToLeader { leader_id, .. } => ConsensusError::Rejected {
+                node_id: from,
+                reason: format!("not the leader (leader: {leader_id:?})"),
+            },
+            RemoteError::Rejected { reason } => ConsensusError::Rejected {
+                node_id: from,
+                reason,
+            },
+            RemoteError::Stopped { reason } => ConsensusError::Stopped { reason },
+            RemoteError::Indeterminate { reason } => ConsensusError::Indeterminate { reason },
+        }
+    }
+
+    /// Runs a leader-only operation: locally when this node leads, else on the leader over
+    /// `rpc`, following redirects until `deadline`. `retry_unsent_only` restricts transport
+    /// retries to requests that certainly never left (writes); idempotent requests retry on
+    /// any transport failure.
+    async fn on_leader<Req, T, F, Fut>(
+        &self,
+        rpc: NodeRpc,
+        req: &Req,
+        retry_unsent_only: bool,
+        deadline: Instant,
+        local: F,
+    ) -> Result<T, ConsensusError>
+    where
+        Req: Serialize,
+        T: serde::de::DeserializeOwned,
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, RemoteError>>,
+    {
+        let mut hint = None;
+        let mut attempt = 0u32;
+        loop {
+            let result = match self.target(hint.take(), deadline).await? {
+                Target::Local => local().await.map_err(|e| (self.id, e)),
+                Target::Remote { id, addr } => {
+                    let timeout = self
+                        .config
+                        .rpc_timeout
+                        .min(deadline.saturating_duration_since(Instant::now()));
+                    match self
+                        .pool
+                        .call_node::<Req, Result<T, RemoteError>>(id, &addr, rpc, req, timeout)
+                        .await
+                    {
+                        Ok(reply) => reply.map_err(|e| (id, e)),
+                        Err(e)
+                            if (!retry_unsent_only || never_sent(&e))
+                                && Instant::now() < deadline =>
+                        {
+                            tracing::debug!(error = %e, "leader unreachable, retrying");
+                            tokio::time::sleep(retry_delay(attempt)).await;
+                            attempt += 1;
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            };
+            match result {
+                Ok(v) => return Ok(v),
+                Err((
+                    from,
+                    RemoteError::ForwardToLeader {
+                        leader_id,
+                        leader_addr,
+                    },
+                )) => {
+                    if Instant::now() >= deadline {
+                        return Err(ConsensusError::NoLeader {
+                            waited: self.config.propose_timeout,
+                        });
+                    }
+                    tracing::debug!(from, ?leader_id, "redirected to leader");
+                    hint = leader_id.map(|id| (id, leader_addr));
+                    if attempt > 0 {
+                        tokio::time::sleep(retry_delay(attempt)).await;
+                    }
+                    attempt += 1;
+                }
+                Err((from, e)) => return Err(self.remote_to_error(from, e)),
+            }
+        }
+    }
+
+    /// Leader side of a write: appends the batch if this node leads.
+    pub(crate) async fn local_write(&self, batch: Batch<S::Command>) -> WriteReply<S::Output> {
+        self.raft
+            .client_write(batch)
+            .await
+            .map(|resp| resp.data.outputs)
+            .map_err(RemoteError::from_raft)
+    }
+
+    /// Leader side of a follower read: confirms leadership, returns the read log id.
+    pub(crate) async fn local_read_index(&self) -> ReadIndexReply {
+        self.raft
+            .get_read_log_id()
+            .await
+            .map(|(read_log_id, _applied)| read_log_id)
+            .map_err(RemoteError::from_raft)
+    }
+
+    pub(crate) async fn local_add_learner(&self, req: AddLearnerRequest) -> AdminReply {
+        self.raft
+            .add_learner(req.node_id, BasicNode::new(req.addr), req.blocking)
+            .await
+            .map(|resp| Some(resp.log_id))
+            .map_err(RemoteError::from_raft)
+    }
+
+    pub(crate) async fn local_change_membership(&self, change: MembershipChange) -> AdminReply {
+        let membership = self.raft.metrics().borrow().membership_config.clone();
+        let membership = membership.membership();
+        let is_voter = |id: &NodeId| membership.voter_ids().any(|v| v == *id);
+        let (changes, retain): (ChangeMembers<NodeId, BasicNode>, bool) = match change {
+            MembershipChange::Promote(id) => {
+                if self.is_leader() && membership.get_node(&id).is_none() {
+                    return Err(RemoteError::Rejected {
+                        reason: format!("node {id} is not a member; add it as a learner first"),
+                    });
+                }
+                (ChangeMembers::AddVoterIds(BTreeSet::from([id])), true)
+            }
+            MembershipChange::Remove(id) => {
+                if is_voter(&id) {
+                    (ChangeMembers::RemoveVoters(BTreeSet::from([id])), false)
+                } else {
+                    (ChangeMembers::RemoveNodes(BTreeSet::from([id])), false)
+                }
+            }
+            MembershipChange::ReplaceVoters(ids) => (ChangeMembers::ReplaceAllVoters(ids), false),
+        };
+        self.raft
+            .change_membership(changes, retain)
+            .await
+            .map(|resp| Some(resp.log_id))
+            .map_err(RemoteError::from_raft)
+    }
+
+    pub(crate) async fn metrics(&self) -> ConsensusMetrics {
+        let m = self.metrics_now();
+        let commit_index = self
+            .raft
+            .with_raft_state(|st| st.committed.as_ref().map(|l| l.index))
+            .await
+            .ok()
+            .flatten();
+        let membership = m.membership_config.membership();
+        let last_applied = m.last_applied.as_ref().map(|l| l.index);
+        ConsensusMetrics {
+            node_id: self.id,
+            state: format!("{:?}", m.state),
+            term: m.current_term,
+            leader: m.current_leader,
+            last_log_index: m.last_log_index,
+            commit_index,
+            last_applied,
+            apply_lag: commit_index
+                .unwrap_or(0)
+                .saturating_sub(last_applied.unwrap_or(0)),
+            snapshot_index: m.snapshot.as_ref().map(|l| l.index),
+            purged_index: m.purged.as_ref().map(|l| l.index),
+            voters: membership.voter_ids().collect(),
+            learners: membership.learner_ids().collect(),
+            millis_since_quorum_ack: m.millis_since_quorum_ack,
+        }
+    }
+
+    pub(crate) async fn status(&self) -> ClusterStatus {
+        let metrics = self.metrics().await;
+        let m = self.metrics_now();
+        let membership = m.membership_config.membership();
+        let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+        let matched: BTreeMap<NodeId, Option<u64>> = match (&m.replication, m.state) {
+            (Some(repl), ServerState::Leader) => repl
+                .iter()
+                .map(|(id, l)| (*id, l.as_ref().map(|l| l.index)))
+                .collect(),
+            _ => BTreeMap::new(),
+        };
+        let members = membership
+            .nodes()
+            .map(|(id, node)| MemberStatus {
+                node_id: *id,
+                addr: node.addr.clone(),
+                voter: voters.contains(id),
+                matched_index: matched.get(id).copied().flatten(),
+            })
+            .collect();
+        ClusterStatus {
+            addr: self.addr.clone(),
+            metrics,
+            members,
+        }
+    }
+
+    /// Writes a batch through the leader (this node or a remote one).
+    async fn write_via_leader(
+        &self,
+        batch: &Batch<S::Command>,
+        deadline: Instant,
+    ) -> Result<Vec<S::Output>, ConsensusError> {
+        self.on_leader(NodeRpc::ClientWrite, batch, true, deadline, || {
+            self.local_write(batch.clone())
+        })
+        .await
+    }
+
+    /// Completes one batch: waits for the local leader's answer, or forwards.
+    async fn finish_batch(
+        &self,
+        batch: Batch<S::Command>,
+        submitted: Option<Result<WriteReceiver<S>, ConsensusError>>,
+    ) -> Result<Vec<S::Output>, ConsensusError> {
+        let deadline = Instant::now() + self.config.propose_timeout;
+        let work = async {
+            match submitted {
+                Some(Err(e)) => return Err(e),
+                Some(Ok(rx)) => match rx.await {
+                    Ok(Ok(resp)) => return Ok(resp.data.outputs),
+                    // Leadership moved before the entry was appended: forward it.
+                    Ok(Err(ClientWriteError::ForwardToLeader(_))) => {}
+                    Ok(Err(e)) => {
+                        return Err(ConsensusError::Rejected {
+                            node_id: self.id,
+                            reason: e.to_string(),
+                        });
+                    }
+                    Err(_) => {
+                        return Err(ConsensusError::Indeterminate {
+                            reason: "leader stepped down or stopped before answering".into(),
+                        });
+                    }
+                },
+                None => {}
+            }
+            self.write_via_leader(&batch, deadline).await
+        };
+        tokio::time::timeout_at(deadline, work)
+            .await
+            .map_err(|_| ConsensusError::Timeout {
+                op: "propose",
+                after: self.config.propose_timeout,
+            })?
+    }
+}
+
+/// The receiver `Raft::client_write_ff` returns with the oneshot responder on tokio.
+type WriteReceiver<S> = oneshot::Receiver<openraft::raft::ClientWriteResult<TypeConfig<S>>>;
+
+/// Coalesces pending proposals into batches; keeps up to `max_in_flight_batches` in flight.
+async fn run_batcher<S: StateMachine>(inner: Arc<Inner<S>>, mut rx: mpsc::Receiver<Proposal<S>>) {
+    let permits = Arc::new(Semaphore::new(inner.config.max_in_flight_batches));
+    let mut in_flight = JoinSet::new();
+    loop {
+        let first = tokio::select! {
+            p = rx.recv() => match p {
+                Some(p) => p,
+                None => break,
+            },
+            Some(_) = in_flight.join_next(), if !in_flight.is_empty() => continue,
+        };
+        // Waiting for a permit lets the next batch grow while earlier ones are in flight.
+        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+            break;
+        };
+        while in_flight.try_join_next().is_some() {}
+        let mut proposals = vec![first];
+        let mut count = proposals[0].commands.len();
+        while count < inner.config.max_batch {
+            match rx.try_recv() {
+                Ok(p) => {
+                    count += p.commands.len();
+                    proposals.push(p);
+                }
+                Err(_) => break,
+            }
+        }
+        let mut commands = Vec::with_capacity(count);
+        let mut waiters = Vec::with_capacity(proposals.len());
+        for p in proposals {
+            waiters.push((p.commands.len(), p.reply));
+            commands.extend(p.commands);
+        }
+        let batch = Batch { commands };
+        // On the leader, submit here, in order, so entries keep the proposal order; the
+        // spawned task only waits for the commit.
+        let submitted = if inner.is_leader() {
+            Some(
+                inner
+                    .raft
+                    .client_write_ff(batch.clone())
+                    .await
+                    .map_err(|e| ConsensusError::Stopped {
+                        reason: e.to_string(),
+                    }),
+            )
+        } else {
+            None
+        };
+        let task_inner = Arc::clone(&inner);
+        in_flight.spawn(async move {
+            let result = task_inner.finish_batch(batch, submitted).await;
+            deliver::<S>(result, waiters);
+            drop(permit);
+        });
+    }
+}
+
+type Waiter<O> = (usize, oneshot::Sender<Result<Vec<O>, ConsensusError>>);
+
+fn deliver<S: StateMachine>(
+    result: Result<Vec<S::Output>, ConsensusError>,
+    waiters: Vec<Waiter<S::Output>>,
+) {
+    match result {
+        Ok(outputs) => {
+            let expected: usize = waiters.iter().map(|(n, _)| n).sum();
+            if outputs.len() != expected {
+                for (_, tx) in waiters {
+                    let _ = tx.send(Err(ConsensusError::Indeterminate {
+                        reason: format!(
+                            "leader returned {} outputs for {expected} commands",
+                            outputs.len()
+                        ),
+                    }));
+                }
+                return;
+            }
+            let mut outputs = outputs.into_iter();
+            for (n, tx) in waiters {
+                let _ = tx.send(Ok(outputs.by_ref().take(n).collect()));
+            }
+        }
+        Err(e) => {
+            let reason = e.to_string();
+            let mut first = Some(e);
+            for (_, tx) in waiters {
+                let err = first.take().unwrap_or_else(|| clone_error(&reason));
+                let _ = tx.send(Err(err));
+            }
+        }
+    }
+}
+
+/// Errors are not `Clone` (they carry sources); waiters after the first get an equivalent
+/// outcome-unknown error with the same text.
+fn clone_error(reason: &str) -> ConsensusError {
+    ConsensusError::Indeterminate {
+        reason: reason.to_string(),
+    }
+}
+
+/// A running consensus node.
+pub struct ConsensusNode<S: StateMachine> {
+    inner: Arc<Inner<S>>,
+    proposals: mpsc::Sender<Proposal<S>>,
+    server_shutdown: Option<oneshot::Sender<()>>,
+    server: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
+    batcher: Option<JoinHandle<()>>,
+}
+
+impl<S: StateMachine> ConsensusNode<S> {
+    /// Opens the data directory, starts Raft and serves the peer gRPC on `listener`.
+    ///
+    /// A fresh cluster is bootstrapped exactly once: by the lowest id of
+    /// `config.initial_members`, and only when its data directory held no database. Restarted
+    /// nodes reopen their log, vote and last snapshot and rejoin.
+    pub async fn start(
+        config: ConsensusConfig,
+        listener: TcpListener,
+    ) -> Result<Self, ConsensusError> {
+        config.validate()?;
+        let raft_config = Arc::new(config.raft_config()?);
+        let local = listener.local_addr().map_err(|source| ConsensusError::Io {
+            op: "listener local_addr",
+            source,
+        })?;
+        let addr = if config.advertise_addr.is_empty() {
+            local.to_string()
+        } else {
+            config.advertise_addr.clone()
+        };
+        std::fs::create_dir_all(&config.data_dir).map_err(|source| ConsensusError::Io {
+            op: "create data_dir",
+            source,
+        })?;
+        let tls = config.tls.as_ref().map(TlsMaterial::load).transpose()?;
+
+        let storage = storage::open::<S>(&config.data_dir)?;
+        let recovered = storage.recovered;
+        let reader = storage.state_machine.reader();
+        let pool = ChannelPool::new(
+            tls.clone(),
+            config.connect_timeout,
+            config.max_message_bytes,
+        );
+        let network = NetworkFactory::new(config.node_id, pool.clone());
+        let raft = openraft::Raft::new(
+            config.node_id,
+            raft_config,
+            network,
+            storage.log,
+            storage.state_machine,
+        )
+        .await
+        .map_err(|e| ConsensusError::Raft {
+            op: "start",
+            reason: e.to_string(),
+        })?;
+
+        let inner = Arc::new(Inner {
+            id: config.node_id,
+            addr: addr.clone(),
+            config,
+            raft,
+            reader,
+            pool,
+        });
+
+        // Peer server.
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &tls {
+            builder = builder
+                .tls_config(tls.server())
+                .map_err(|source| ConsensusError::Server { source })?;
+        }
+        let max = inner.config.max_message_bytes;
+        let router = builder.add_service(
+            RaftPeerServer::new(PeerService::new(Arc::clone(&inner)))
+                .max_decoding_message_size(max)
+                .max_encoding_message_size(max),
+        );
+        let (server_shutdown, shutdown_rx) = oneshot::channel::<()>();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let server = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async move {
+            let _ = shutdown_rx.await;
+        }));
+
+        let (proposals, rx) = mpsc::channel(inner.config.max_batch.saturating_mul(4));
+        let batcher = tokio::spawn(run_batcher(Arc::clone(&inner), rx));
+        let node = Self {
+            inner,
+            proposals,
+            server_shutdown: Some(server_shutdown),
+            server: Some(server),
+            batcher: Some(batcher),
+        };
+        node.bootstrap(recovered).await?;
+        tracing::info!(node_id = node.inner.id, %addr, recovered, "consensus node started");
+        Ok(node)
+    }
+
+    async fn bootstrap(&self, recovered: bool) -> Result<(), ConsensusError> {
+        let inner = &self.inner;
+        let Some(lowest) = inner.config.initial_members.keys().next().copied() else {
+            return Ok(());
+        };
+        if recovered || lowest != inner.id {
+            return Ok(());
+        }
+        let initialized =
+            inner
+                .raft
+                .is_initialized()
+                .await
+                .map_err(|e| ConsensusError::Stopped {
+                    reason: e.to_string(),
+                })?;
+        if initialized {
+            return Ok(());
+        }
+        let members: BTreeMap<NodeId, BasicNode> = inner
+            .config
+            .initial_members
+            .iter()
+            .map(|(id, addr)| (*id, BasicNode::new(addr)))
+            .collect();
+        match inner.raft.initialize(members).await {
+            Ok(()) => {
+                tracing::info!(node_id = inner.id, "bootstrapped new cluster");
+                Ok(())
+            }
+            Err(RaftError::APIError(InitializeError::NotAllowed(e))) => {
+                tracing::info!(node_id = inner.id, error = %e, "already initialized");
+                Ok(())
+            }
+            Err(e) => Err(ConsensusError::Raft {
+                op: "initialize",
+                reason: e.to_string(),
+            }),
+        }
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> NodeId {
+        self.inner.id
+    }
+
+    /// The address peers use to reach this node.
+    pub fn addr(&self) -> &str {
+        &self.inner.addr
+    }
+
+    /// The underlying openraft handle (for metrics waits and advanced use).
+    pub fn raft(&self) -> &Raft<S> {
+        &self.inner.raft
+    }
+
+    /// Proposes one command and returns its output once committed and applied on the leader.
+    ///
+    /// Concurrent proposals are coalesced into one log entry. On a follower the batch is
+    /// forwarded to the leader. An `Err` other than [`ConsensusError::Rejected`] /
+    /// [`ConsensusError::NoLeader`] means the outcome is unknown: the command may still commit
+    /// (make commands idempotent, e.g. keyed by request id).
+    pub async fn propose(&self, cmd: S::Command) -> Result<S::Output, ConsensusError> {
+        let mut outputs = self.propose_many(vec![cmd]).await?;
+        outputs.pop().ok_or_else(|| ConsensusError::Indeterminate {
+            reason: "no output returned".into(),
+        })
+    }
+
+    /// Proposes several commands that are applied contiguously, in order, in one log entry.
+    pub async fn propose_many(
+        &self,
+        commands: Vec<S::Command>,
+    ) -> Result<Vec<S::Output>, ConsensusError> {
+        if commands.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (reply, rx) = oneshot::channel();
+        self.proposals
+            .send(Proposal { commands, reply })
+            .await
+            .map_err(|_| ConsensusError::Shutdown)?;
+        rx.await.map_err(|_| ConsensusError::Shutdown)?
+    }
+
+    /// Runs `f` on a state that reflects every write committed before this call started
+    /// (linearizable). The leader confirms its leadership with a quorum; a follower asks the
+    /// leader for the read index and waits until it has applied that far, then reads locally.
+    pub async fn linearizable_read<R>(&self, f: impl FnOnce(&S) -> R) -> Result<R, ConsensusError> {
+        let timeout = self.inner.config.rpc_timeout;
+        let deadline = Instant::now() + timeout;
+        let inner = &self.inner;
+        let read_log_id: Option<LogId> = inner
+            .on_leader(NodeRpc::ReadIndex, &(), false, deadline, || {
+                inner.local_read_index()
+            })
+            .await?;
+        let index = read_log_id.map_or(0, |l| l.index);
+        self.wait_applied(index, deadline.saturating_duration_since(Instant::now()))
+            .await?;
+        Ok(inner.reader.read(f).await.0)
+    }
+
+    /// Runs `f` on the local applied state without any freshness guarantee. Returns the result
+    /// and the index of the last applied entry it reflects.
+    pub async fn local_read<R>(&self, f: impl FnOnce(&S) -> R) -> (R, u64) {
+        self.inner.reader.read(f).await
+    }
+
+    /// A receiver of the index of the last entry applied to the local state machine.
+    pub fn watch(&self) -> watch::Receiver<u64> {
+        self.inner.reader.subscribe()
+    }
+
+    /// Waits until the local state machine has applied `index`.
+    pub async fn wait_applied(&self, index: u64, timeout: Duration) -> Result<(), ConsensusError> {
+        let mut rx = self.watch();
+        match tokio::time::timeout(timeout, rx.wait_for(|applied| *applied >= index)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(_)) => Err(ConsensusError::Shutdown),
+            Err(_) => Err(ConsensusError::Timeout {
+                op: "wait for apply",
+                after: timeout,
+            }),
+        }
+    }
+
+    /// Current Raft progress of this node.
+    pub async fn metrics(&self) -> ConsensusMetrics {
+        self.inner.metrics().await
+    }
+
+    /// Cluster view for `/debug/cluster` (replication progress only on the leader).
+    pub async fn status(&self) -> ClusterStatus {
+        self.inner.status().await
+    }
+
+    /// Asks the cluster status of node `target` at `addr` over the peer RPC.
+    pub async fn remote_status(
+        &self,
+        target: NodeId,
+        addr: &str,
+    ) -> Result<ClusterStatus, ConsensusError> {
+        self.inner
+            .pool
+            .call_node(
+                target,
+                addr,
+                NodeRpc::Status,
+                &(),
+                self.inner.config.rpc_timeout,
+            )
+            .await
+    }
+
+    /// Adds `node_id` at `addr` as a learner (non-voting member receiving the log). With
+    /// `blocking`, returns once the learner has caught up with the leader.
+    pub async fn add_learner(
+        &self,
+        node_id: NodeId,
+        addr: impl Into<String>,
+        blocking: bool,
+    ) -> Result<Option<LogId>, ConsensusError> {
+        let req = AddLearnerRequest {
+            node_id,
+            addr: addr.into(),
+            blocking,
+        };
+        let inner = &self.inner;
+        let deadline = Instant::now() + inner.config.propose_timeout;
+        inner
+            .on_leader(NodeRpc::AddLearner, &req, true, deadline, || {
+                inner.local_add_learner(req.clone())
+            })
+            .await
+    }
+
+    /// Turns learner `node_id` into a voter.
+    pub async fn promote(&self, node_id: NodeId) -> Result<Option<LogId>, ConsensusError> {
+        self.change_membership(MembershipChange::Promote(node_id))
+            .await
+    }
+
+    /// Removes `node_id` (voter or learner) from the cluster.
+    pub async fn remove(&self, node_id: NodeId) -> Result<Option<LogId>, ConsensusError> {
+        self.change_membership(MembershipChange::Remove(node_id))
+            .await
+    }
+
+    /// Applies a membership change on the leader.
+    pub async fn change_membership(
+        &self,
+        change: MembershipChange,
+    ) -> Result<Option<LogId>, ConsensusError> {
+        let inner = &self.inner;
+        let deadline = Instant::now() + inner.config.propose_timeout;
+        inner
+            .on_leader(NodeRpc::ChangeMembership, &change, true, deadline, || {
+                inner.local_change_membership(change.clone())
+            })
+            .await
+    }
+
+    /// Stops the batcher, the Raft core and the peer server, and waits for them, so the data
+    /// directory can be reopened afterwards. Pending proposals fail with
+    /// [`ConsensusError::Shutdown`].
+    pub async fn shutdown(mut self) -> Result<(), ConsensusError> {
+        if let Some(batcher) = self.batcher.take() {
+            batcher.abort();
+            let _ = batcher.await;
+        }
+        let raft_result = self.inner.raft.shutdown().await;
+        if let Some(tx) = self.server_shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(mut server) = self.server.take() {
+            // Graceful stop waits for open requests; do not let a stuck peer hold us.
+            if tokio::time::timeout(Duration::from_secs(2), &mut server)
+                .await
+                .is_err()
+            {
+                server.abort();
+                let _ = server.await;
+            }
+        }
+        tracing::info!(node_id = self.inner.id, "consensus node stopped");
+        raft_result.map_err(|e| ConsensusError::Stopped {
+            reason: e.to_string(),
+        })
+    }
+}
+
+impl<S: StateMachine> Drop for ConsensusNode<S> {
+    fn drop(&mut self) {
+        // Dropped without `shutdown`: stop the tasks we own. The Raft core stops once every
+        // handle to it is gone.
+        if let Some(batcher) = self.batcher.take() {
+            batcher.abort();
+        }
+        if let Some(tx) = self.server_shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(server) = self.server.take() {
+            server.abort();
+        }
+    }
+}
