@@ -60,6 +60,10 @@ pub struct ConsensusConfig {
     pub max_message_bytes: usize,
     /// Optional TLS for the peer gRPC server and clients.
     pub tls: Option<TlsConfig>,
+    /// Local dialing overrides: advertised peer address (`host:port`, as in the membership) →
+    /// the address this node actually dials (a local proxy, a NAT mapping). Test harnesses use it
+    /// to put a controllable proxy on each directed link.
+    pub peer_routes: BTreeMap<String, String>,
 }
 
 /// When to snapshot and how much log to keep.
@@ -125,6 +129,7 @@ impl Default for ConsensusConfig {
             max_payload_entries: 300,
             max_message_bytes: 16 * 1024 * 1024,
             tls: None,
+            peer_routes: BTreeMap::new(),
         }
     }
 }

@@ -622,7 +622,8 @@ impl<S: StateMachine> ConsensusNode<S> {
             tls.clone(),
             config.connect_timeout,
             config.max_message_bytes,
-        );
+        )
+        .with_routes(config.peer_routes.clone());
         let network = NetworkFactory::new(config.node_id, pool.clone());
         let raft = openraft::Raft::new(
             config.node_id,

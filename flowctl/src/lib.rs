@@ -11,6 +11,7 @@
 //!
 //! # Layout
 //!
+//! * [`cluster`] — the replicated cluster state: member liveness leases (heartbeats through Raft).
 //! * [`config`] — llm-d's `flowControl` YAML section ([`FlowControlConfig`], strict decoding with
 //!   key paths, llm-d's defaults) and its resolution into the plain [`ControllerConfig`].
 //! * [`units`] — Kubernetes quantities (`1Gi`, `1k`) and Go durations (`1m30s`); [`Nanos`].
@@ -39,6 +40,7 @@
 //!
 //! Same configuration + same command log ⇒ same outcomes and byte-identical serialized state.
 
+pub mod cluster;
 pub mod config;
 pub mod machine;
 pub mod outcome;

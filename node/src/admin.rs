@@ -5,10 +5,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use axum::Router;
+use axum::extract::Path;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
-use axum::routing::get;
+use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -23,6 +24,8 @@ pub async fn run(
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
+        .route("/debug/cluster", get(cluster_view))
+        .route("/debug/cluster/{op}", post(cluster_op))
         .with_state(ctx);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
@@ -46,5 +49,36 @@ async fn readyz(State(ctx): State<Arc<PickerContext>>) -> impl IntoResponse {
         (StatusCode::SERVICE_UNAVAILABLE, "endpoints not loaded")
     } else {
         (StatusCode::OK, "ready")
+    }
+}
+
+async fn cluster_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
+    match &ctx.cluster {
+        Some(c) => axum::Json(c.view().await).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            "not in cluster mode (start with --peers or --join)",
+        )
+            .into_response(),
+    }
+}
+
+async fn cluster_op(
+    State(ctx): State<Arc<PickerContext>>,
+    Path(op): Path<String>,
+    body: axum::body::Bytes,
+) -> axum::response::Response {
+    let Some(c) = &ctx.cluster else {
+        return (StatusCode::NOT_FOUND, "not in cluster mode").into_response();
+    };
+    let req: crate::cluster::MembershipRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return (StatusCode::BAD_REQUEST, format!("bad request body: {e}")).into_response();
+        }
+    };
+    match c.membership(&op, req).await {
+        Ok(msg) => (StatusCode::OK, msg).into_response(),
+        Err(e) => (StatusCode::CONFLICT, e).into_response(),
     }
 }

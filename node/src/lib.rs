@@ -11,7 +11,9 @@
 //! - [`extproc`]: the Envoy ext_proc service, one state machine per stream;
 //! - [`admission`]: request metadata (fairness id, objective → priority), llm-d's legacy admission
 //!   and flow control (the ext_proc stream waits while its request is queued);
-//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`;
+//! - [`cluster`]: cluster mode — this replica as a Raft member (`consensus`) replicating
+//!   `flowctl`'s cluster state (liveness leases), `/debug/cluster`, membership operations;
+//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/debug/cluster`;
 //! - [`metrics`]: the `llm_d_epp_*` Prometheus registry;
 //! - [`serve`]: start-up (validate, then bind), drain and shutdown.
 //!
@@ -24,6 +26,7 @@
 
 pub mod admin;
 pub mod admission;
+pub mod cluster;
 pub mod config;
 pub mod datalayer;
 pub mod extproc;

@@ -27,7 +27,15 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Run a replica: ext_proc gRPC, gRPC health and the admin HTTP server.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
+    /// Operate a cluster through a replica's admin port.
+    Cluster {
+        /// Admin URL of any replica, e.g. http://127.0.0.1:9090
+        #[arg(long, default_value = "http://127.0.0.1:9090")]
+        admin: String,
+        #[command(subcommand)]
+        op: ClusterCmd,
+    },
     /// Load and validate an EndpointPickerConfig, print the effective configuration and exit.
     ValidateConfig {
         #[arg(long)]
@@ -78,6 +86,90 @@ struct ServeArgs {
     /// YAML file of `InferenceObjective` manifests (name → `spec.priority`), read at start-up.
     #[arg(long)]
     objectives_file: Option<PathBuf>,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+}
+
+/// Cluster mode: given `--peers` (bootstrap) or `--join`.
+#[derive(clap::Args, Debug)]
+struct ClusterArgs {
+    /// Initial voters `id=host:port,...` (this replica included); the lowest id bootstraps a new
+    /// cluster once. Restarted replicas reopen their data directory instead.
+    #[arg(long, value_parser = node::cluster::parse_peers)]
+    peers: Option<std::collections::BTreeMap<u64, String>>,
+    /// Start without bootstrapping: wait to be added (`epp cluster add-learner` on a member).
+    #[arg(long)]
+    join: bool,
+    /// This replica's Raft node id (stable across restarts).
+    #[arg(long, default_value_t = 1)]
+    node_id: u64,
+    /// Peer gRPC port (Raft RPCs).
+    #[arg(long, default_value_t = 9004)]
+    peer_port: u16,
+    /// Address peers use to reach this replica (default: the bound peer address).
+    #[arg(long)]
+    advertise_peer: Option<String>,
+    /// Directory of the Raft log and snapshots.
+    #[arg(long, default_value = "epp-data")]
+    data_dir: PathBuf,
+    /// Local dialing overrides `advertised=dialed,...` (e.g. through a proxy).
+    #[arg(long, value_parser = node::cluster::parse_routes)]
+    peer_routes: Option<std::collections::BTreeMap<String, String>>,
+    #[arg(long, default_value = "300ms", value_parser = duration)]
+    election_timeout_min: Duration,
+    #[arg(long, default_value = "600ms", value_parser = duration)]
+    election_timeout_max: Duration,
+    /// Raft leader heartbeat (also openraft's replication RPC timeout).
+    #[arg(long, default_value = "100ms", value_parser = duration)]
+    raft_heartbeat: Duration,
+    /// Liveness heartbeat through the log; a member's lease lasts three of them.
+    #[arg(long, default_value = "500ms", value_parser = duration)]
+    cluster_heartbeat: Duration,
+}
+
+impl ClusterArgs {
+    fn options(self, bind: IpAddr) -> Option<node::cluster::ClusterOptions> {
+        if self.peers.is_none() && !self.join {
+            return None;
+        }
+        Some(node::cluster::ClusterOptions {
+            node_id: self.node_id,
+            peer_addr: SocketAddr::new(bind, self.peer_port),
+            advertise: self.advertise_peer,
+            data_dir: self.data_dir,
+            peers: self.peers.unwrap_or_default(),
+            peer_routes: self.peer_routes.unwrap_or_default(),
+            election_timeout: (self.election_timeout_min, self.election_timeout_max),
+            raft_heartbeat: self.raft_heartbeat,
+            heartbeat: self.cluster_heartbeat,
+        })
+    }
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum ClusterCmd {
+    /// Raft state and the replicated membership of the replica at --admin (JSON).
+    Status,
+    /// Members with their liveness (JSON lines).
+    Members,
+    /// Add a replica as a learner (it catches up from the log or a snapshot).
+    AddLearner {
+        #[arg(long)]
+        id: u64,
+        /// Its peer address (host:port).
+        #[arg(long)]
+        addr: String,
+    },
+    /// Turn a learner into a voter.
+    Promote {
+        #[arg(long)]
+        id: u64,
+    },
+    /// Remove a member.
+    Remove {
+        #[arg(long)]
+        id: u64,
+    },
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -103,6 +195,13 @@ fn main() -> anyhow::Result<()> {
             println!("{}", built.summary);
             Ok(())
         }
+        Cmd::Cluster { admin, op } => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the tokio runtime")?;
+            rt.block_on(cluster_cmd(&admin, op))
+        }
         Cmd::Serve(args) => {
             if args.refresh_metrics_interval < Duration::from_millis(1) {
                 anyhow::bail!("--refresh-metrics-interval must be at least 1ms");
@@ -120,6 +219,7 @@ fn main() -> anyhow::Result<()> {
                 metrics_staleness_threshold: args.metrics_staleness_threshold,
                 drain_timeout: args.drain_timeout,
                 objectives_file: args.objectives_file,
+                cluster: args.cluster.options(args.bind),
             };
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
@@ -167,6 +267,7 @@ fn options_for_validation(
         metrics_staleness_threshold: Duration::from_secs(2),
         drain_timeout: Duration::ZERO,
         objectives_file: None,
+        cluster: None,
     }
 }
 
@@ -186,4 +287,47 @@ async fn wait_for_signal() {
         }
     }
     let _ = tokio::signal::ctrl_c().await;
+}
+
+async fn cluster_cmd(admin: &str, op: ClusterCmd) -> anyhow::Result<()> {
+    let base = admin.trim_end_matches('/');
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()?;
+    let (path, body) = match &op {
+        ClusterCmd::Status | ClusterCmd::Members => ("debug/cluster".to_string(), None),
+        ClusterCmd::AddLearner { id, addr } => (
+            "debug/cluster/add-learner".to_string(),
+            Some(serde_json::json!({"id": id, "addr": addr})),
+        ),
+        ClusterCmd::Promote { id } => (
+            "debug/cluster/promote".to_string(),
+            Some(serde_json::json!({ "id": id })),
+        ),
+        ClusterCmd::Remove { id } => (
+            "debug/cluster/remove".to_string(),
+            Some(serde_json::json!({ "id": id })),
+        ),
+    };
+    let url = format!("{base}/{path}");
+    let resp = match body {
+        None => client.get(&url).send().await,
+        Some(b) => client.post(&url).json(&b).send().await,
+    }
+    .with_context(|| format!("contacting {url}"))?;
+    let status = resp.status();
+    let text = resp.text().await?;
+    if !status.is_success() {
+        anyhow::bail!("{url}: {status}: {text}");
+    }
+    match op {
+        ClusterCmd::Members => {
+            let v: serde_json::Value = serde_json::from_str(&text)?;
+            for m in v["members"].as_array().into_iter().flatten() {
+                println!("{m}");
+            }
+        }
+        _ => println!("{text}"),
+    }
+    Ok(())
 }

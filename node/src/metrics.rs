@@ -150,6 +150,90 @@ pub struct Metrics {
     output_tokens: Family<TokenLabels, Histogram, fn() -> Histogram>,
     cached_tokens: Family<TokenLabels, Histogram, fn() -> Histogram>,
     pub flow: FlowMetrics,
+    pub cluster: ClusterMetrics,
+}
+
+/// Raft progress of this replica (cluster mode), `llm_d_epp_cluster_*`.
+#[derive(Debug)]
+pub struct ClusterMetrics {
+    term: Gauge,
+    /// The leader's node id; -1 when none is known.
+    leader: Gauge,
+    is_leader: Gauge,
+    commit_index: Gauge,
+    last_applied: Gauge,
+    apply_lag: Gauge,
+    quorum: Gauge,
+    proposal_seconds: Histogram,
+}
+
+impl ClusterMetrics {
+    fn register(registry: &mut Registry) -> ClusterMetrics {
+        let m = ClusterMetrics {
+            term: Gauge::default(),
+            leader: Gauge::default(),
+            is_leader: Gauge::default(),
+            commit_index: Gauge::default(),
+            last_applied: Gauge::default(),
+            apply_lag: Gauge::default(),
+            quorum: Gauge::default(),
+            proposal_seconds: Histogram::new(
+                scheduler_buckets().into_iter().chain([0.2, 0.5, 1.0, 2.0]),
+            ),
+        };
+        registry.register("cluster_raft_term", "Current Raft term", m.term.clone());
+        registry.register(
+            "cluster_raft_leader",
+            "Node id of the known Raft leader (-1: none)",
+            m.leader.clone(),
+        );
+        registry.register(
+            "cluster_raft_is_leader",
+            "1 when this replica leads",
+            m.is_leader.clone(),
+        );
+        registry.register(
+            "cluster_raft_commit_index",
+            "Last committed log index known here",
+            m.commit_index.clone(),
+        );
+        registry.register(
+            "cluster_raft_last_applied",
+            "Last log index applied here",
+            m.last_applied.clone(),
+        );
+        registry.register(
+            "cluster_raft_apply_lag",
+            "Committed entries not yet applied here",
+            m.apply_lag.clone(),
+        );
+        registry.register(
+            "cluster_quorum",
+            "1 when this replica's last heartbeat committed (0: degraded, routing on local state)",
+            m.quorum.clone(),
+        );
+        registry.register(
+            "cluster_proposal_duration_seconds",
+            "Time to commit one heartbeat proposal",
+            m.proposal_seconds.clone(),
+        );
+        m
+    }
+
+    pub fn proposal(&self, seconds: f64) {
+        self.proposal_seconds.observe(seconds);
+    }
+
+    pub fn observe(&self, m: &consensus::ConsensusMetrics, quorum: bool) {
+        let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.term.set(i(m.term));
+        self.leader.set(m.leader.map_or(-1, i));
+        self.is_leader.set(i64::from(m.leader == Some(m.node_id)));
+        self.commit_index.set(i(m.commit_index.unwrap_or(0)));
+        self.last_applied.set(i(m.last_applied.unwrap_or(0)));
+        self.apply_lag.set(i(m.apply_lag));
+        self.quorum.set(i64::from(quorum));
+    }
 }
 
 /// Flow-control metrics (llm-d's `flow_control_*`), updated by [`crate::admission::FlowGate`].
@@ -320,6 +404,7 @@ impl Metrics {
             "Prompt tokens served from the prefix cache per request, from the response's usage",
             cached_tokens.clone(),
         );
+        let cluster = ClusterMetrics::register(&mut registry);
         Metrics {
             registry,
             pool_name: pool_name.to_string(),
@@ -336,6 +421,7 @@ impl Metrics {
             streams_inflight_count: AtomicI64::new(0),
             model_cap: LabelCap::default(),
             fairness_cap: LabelCap::default(),
+            cluster,
             disagg_decisions,
             input_tokens,
             output_tokens,

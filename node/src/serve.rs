@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 
 use crate::admission::{Admission, FlowGate, LegacyAdmission, OBSERVE_INTERVAL, Objectives};
+use crate::cluster::{ClusterMember, ClusterOptions};
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 use crate::datalayer::Datastore;
 use crate::datalayer::discovery::FileDiscovery;
@@ -42,6 +43,8 @@ pub struct ServeOptions {
     pub metrics_staleness_threshold: Duration,
     pub drain_timeout: Duration,
     pub objectives_file: Option<PathBuf>,
+    /// Cluster mode (Raft membership with the other replicas); `None` = standalone.
+    pub cluster: Option<ClusterOptions>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +68,9 @@ pub struct BoundAddrs {
     pub ext_proc: SocketAddr,
     pub health: SocketAddr,
     pub admin: SocketAddr,
+    /// The peer gRPC address (cluster mode).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer: Option<SocketAddr>,
 }
 
 pub fn load_config(opts: &ServeOptions) -> Result<EndpointPickerConfig, ConfigError> {
@@ -153,10 +159,26 @@ pub async fn serve(
     let grpc = bind("ext_proc gRPC", opts.grpc_addr).await?;
     let health = bind("gRPC health", opts.health_addr).await?;
     let admin = bind("admin HTTP", opts.admin_addr).await?;
+    let peer = match &opts.cluster {
+        Some(c) => Some(bind("peer gRPC", c.peer_addr).await?),
+        None => None,
+    };
     let bound = BoundAddrs {
         ext_proc: local(&grpc, "ext_proc gRPC", opts.grpc_addr)?,
         health: local(&health, "gRPC health", opts.health_addr)?,
         admin: local(&admin, "admin HTTP", opts.admin_addr)?,
+        peer: match (&peer, &opts.cluster) {
+            (Some(l), Some(c)) => Some(local(l, "peer gRPC", c.peer_addr)?),
+            _ => None,
+        },
+    };
+    let cluster = match (peer, &opts.cluster) {
+        (Some(listener), Some(c)) => Some(Arc::new(
+            ClusterMember::start(c.clone(), listener)
+                .await
+                .map_err(|e| ServeError::Server(format!("cluster: {e}")))?,
+        )),
+        _ => None,
     };
 
     let ctx = Arc::new(PickerContext {
@@ -169,6 +191,7 @@ pub async fn serve(
         draining: AtomicBool::new(false),
         admission,
         objectives,
+        cluster: cluster.clone(),
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();
@@ -257,6 +280,14 @@ pub async fn serve(
             }
         });
     }
+    if let Some(member) = cluster.clone() {
+        let (metrics, stop) = (metrics.clone(), stop.clone());
+        let (ext_proc, admin) = (bound.ext_proc.to_string(), bound.admin.to_string());
+        tasks.spawn(async move {
+            member.run(ext_proc, admin, metrics, stop).await;
+            Ok(())
+        });
+    }
     on_bound(bound);
     tracing::info!(ext_proc = %bound.ext_proc, health = %bound.health, admin = %bound.admin, "serving");
 
@@ -297,6 +328,10 @@ pub async fn serve(
     }
     stop.cancel();
     while tasks.join_next().await.is_some() {}
+    drop(ctx);
+    if let Some(member) = cluster {
+        member.shutdown().await;
+    }
     tracing::info!("stopped");
     match failure {
         Some(e) => Err(ServeError::Server(e)),

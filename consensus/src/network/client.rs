@@ -3,6 +3,7 @@
 // openraft's trait-mandated `RPCError` is large; helpers return it as-is.
 #![allow(clippy::result_large_err)]
 
+use std::collections::BTreeMap;
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -61,6 +62,7 @@ pub struct ChannelPool {
     tls: Option<Arc<TlsMaterial>>,
     connect_timeout: Duration,
     max_message_bytes: usize,
+    routes: Arc<BTreeMap<String, String>>,
 }
 
 impl ChannelPool {
@@ -75,11 +77,19 @@ impl ChannelPool {
             tls: tls.map(Arc::new),
             connect_timeout,
             max_message_bytes,
+            routes: Arc::new(BTreeMap::new()),
         }
+    }
+
+    /// Dial `routes[addr]` instead of `addr` (see `ConsensusConfig::peer_routes`).
+    pub fn with_routes(mut self, routes: BTreeMap<String, String>) -> Self {
+        self.routes = Arc::new(routes);
+        self
     }
 
     /// A client for the peer at `addr` (`host:port`), creating its channel on first use.
     pub fn client(&self, addr: &str) -> Result<RaftPeerClient<Channel>, tonic::Status> {
+        let addr = self.routes.get(addr).map_or(addr, String::as_str);
         let channel = {
             let mut channels = self
                 .channels

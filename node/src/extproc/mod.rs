@@ -44,6 +44,8 @@ pub struct PickerContext {
     pub admission: Admission,
     /// `InferenceObjective` name → priority.
     pub objectives: Objectives,
+    /// Cluster mode: this replica's Raft membership.
+    pub cluster: Option<Arc<crate::cluster::ClusterMember>>,
 }
 
 #[derive(Debug, Clone)]

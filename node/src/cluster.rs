@@ -1,0 +1,303 @@
+//! Cluster mode: this replica as a member of a Raft group (`consensus`) replicating `flowctl`'s
+//! cluster state — for now the members' liveness leases.
+//!
+//! Every replica proposes a heartbeat every [`ClusterOptions::heartbeat`]; the replicated state
+//! says who is alive. A replica that cannot commit (no quorum reachable) keeps answering ext_proc
+//! — routing does not depend on consensus — and reports it: `llm_d_epp_cluster_quorum 0`, a
+//! warning in the log, `"quorum": false` in `/debug/cluster`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use consensus::{ConsensusConfig, ConsensusNode, StateMachine};
+use flowctl::cluster::{ClusterCommand, ClusterOutput, ClusterState, Member, MemberId};
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+
+/// `flowctl`'s cluster state as the consensus layer's state machine.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Replicated(pub ClusterState);
+
+impl StateMachine for Replicated {
+    type Command = ClusterCommand;
+    type Output = ClusterOutput;
+
+    fn apply(&mut self, cmd: ClusterCommand) -> ClusterOutput {
+        self.0.apply(cmd)
+    }
+}
+
+/// `epp serve` flags of cluster mode.
+#[derive(Debug, Clone)]
+pub struct ClusterOptions {
+    pub node_id: u64,
+    /// Where the peer gRPC server binds (port 0 = OS-chosen).
+    pub peer_addr: std::net::SocketAddr,
+    /// Address peers use for this replica; default: the bound peer address.
+    pub advertise: Option<String>,
+    pub data_dir: PathBuf,
+    /// Initial voters (`id → host:port`) for the one-time bootstrap; empty to join later.
+    pub peers: BTreeMap<u64, String>,
+    /// Local dialing overrides (advertised address → address dialed).
+    pub peer_routes: BTreeMap<String, String>,
+    pub election_timeout: (Duration, Duration),
+    pub raft_heartbeat: Duration,
+    /// Liveness heartbeat period; the lease lasts three of them.
+    pub heartbeat: Duration,
+}
+
+impl ClusterOptions {
+    fn consensus_config(&self) -> ConsensusConfig {
+        ConsensusConfig {
+            node_id: self.node_id,
+            advertise_addr: self.advertise.clone().unwrap_or_default(),
+            data_dir: self.data_dir.clone(),
+            initial_members: self.peers.clone(),
+            cluster_name: "epp".into(),
+            election_timeout_min: self.election_timeout.0,
+            election_timeout_max: self.election_timeout.1,
+            heartbeat_interval: self.raft_heartbeat,
+            peer_routes: self.peer_routes.clone(),
+            ..ConsensusConfig::default()
+        }
+    }
+
+    pub fn lease_ms(&self) -> u64 {
+        (self.heartbeat * 3).as_millis() as u64
+    }
+}
+
+/// A running cluster member.
+pub struct ClusterMember {
+    pub node: ConsensusNode<Replicated>,
+    opts: ClusterOptions,
+    quorum: AtomicBool,
+    started_ms: u64,
+}
+
+impl std::fmt::Debug for ClusterMember {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterMember")
+            .field("node_id", &self.opts.node_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// `/debug/cluster`: Raft's view plus the replicated membership leases.
+#[derive(Debug, Serialize)]
+pub struct ClusterView {
+    pub node_id: u64,
+    /// Whether this replica's last heartbeat committed.
+    pub quorum: bool,
+    pub raft: consensus::ClusterStatus,
+    pub lease_ms: u64,
+    pub members: Vec<MemberView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct MemberView {
+    pub id: MemberId,
+    pub live: bool,
+    #[serde(flatten)]
+    pub member: Member,
+}
+
+/// An operator's membership request (`POST /debug/cluster/<op>`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MembershipRequest {
+    pub id: u64,
+    #[serde(default)]
+    pub addr: Option<String>,
+}
+
+impl ClusterMember {
+    pub async fn start(
+        opts: ClusterOptions,
+        listener: TcpListener,
+    ) -> Result<ClusterMember, consensus::ConsensusError> {
+        let node = ConsensusNode::start(opts.consensus_config(), listener).await?;
+        Ok(ClusterMember {
+            node,
+            opts,
+            quorum: AtomicBool::new(false),
+            started_ms: wall_ms(),
+        })
+    }
+
+    pub fn has_quorum(&self) -> bool {
+        self.quorum.load(Ordering::Relaxed)
+    }
+
+    /// Heartbeats until `stop`; records proposal latency and Raft progress in `metrics`.
+    pub async fn run(
+        self: Arc<Self>,
+        ext_proc: String,
+        admin: String,
+        metrics: Arc<Metrics>,
+        stop: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(self.opts.heartbeat);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut warned = false;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let t0 = Instant::now();
+            let cmd = ClusterCommand::Heartbeat {
+                node: self.opts.node_id,
+                now_ms: wall_ms(),
+                ext_proc: ext_proc.clone(),
+                admin: admin.clone(),
+                started_ms: self.started_ms,
+            };
+            // A heartbeat slower than its lease is as good as lost.
+            let res = tokio::time::timeout(
+                Duration::from_millis(self.opts.lease_ms()),
+                self.node.propose(cmd),
+            )
+            .await;
+            let ok = matches!(res, Ok(Ok(_)));
+            if ok {
+                metrics.cluster.proposal(t0.elapsed().as_secs_f64());
+                if warned {
+                    tracing::info!("cluster quorum regained");
+                    warned = false;
+                }
+            } else if !warned {
+                let why = match res {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "timed out".to_string(),
+                };
+                tracing::warn!(%why, "cannot commit to the cluster (no quorum?): routing continues on local state");
+                warned = true;
+            }
+            self.quorum.store(ok, Ordering::Relaxed);
+            let m = self.node.metrics().await;
+            metrics.cluster.observe(&m, ok);
+        }
+    }
+
+    pub async fn view(&self) -> ClusterView {
+        let raft = self.node.status().await;
+        let (state, _) = self.node.local_read(|s| s.0.clone()).await;
+        let now = wall_ms();
+        let lease = self.opts.lease_ms();
+        let members = state
+            .members()
+            .iter()
+            .map(|(id, m)| MemberView {
+                id: *id,
+                live: state.is_live(*id, now, lease),
+                member: m.clone(),
+            })
+            .collect();
+        ClusterView {
+            node_id: self.opts.node_id,
+            quorum: self.has_quorum(),
+            raft,
+            lease_ms: lease,
+            members,
+        }
+    }
+
+    /// `add-learner`, `promote` or `remove`.
+    pub async fn membership(&self, op: &str, req: MembershipRequest) -> Result<String, String> {
+        let res = match op {
+            "add-learner" => {
+                let Some(addr) = req.addr else {
+                    return Err("add-learner needs `addr` (host:port of the peer port)".into());
+                };
+                self.node.add_learner(req.id, addr, true).await
+            }
+            "promote" => self.node.promote(req.id).await,
+            "remove" => self.node.remove(req.id).await,
+            other => return Err(format!("unknown operation `{other}`")),
+        };
+        res.map(|log| format!("{op} {}: committed at {log:?}", req.id))
+            .map_err(|e| e.to_string())
+    }
+
+    /// Leave gracefully (best effort), then stop Raft.
+    pub async fn shutdown(self: Arc<Self>) {
+        let _ = tokio::time::timeout(
+            Duration::from_millis(500),
+            self.node.propose(ClusterCommand::Leave {
+                node: self.opts.node_id,
+            }),
+        )
+        .await;
+        match Arc::try_unwrap(self) {
+            Ok(me) => {
+                if let Err(e) = me.node.shutdown().await {
+                    tracing::warn!(%e, "consensus shutdown");
+                }
+            }
+            Err(_) => tracing::debug!("cluster member still referenced; dropped without shutdown"),
+        }
+    }
+}
+
+/// Parse `1=host:port,2=host:port`.
+pub fn parse_peers(s: &str) -> Result<BTreeMap<u64, String>, String> {
+    let mut out = BTreeMap::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (id, addr) = part
+            .split_once('=')
+            .ok_or_else(|| format!("peer `{part}`: expected <id>=<host:port>"))?;
+        let id: u64 = id
+            .trim()
+            .parse()
+            .map_err(|_| format!("peer `{part}`: id must be a number"))?;
+        if !addr.contains(':') {
+            return Err(format!("peer `{part}`: address needs a port"));
+        }
+        if out.insert(id, addr.trim().to_string()).is_some() {
+            return Err(format!("peer id {id} given twice"));
+        }
+    }
+    Ok(out)
+}
+
+/// Parse `advertised=dialed,...` routes.
+pub fn parse_routes(s: &str) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (from, to) = part
+            .split_once('=')
+            .ok_or_else(|| format!("route `{part}`: expected <advertised>=<dialed>"))?;
+        out.insert(from.trim().to_string(), to.trim().to_string());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_lists() {
+        let p = parse_peers("1=127.0.0.1:7001, 2=10.0.0.2:7001").unwrap();
+        assert_eq!(p[&2], "10.0.0.2:7001");
+        assert!(parse_peers("1=a:1,1=b:2").unwrap_err().contains("twice"));
+        assert!(parse_peers("x=a:1").unwrap_err().contains("number"));
+        assert!(parse_peers("1=nohost").unwrap_err().contains("port"));
+        let r = parse_routes("127.0.0.1:1=127.0.0.1:2").unwrap();
+        assert_eq!(r["127.0.0.1:1"], "127.0.0.1:2");
+    }
+}
