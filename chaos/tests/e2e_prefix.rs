@@ -4,10 +4,12 @@
 //! ~5.3k-token per-conversation preamble), 4 simulated pods whose KV capacity holds the working set
 //! only when each conversation sticks to one pod. The EPP route (llm-d's default profile behind the
 //! prefix-cache affinity filter, `deploy/local/epp-config.yaml`) must keep conversations on their
-//! warm pod: a cached-token ratio ≥ 0.65 and at least 0.1 above round robin, with a TTFT p50 at
-//! least 5× lower. (Measured: 0.71–0.80 vs 0.48–0.56, 17–38 ms vs ~280 ms. The scheduling-parity issue asks for
-//! ≥ 0.85 vs ≤ 0.35; the ideal for this workload — every turn on its warm pod — is ~0.86, and the
-//! round-robin figure is inflated by Envoy's per-worker rotation revisiting pods; see the issue note.)
+//! warm pod: a cached-token ratio ≥ 0.82 and at least 0.25 above round robin, with a TTFT p50 at
+//! least 5× lower. (Measured since the index counts pod capacity in tokens: 0.845–0.861 vs round
+//! robin 0.50–0.535, TTFT p50 17–20 ms vs ~280 ms; before, with llm-d's `num_gpu_blocks`-entries
+//! bound, 0.71–0.80. The scheduling-parity issue asks for ≥ 0.85 vs ≤ 0.35; the ideal for this
+//! workload — every turn on its warm pod — is ~0.87, and round robin's figure is set by how much
+//! of the working set each pod can hold, see the issue note.)
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
@@ -77,12 +79,12 @@ async fn conversations_stick_to_their_warm_pod() {
     assert_eq!(rr.errors, 0, "{rr:?}");
     assert_eq!(epp.requests, 64 * 6);
     assert!(
-        epp.cached_ratio >= 0.65,
+        epp.cached_ratio >= 0.82,
         "epp cached ratio {}",
         epp.cached_ratio
     );
     assert!(
-        epp.cached_ratio >= rr.cached_ratio + 0.1,
+        epp.cached_ratio >= rr.cached_ratio + 0.25,
         "epp cached ratio {} vs round robin {}",
         epp.cached_ratio,
         rr.cached_ratio

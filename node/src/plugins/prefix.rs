@@ -118,6 +118,16 @@ impl ApproxPrefixProducer {
     }
 }
 
+/// The pod's KV capacity in index entries of `block_size` tokens: `num_gpu_blocks` engine blocks
+/// of the engine's block size. (llm-d uses `num_gpu_blocks` entries directly, which overstates
+/// capacity 4× when the engine's 16-token blocks are indexed as 64-token blocks: the index then
+/// believes evicted conversations are still warm.)
+fn engine_capacity(m: &crate::datalayer::EndpointMetrics, block_size: usize) -> Option<usize> {
+    let blocks = m.num_gpu_blocks.filter(|n| *n > 0)? as usize;
+    let engine_block = m.block_size.filter(|b| *b > 0).map_or(block_size, |b| b as usize);
+    Some((blocks.saturating_mul(engine_block) / block_size.max(1)).max(1))
+}
+
 impl Producer for ApproxPrefixProducer {
     fn type_name(&self) -> &'static str {
         PRODUCER_TYPE
@@ -186,9 +196,7 @@ impl Producer for ApproxPrefixProducer {
                 target
                     .sample
                     .as_ref()
-                    .and_then(|s| s.metrics.num_gpu_blocks)
-                    .filter(|n| *n > 0)
-                    .map(|n| n as usize)
+                    .and_then(|s| engine_capacity(&s.metrics, info.block_size))
             } else {
                 None
             }
@@ -441,6 +449,21 @@ mod tests {
         let mut keep = vec![0, 1];
         f.filter(&req(), &data, &cs, &mut keep);
         assert_eq!(keep, vec![0]);
+    }
+
+    #[test]
+    fn engine_capacity_is_counted_in_tokens() {
+        let m = |blocks, bs| crate::datalayer::EndpointMetrics {
+            num_gpu_blocks: blocks,
+            block_size: bs,
+            ..Default::default()
+        };
+        // 1600 vLLM blocks of 16 tokens = 25 600 tokens = 400 entries of 64 tokens.
+        assert_eq!(engine_capacity(&m(Some(1600), Some(16)), 64), Some(400));
+        assert_eq!(engine_capacity(&m(Some(1600), Some(128)), 128), Some(1600));
+        assert_eq!(engine_capacity(&m(Some(1600), None), 64), Some(1600));
+        assert_eq!(engine_capacity(&m(Some(0), Some(16)), 64), None);
+        assert_eq!(engine_capacity(&m(None, Some(16)), 64), None);
     }
 
     #[test]
