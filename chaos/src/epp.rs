@@ -20,6 +20,9 @@ pub struct EppAddrs {
     pub ext_proc: SocketAddr,
     pub health: SocketAddr,
     pub admin: SocketAddr,
+    /// Peer gRPC (cluster mode only).
+    #[serde(default)]
+    pub peer: Option<SocketAddr>,
 }
 
 #[derive(Debug)]
@@ -93,6 +96,18 @@ impl EppProcess {
         Ok(())
     }
 
+    /// SIGSTOP: the process freezes (a GC pause, a stuck VM); its sockets stay open.
+    pub fn pause(&self) -> anyhow::Result<()> {
+        kill(self.pid()?, Signal::SIGSTOP)?;
+        Ok(())
+    }
+
+    /// SIGCONT after [`EppProcess::pause`].
+    pub fn resume(&self) -> anyhow::Result<()> {
+        kill(self.pid()?, Signal::SIGCONT)?;
+        Ok(())
+    }
+
     /// SIGTERM (graceful drain).
     pub fn terminate(&self) -> anyhow::Result<()> {
         kill(self.pid()?, Signal::SIGTERM)?;
@@ -104,6 +119,19 @@ impl EppProcess {
         timeout: Duration,
     ) -> anyhow::Result<std::process::ExitStatus> {
         Ok(tokio::time::timeout(timeout, self.child.wait()).await??)
+    }
+
+    /// `GET /debug/cluster` (cluster mode).
+    pub async fn cluster_view(&self) -> anyhow::Result<serde_json::Value> {
+        let resp = reqwest::Client::new()
+            .get(format!("http://{}/debug/cluster", self.addrs.admin))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await?;
+        if !resp.status().is_success() {
+            bail!("/debug/cluster: {}", resp.status());
+        }
+        Ok(resp.json().await?)
     }
 
     /// The replica's Prometheus text.

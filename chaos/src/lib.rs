@@ -4,7 +4,7 @@
 //! processes of the real binary, every port chosen by the OS and reported on stdout), and Envoy
 //! (rendered from `deploy/local/envoy.template.yaml`, its listener port read back from its admin API).
 //! Every process is killed when its handle drops, so a failing test leaves nothing behind. The end-to-end
-//! tests, the benchmarks and the local demo all use it. Later: peer-link partitions and pauses.
+//! tests, the benchmarks and the local demo all use it.
 //!
 //! # Layout
 //! - [`locate`]: where the `epp` and `envoy` binaries are;
@@ -12,9 +12,13 @@
 //! - [`envoy`]: render the bootstrap and run Envoy;
 //! - [`cluster`]: sim + EPP replicas + Envoy together;
 //! - [`wait`]: waiting on observable conditions with a deadline (never fixed sleeps).
+//! - [`raft`]: EPP replicas in cluster mode with a controllable proxy on every peer link;
+//! - [`netproxy`]: a controllable TCP link (partition, latency, blackhole) to put between processes.
 
 pub mod cluster;
 pub mod envoy;
 pub mod epp;
 pub mod locate;
+pub mod netproxy;
+pub mod raft;
 pub mod wait;

@@ -1,0 +1,222 @@
+//! Multi-process consensus: three `epp serve` replicas in cluster mode on loopback, every peer
+//! link behind a controllable proxy. They elect a leader and replicate the liveness heartbeats
+//! (each replica commits one every 200 ms, so a moving commit index is proof of a working quorum);
+//! then we kill the leader, restart it from its data directory, cut a follower off, and add a
+//! fourth replica through `epp cluster add-learner` / `promote`. Failover is printed against the
+//! target (two election timeouts) and enforced at twice that, see `chaos::raft::failover_hard_limit`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use chaos::raft::{RaftCluster, failover_hard_limit, failover_target};
+use chaos::wait;
+
+async fn commit(c: &RaftCluster, id: u64) -> u64 {
+    c.leader_and_commit(id).await.map(|(_, n)| n).unwrap_or(0)
+}
+
+/// Wait until every replica in `ids` has committed past `floor`.
+async fn all_commit_past(c: &RaftCluster, ids: &[u64], floor: u64, what: &str) {
+    wait::until(what, Duration::from_secs(10), || async {
+        for id in ids {
+            if commit(c, *id).await <= floor {
+                return false;
+            }
+        }
+        true
+    })
+    .await
+    .unwrap();
+}
+
+fn live_members(v: &serde_json::Value) -> Vec<u64> {
+    v["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["live"] == true)
+        .map(|m| m["id"].as_u64().unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoints = dir.path().join("endpoints.yaml");
+    std::fs::write(&endpoints, "pods: []\n").unwrap();
+    let mut c = RaftCluster::start(3, &endpoints).await.unwrap();
+
+    // 1. A leader everyone agrees on; all three members live in the replicated state.
+    wait::until("a common leader", Duration::from_secs(15), || async {
+        c.agreed_leader(&[1, 2, 3]).await.is_some()
+    })
+    .await
+    .unwrap();
+    wait::until("three live members", Duration::from_secs(10), || async {
+        c.view(1)
+            .await
+            .is_ok_and(|v| live_members(&v) == vec![1, 2, 3] && v["quorum"] == true)
+    })
+    .await
+    .unwrap();
+    let leader = c.agreed_leader(&[1, 2, 3]).await.unwrap();
+    let before = commit(&c, leader).await;
+    all_commit_past(&c, &[1, 2, 3], before, "replication to every replica").await;
+
+    // 2. kill -9 the leader: the survivors elect a new one within two election timeouts and
+    //    keep committing; nothing committed before is lost.
+    let committed = commit(&c, leader).await;
+    let survivors: Vec<u64> = [1, 2, 3].into_iter().filter(|i| *i != leader).collect();
+    c.kill9(leader).await.unwrap();
+    let killed_at = Instant::now();
+    let new_leader = loop {
+        if let Some(l) = c.agreed_leader(&survivors).await
+            && l != leader
+        {
+            break l;
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(10),
+            "no new leader 10 s after the kill"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let failover = killed_at.elapsed();
+    eprintln!(
+        "leader {leader} killed: {new_leader} leads after {failover:?} (target {:?}: {})",
+        failover_target(),
+        if failover <= failover_target() {
+            "met"
+        } else {
+            "MISSED"
+        }
+    );
+    assert!(
+        failover <= failover_hard_limit(),
+        "new leader after {failover:?} (hard limit {:?})",
+        failover_hard_limit()
+    );
+    all_commit_past(&c, &survivors, committed, "survivors keep committing").await;
+
+    // 3. Restart the old leader from its data directory: it rejoins and catches up.
+    c.restart(leader).await.unwrap();
+    let now = commit(&c, new_leader).await;
+    all_commit_past(&c, &[leader], now, "restarted replica catches up").await;
+    wait::until(
+        "restarted replica live again",
+        Duration::from_secs(10),
+        || async {
+            c.view(new_leader)
+                .await
+                .is_ok_and(|v| live_members(&v).contains(&leader))
+        },
+    )
+    .await
+    .unwrap();
+
+    // 4. Cut one follower off: it cannot commit (and says so), the majority keeps committing;
+    //    after healing it catches up.
+    let cut = [1, 2, 3].into_iter().find(|i| *i != new_leader).unwrap();
+    let majority: Vec<u64> = [1, 2, 3].into_iter().filter(|i| *i != cut).collect();
+    c.isolate(cut);
+    wait::until(
+        "the cut replica reports no quorum",
+        Duration::from_secs(10),
+        || async { c.view(cut).await.is_ok_and(|v| v["quorum"] == false) },
+    )
+    .await
+    .unwrap();
+    let stuck = commit(&c, cut).await;
+    let majority_then = commit(&c, majority[0]).await;
+    all_commit_past(
+        &c,
+        &majority,
+        majority_then + 10,
+        "the majority keeps committing",
+    )
+    .await;
+    assert!(
+        commit(&c, cut).await <= stuck + 1,
+        "a partitioned minority must not commit"
+    );
+    c.heal_all();
+    let healed = commit(&c, majority[0]).await;
+    all_commit_past(&c, &[cut], healed, "the healed replica catches up").await;
+    wait::until(
+        "healed replica regains quorum",
+        Duration::from_secs(10),
+        || async { c.view(cut).await.is_ok_and(|v| v["quorum"] == true) },
+    )
+    .await
+    .unwrap();
+
+    // 5. A fourth replica joins through the CLI: add-learner, then promote.
+    c.start_joiner(4).await.unwrap();
+    let admin = format!("http://{}", c.replica(cut).unwrap().addrs.admin);
+    let epp = chaos::locate::epp_binary().unwrap();
+    let run = |args: Vec<String>| {
+        let out = std::process::Command::new(&epp)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "epp {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let addr4 = c.public_addr(4).unwrap();
+    run(vec![
+        "cluster".into(),
+        "--admin".into(),
+        admin.clone(),
+        "add-learner".into(),
+        "--id".into(),
+        "4".into(),
+        "--addr".into(),
+        addr4,
+    ]);
+    run(vec![
+        "cluster".into(),
+        "--admin".into(),
+        admin.clone(),
+        "promote".into(),
+        "--id".into(),
+        "4".into(),
+    ]);
+    let status = run(vec![
+        "cluster".into(),
+        "--admin".into(),
+        admin.clone(),
+        "status".into(),
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&status).unwrap();
+    let voters: Vec<u64> = v["raft"]["metrics"]["voters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert_eq!(voters, vec![1, 2, 3, 4], "{status}");
+    let at = commit(&c, new_leader).await;
+    all_commit_past(&c, &[4], at, "the new replica applies the log").await;
+    if let Err(e) = wait::until("four live members", Duration::from_secs(10), || async {
+        c.view(4)
+            .await
+            .is_ok_and(|v| live_members(&v) == vec![1, 2, 3, 4])
+    })
+    .await
+    {
+        panic!("{e}: replica 4 sees {:#}", c.view(4).await.unwrap());
+    }
+    let members = run(vec![
+        "cluster".into(),
+        "--admin".into(),
+        admin,
+        "members".into(),
+    ]);
+    assert_eq!(members.lines().count(), 4, "{members}");
+    c.shutdown().await;
+}
