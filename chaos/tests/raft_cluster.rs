@@ -150,7 +150,19 @@ async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
     .await
     .unwrap();
 
-    // 5. A fourth replica joins through the CLI: add-learner, then promote.
+    // 5. A fourth replica joins through the CLI: add-learner, then promote. The leader has
+    //    compacted its log by then (snapshots every 20 entries), so it must send a snapshot.
+    wait::until(
+        "the leader compacted its log",
+        Duration::from_secs(10),
+        || async {
+            c.view(new_leader)
+                .await
+                .is_ok_and(|v| v["raft"]["metrics"]["purged_index"].as_u64().is_some())
+        },
+    )
+    .await
+    .unwrap();
     c.start_joiner(4).await.unwrap();
     let admin = format!("http://{}", c.replica(cut).unwrap().addrs.admin);
     let epp = chaos::locate::epp_binary().unwrap();
@@ -202,6 +214,12 @@ async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
     assert_eq!(voters, vec![1, 2, 3, 4], "{status}");
     let at = commit(&c, new_leader).await;
     all_commit_past(&c, &[4], at, "the new replica applies the log").await;
+    // Its first entries were purged on the leader: it caught up by snapshot.
+    let v4 = c.view(4).await.unwrap();
+    assert!(
+        v4["raft"]["metrics"]["snapshot_index"].as_u64().is_some(),
+        "replica 4 should hold a snapshot: {v4:#}"
+    );
     if let Err(e) = wait::until("four live members", Duration::from_secs(10), || async {
         c.view(4)
             .await

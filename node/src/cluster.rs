@@ -51,11 +51,19 @@ pub struct ClusterOptions {
     pub raft_heartbeat: Duration,
     /// Liveness heartbeat period; the lease lasts three of them.
     pub heartbeat: Duration,
+    /// Snapshot (and compact the log) after this many entries; `None` = the consensus default.
+    pub snapshot_logs: Option<u64>,
 }
 
 impl ClusterOptions {
     fn consensus_config(&self) -> ConsensusConfig {
+        let mut snapshot = consensus::config::SnapshotConfig::default();
+        if let Some(n) = self.snapshot_logs {
+            snapshot.logs_since_last = n;
+            snapshot.keep_logs_after_snapshot = n / 10;
+        }
         ConsensusConfig {
+            snapshot,
             node_id: self.node_id,
             advertise_addr: self.advertise.clone().unwrap_or_default(),
             data_dir: self.data_dir.clone(),

@@ -125,6 +125,9 @@ struct ClusterArgs {
     /// Liveness heartbeat through the log; a member's lease lasts three of them.
     #[arg(long, default_value = "500ms", value_parser = duration)]
     cluster_heartbeat: Duration,
+    /// Snapshot the replicated state and compact the log every N entries (default 10000).
+    #[arg(long)]
+    raft_snapshot_logs: Option<u64>,
 }
 
 impl ClusterArgs {
@@ -142,6 +145,7 @@ impl ClusterArgs {
             election_timeout: (self.election_timeout_min, self.election_timeout_max),
             raft_heartbeat: self.raft_heartbeat,
             heartbeat: self.cluster_heartbeat,
+            snapshot_logs: self.raft_snapshot_logs,
         })
     }
 }
