@@ -28,6 +28,8 @@ pub struct RaftCluster {
     endpoints_file: PathBuf,
     dir: tempfile::TempDir,
     voters: Vec<u64>,
+    /// Replicas started with `--join` (restarted the same way: their data holds the membership).
+    joiners: Vec<u64>,
 }
 
 impl std::fmt::Debug for RaftCluster {
@@ -48,6 +50,7 @@ impl RaftCluster {
             endpoints_file: endpoints_file.to_path_buf(),
             dir: tempfile::tempdir()?,
             voters: (1..=n).collect(),
+            joiners: Vec::new(),
         };
         for id in 1..=n {
             c.add_proxies(id).await?;
@@ -178,12 +181,14 @@ impl RaftCluster {
 
     /// Restart a stopped replica from its data directory.
     pub async fn restart(&mut self, id: u64) -> anyhow::Result<()> {
-        self.spawn(id, false).await
+        let join = self.joiners.contains(&id);
+        self.spawn(id, join).await
     }
 
     /// Start a new replica `id` that waits to be added (`epp cluster add-learner`).
     pub async fn start_joiner(&mut self, id: u64) -> anyhow::Result<()> {
         self.add_proxies(id).await?;
+        self.joiners.push(id);
         self.spawn(id, true).await
     }
 

@@ -2,7 +2,8 @@
 //! link behind a controllable proxy. They elect a leader and replicate the liveness heartbeats
 //! (each replica commits one every 200 ms, so a moving commit index is proof of a working quorum);
 //! then we kill the leader, restart it from its data directory, cut a follower off, and add a
-//! fourth replica through `epp cluster add-learner` / `promote`. Failover is printed against the
+//! fourth replica through `epp cluster add-learner` / `promote`; finally we kill -9 a majority and
+//! restart it from disk. Failover is printed against the
 //! target (two election timeouts) and enforced at twice that, see `chaos::raft::failover_hard_limit`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -236,5 +237,26 @@ async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
         "members".into(),
     ]);
     assert_eq!(members.lines().count(), 4, "{members}");
+
+    // 6. Durability: kill -9 a majority (three of the four voters, the leader among them), then
+    //    restart them from their data directories. Everything committed before survives: the
+    //    cluster resumes past the last index a quorum acknowledged.
+    let leader = c.agreed_leader(&[1, 2, 3, 4]).await.unwrap_or(new_leader);
+    let acknowledged = commit(&c, leader).await;
+    let keep = [1, 2, 3, 4].into_iter().find(|i| *i != leader).unwrap();
+    let victims: Vec<u64> = [1, 2, 3, 4].into_iter().filter(|i| *i != keep).collect();
+    for v in &victims {
+        c.kill9(*v).await.unwrap();
+    }
+    for v in &victims {
+        c.restart(*v).await.unwrap();
+    }
+    all_commit_past(
+        &c,
+        &[1, 2, 3, 4],
+        acknowledged,
+        "the restarted majority resumes past every acknowledged entry",
+    )
+    .await;
     c.shutdown().await;
 }
