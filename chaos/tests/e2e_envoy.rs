@@ -131,6 +131,19 @@ async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0.0)
     };
+    // The default profile's prefix index: its size and the per-request hit ratio.
+    let size = m
+        .lines()
+        .find_map(|l| l.strip_prefix("llm_d_epp_prefix_indexer_size{plugin_name=\"approx-prefix-cache-producer\",plugin_type=\"approx-prefix-cache-producer\"} "))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    assert!(
+        size.is_some_and(|n| n > 0.0),
+        "prefix index size: {size:?}\n{m}"
+    );
+    assert!(
+        m.contains("llm_d_epp_prefix_indexer_hit_ratio_count"),
+        "{m}"
+    );
     for name in [
         "llm_d_epp_request_input_tokens",
         "llm_d_epp_request_output_tokens",

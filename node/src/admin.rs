@@ -33,6 +33,9 @@ pub async fn run(
 }
 
 async fn metrics(State(ctx): State<Arc<PickerContext>>) -> impl IntoResponse {
+    if let Some(p) = &ctx.scheduler.prefix_index {
+        ctx.metrics.set_prefix_size(p.entries());
+    }
     (
         [(
             header::CONTENT_TYPE,

@@ -83,6 +83,12 @@ pub struct TokenLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PluginLabels {
+    pub plugin_name: String,
+    pub plugin_type: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DisaggLabels {
     pub decision_type: String,
 }
@@ -146,6 +152,9 @@ pub struct Metrics {
     model_cap: LabelCap,
     fairness_cap: LabelCap,
     disagg_decisions: Family<DisaggLabels, Counter>,
+    prefix_size: Family<PluginLabels, Gauge>,
+    prefix_hit_ratio: Family<PluginLabels, Histogram, fn() -> Histogram>,
+    prefix_hit_bytes: Family<PluginLabels, Histogram, fn() -> Histogram>,
     input_tokens: Family<TokenLabels, Histogram, fn() -> Histogram>,
     output_tokens: Family<TokenLabels, Histogram, fn() -> Histogram>,
     cached_tokens: Family<TokenLabels, Histogram, fn() -> Histogram>,
@@ -257,6 +266,16 @@ fn prompt_token_histogram() -> Histogram {
 fn output_token_histogram() -> Histogram {
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
         1.0, 2.0, 14,
+    ))
+}
+
+fn ratio_histogram() -> Histogram {
+    Histogram::new((0..=10).map(|i| f64::from(i) / 10.0))
+}
+
+fn bytes_histogram() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        256.0, 4.0, 10,
     ))
 }
 
@@ -404,6 +423,26 @@ impl Metrics {
             "Prompt tokens served from the prefix cache per request, from the response's usage",
             cached_tokens.clone(),
         );
+        let prefix_size = Family::<PluginLabels, Gauge>::default();
+        registry.register(
+            "prefix_indexer_size",
+            "Entries in the approximate prefix index (all pods)",
+            prefix_size.clone(),
+        );
+        let prefix_hit_ratio: Family<PluginLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(ratio_histogram as fn() -> Histogram);
+        registry.register(
+            "prefix_indexer_hit_ratio",
+            "Share of the prompt's blocks the index matched on the chosen pod",
+            prefix_hit_ratio.clone(),
+        );
+        let prefix_hit_bytes: Family<PluginLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(bytes_histogram as fn() -> Histogram);
+        registry.register(
+            "prefix_indexer_hit_bytes",
+            "Prompt bytes the index matched on the chosen pod (blocks × block size × 4)",
+            prefix_hit_bytes.clone(),
+        );
         let cluster = ClusterMetrics::register(&mut registry);
         Metrics {
             registry,
@@ -423,6 +462,9 @@ impl Metrics {
             fairness_cap: LabelCap::default(),
             cluster,
             disagg_decisions,
+            prefix_size,
+            prefix_hit_ratio,
+            prefix_hit_bytes,
             input_tokens,
             output_tokens,
             cached_tokens,
@@ -457,6 +499,33 @@ impl Metrics {
             fairness_id: self.fairness_cap.admit(fairness_id),
             priority: priority.to_string(),
         }
+    }
+
+    fn prefix_labels() -> PluginLabels {
+        PluginLabels {
+            plugin_name: "approx-prefix-cache-producer".into(),
+            plugin_type: "approx-prefix-cache-producer".into(),
+        }
+    }
+
+    /// The chosen pod's prefix match: `matched` of `total` blocks of `block_size` tokens.
+    pub fn prefix_hit(&self, matched: usize, total: usize, block_size: usize) {
+        if total == 0 {
+            return;
+        }
+        let l = Self::prefix_labels();
+        self.prefix_hit_ratio
+            .get_or_create(&l)
+            .observe(matched as f64 / total as f64);
+        self.prefix_hit_bytes
+            .get_or_create(&l)
+            .observe((matched * block_size * 4) as f64);
+    }
+
+    pub fn set_prefix_size(&self, entries: usize) {
+        self.prefix_size
+            .get_or_create(&Self::prefix_labels())
+            .set(i64::try_from(entries).unwrap_or(i64::MAX));
     }
 
     pub fn disagg_decision(&self, decision_type: &str) {

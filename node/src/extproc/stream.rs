@@ -403,6 +403,12 @@ impl StreamState {
             .collect::<Vec<_>>()
             .join(",");
         tracing::debug!(request_id = %self.request_id, %destination, model, "routed");
+        if let (Some(p), Some(&primary)) = (&decision.data.prefix, decision.picked.first()) {
+            let matched = p.matched.get(primary).copied().unwrap_or(0);
+            self.ctx
+                .metrics
+                .prefix_hit(matched, p.total_blocks, p.block_size);
+        }
 
         let info = RouteInfo {
             model: model.to_string(),

@@ -76,6 +76,14 @@ pub struct ApproxPrefixProducer {
 }
 
 impl ApproxPrefixProducer {
+    /// Index entries over all pods (`prefix_indexer_size`).
+    pub fn entries(&self) -> usize {
+        match self.index.read() {
+            Ok(g) => g.len(),
+            Err(p) => p.into_inner().len(),
+        }
+    }
+
     pub fn new(params: ProducerParams) -> Self {
         ApproxPrefixProducer {
             index: RwLock::new(ApproxIndex::new(params.lru_capacity_per_server)),
@@ -124,7 +132,10 @@ impl ApproxPrefixProducer {
 /// believes evicted conversations are still warm.)
 fn engine_capacity(m: &crate::datalayer::EndpointMetrics, block_size: usize) -> Option<usize> {
     let blocks = m.num_gpu_blocks.filter(|n| *n > 0)? as usize;
-    let engine_block = m.block_size.filter(|b| *b > 0).map_or(block_size, |b| b as usize);
+    let engine_block = m
+        .block_size
+        .filter(|b| *b > 0)
+        .map_or(block_size, |b| b as usize);
     Some((blocks.saturating_mul(engine_block) / block_size.max(1)).max(1))
 }
 

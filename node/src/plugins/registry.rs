@@ -650,12 +650,15 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         Plugin::PrefixProducer(p) => Some(p.clone()),
         _ => None,
     });
-    match configured_prefix {
-        Some(p) => producers.push(p),
-        None if needs_prefix => producers.push(Arc::new(ApproxPrefixProducer::new(
+    let prefix_index = match configured_prefix {
+        Some(p) => Some(p),
+        None if needs_prefix => Some(Arc::new(ApproxPrefixProducer::new(
             prefix::ProducerParams::default(),
         ))),
-        None => {}
+        None => None,
+    };
+    if let Some(p) = &prefix_index {
+        producers.push(p.clone());
     }
     let configured_inflight = instances.iter().find_map(|(_, _, p)| match p {
         Plugin::InflightProducer(p) => Some(p.clone()),
@@ -792,7 +795,11 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         ),
     };
     Ok(Built {
-        scheduler: Scheduler { producers, handler },
+        scheduler: Scheduler {
+            producers,
+            handler,
+            prefix_index,
+        },
         metrics_source,
         inflight,
         admission,

@@ -83,6 +83,8 @@ pub enum Handler {
 pub struct Scheduler {
     pub producers: Vec<Arc<dyn Producer>>,
     pub handler: Handler,
+    /// The approximate prefix index, when one runs (its size is a metric).
+    pub prefix_index: Option<Arc<super::prefix::ApproxPrefixProducer>>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
