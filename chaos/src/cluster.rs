@@ -7,6 +7,7 @@ use sim::{Sim, SimConfig};
 
 use crate::envoy::EnvoyProcess;
 use crate::epp::EppProcess;
+use crate::raft::RaftCluster;
 
 #[derive(Debug, Clone)]
 pub struct ClusterSpec {
@@ -19,6 +20,8 @@ pub struct ClusterSpec {
     pub failure_mode_allow: bool,
     /// The observability-mode ext_proc filter for responses (on by default; see the template).
     pub observe_responses: bool,
+    /// Run the replicas in cluster mode (Raft between them, peer links through proxies).
+    pub raft: bool,
 }
 
 impl Default for ClusterSpec {
@@ -30,6 +33,7 @@ impl Default for ClusterSpec {
             no_pods: false,
             failure_mode_allow: false,
             observe_responses: true,
+            raft: false,
         }
     }
 }
@@ -37,7 +41,9 @@ impl Default for ClusterSpec {
 #[derive(Debug)]
 pub struct LocalCluster {
     pub sim: Sim,
+    /// The replicas (standalone mode; in cluster mode they live in `raft`).
     pub epps: Vec<EppProcess>,
+    pub raft: Option<RaftCluster>,
     pub envoy: EnvoyProcess,
     pub endpoints_file: PathBuf,
     _dir: tempfile::TempDir,
@@ -58,11 +64,26 @@ impl LocalCluster {
         std::fs::write(&endpoints_file, yaml)?;
         let args: Vec<&str> = spec.epp_args.iter().map(String::as_str).collect();
         let mut epps = Vec::new();
-        for _ in 0..spec.replicas {
-            epps.push(EppProcess::start(&endpoints_file, &args).await?);
+        let mut raft = None;
+        if spec.raft {
+            raft =
+                Some(RaftCluster::start_with(spec.replicas as u64, &endpoints_file, &args).await?);
+        } else {
+            for _ in 0..spec.replicas {
+                epps.push(EppProcess::start(&endpoints_file, &args).await?);
+            }
         }
+        let ext_procs: Vec<std::net::SocketAddr> = match &raft {
+            Some(r) => r
+                .replicas
+                .values()
+                .flatten()
+                .map(|e| e.addrs.ext_proc)
+                .collect(),
+            None => epps.iter().map(|e| e.addrs.ext_proc).collect(),
+        };
         let envoy = EnvoyProcess::start(
-            epps.iter().map(|e| e.addrs.ext_proc).collect(),
+            ext_procs,
             sim.pods().iter().map(|p| p.addr).collect(),
             spec.failure_mode_allow,
             spec.observe_responses,
@@ -71,16 +92,31 @@ impl LocalCluster {
         Ok(LocalCluster {
             sim,
             epps,
+            raft,
             envoy,
             endpoints_file,
             _dir: dir,
         })
     }
 
+    /// Replica `i` (0-based) in either mode.
+    pub fn epp(&self, i: usize) -> anyhow::Result<&EppProcess> {
+        match &self.raft {
+            Some(r) => r.replica(i as u64 + 1),
+            None => self
+                .epps
+                .get(i)
+                .ok_or_else(|| anyhow::anyhow!("no replica {i}")),
+        }
+    }
+
     /// Stop everything (Envoy and EPPs are also killed on drop).
     pub async fn shutdown(self) {
         drop(self.envoy);
         drop(self.epps);
+        if let Some(r) = self.raft {
+            r.shutdown().await;
+        }
         self.sim.shutdown().await;
     }
 }

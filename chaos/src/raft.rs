@@ -28,6 +28,8 @@ pub struct RaftCluster {
     endpoints_file: PathBuf,
     dir: tempfile::TempDir,
     voters: Vec<u64>,
+    /// Extra flags for every replica.
+    extra: Vec<String>,
     /// Replicas started with `--join` (restarted the same way: their data holds the membership).
     joiners: Vec<u64>,
 }
@@ -43,7 +45,17 @@ impl std::fmt::Debug for RaftCluster {
 impl RaftCluster {
     /// Start `n` voters (ids 1..=n) routing for the pods in `endpoints_file`.
     pub async fn start(n: u64, endpoints_file: &Path) -> anyhow::Result<RaftCluster> {
+        Self::start_with(n, endpoints_file, &[]).await
+    }
+
+    /// [`RaftCluster::start`] with extra `epp serve` flags for every replica.
+    pub async fn start_with(
+        n: u64,
+        endpoints_file: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<RaftCluster> {
         let mut c = RaftCluster {
+            extra: extra.iter().map(|s| s.to_string()).collect(),
             replicas: BTreeMap::new(),
             public: BTreeMap::new(),
             links: BTreeMap::new(),
@@ -141,6 +153,7 @@ impl RaftCluster {
             args.push("--peer-routes".into());
             args.push(routes);
         }
+        args.extend(self.extra.iter().cloned());
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let p = EppProcess::start(&self.endpoints_file, &refs)
             .await

@@ -29,6 +29,35 @@ fn demo_runs_to_completion() {
     assert!(stdout.contains("ok: every request succeeded"), "{stdout}");
 }
 
+/// Three replicas: cluster mode (Raft between them, Envoy spreading streams over all three).
+#[test]
+fn demo_runs_three_replicas_in_cluster_mode() {
+    let out = Command::new(env!("CARGO_BIN_EXE_epp-demo"))
+        .args([
+            "--pods",
+            "2",
+            "--replicas",
+            "3",
+            "--conversations",
+            "4",
+            "--turns",
+            "2",
+            "--concurrency",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("cluster mode: leader"), "{stdout}");
+    assert!(stdout.contains("3 live members"), "{stdout}");
+    assert!(stdout.contains("ok: every request succeeded"), "{stdout}");
+}
+
 #[test]
 fn demo_fails_when_a_step_fails() {
     let out = Command::new(env!("CARGO_BIN_EXE_epp-demo"))

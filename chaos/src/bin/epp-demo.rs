@@ -18,7 +18,7 @@ struct Args {
     /// Simulated pods.
     #[arg(long, default_value_t = 4)]
     pods: usize,
-    /// EPP replicas behind Envoy.
+    /// EPP replicas behind Envoy (more than one: cluster mode, Raft between them).
     #[arg(long, default_value_t = 1)]
     replicas: usize,
     #[arg(long, default_value_t = 16)]
@@ -65,6 +65,7 @@ async fn main() -> anyhow::Result<()> {
             ..SimConfig::default()
         },
         replicas: args.replicas,
+        raft: args.replicas > 1,
         epp_args: vec!["--config-file".into(), args.config.display().to_string()],
         ..ClusterSpec::default()
     };
@@ -84,7 +85,10 @@ async fn main() -> anyhow::Result<()> {
         "the EPP to know the pods",
         Duration::from_secs(20),
         || async {
-            cluster.epps[0].metrics().await.is_ok_and(|m| {
+            let Ok(epp) = cluster.epp(0) else {
+                return false;
+            };
+            epp.metrics().await.is_ok_and(|m| {
                 m.contains(&format!(
                     "llm_d_epp_pool_ready_endpoints{{name=\"default-pool\"}} {}",
                     args.pods
@@ -93,6 +97,26 @@ async fn main() -> anyhow::Result<()> {
         },
     )
     .await?;
+
+    if let Some(raft) = &cluster.raft {
+        let ids: Vec<u64> = (1..=args.replicas as u64).collect();
+        chaos::wait::until(
+            "the replicas to elect a leader",
+            Duration::from_secs(20),
+            || async { raft.agreed_leader(&ids).await.is_some() },
+        )
+        .await?;
+        let v = raft.view(1).await?;
+        let live = v["members"]
+            .as_array()
+            .map_or(0, |m| m.iter().filter(|m| m["live"] == true).count());
+        println!(
+            "cluster mode: leader {}, term {}, {live} live members (epp cluster --admin http://{} status)",
+            v["raft"]["metrics"]["leader"],
+            v["raft"]["metrics"]["term"],
+            raft.replica(1)?.addrs.admin
+        );
+    }
 
     let load = LoadConfig {
         conversations: args.conversations,
