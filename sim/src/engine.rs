@@ -3,7 +3,7 @@
 //! cache lookup), [`Running::prefilled`] (blocks enter the cache) and [`Running::finish`]; the RAII
 //! guards keep the gauges truthful even when a client disconnects half-way.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
@@ -17,6 +17,7 @@ use crate::SimError;
 use crate::cache::{PrefixCache, block_hashes_seeded};
 use crate::knobs::{KnobsPatch, PodKnobs};
 use crate::kvevents::{Command, KvEvent};
+use crate::tokenizer::{ChatMessage, Vocab};
 
 /// A snapshot of one pod's gauges and counters.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -288,6 +289,30 @@ pub struct Pod {
     pub role: Option<String>,
     /// Last rendered `/metrics` text and what it was rendered from (see `server::metrics`).
     pub(crate) metrics_cache: Mutex<Option<crate::metrics::Cached>>,
+    /// `/v1/responses` objects kept for `previous_response_id` and retrieval: per process and in
+    /// memory as in vLLM, so a follow-up must reach the same pod, and a crash forgets them.
+    responses: Mutex<ResponseStore>,
+    /// What `/detokenize` knows, shared by the pods of one sim (one model, one tokenizer).
+    pub(crate) vocab: Arc<Mutex<Vocab>>,
+}
+
+/// Responses a pod keeps at most; the oldest go first.
+pub const RESPONSE_STORE_CAPACITY: usize = 10_000;
+
+/// A stored `/v1/responses` result.
+#[derive(Clone, Debug)]
+pub struct StoredResponse {
+    /// The conversation so far (inputs, then the answer), without the instructions: what a
+    /// follow-up naming this response continues.
+    pub history: Vec<ChatMessage>,
+    /// The response object as returned.
+    pub body: serde_json::Value,
+}
+
+#[derive(Debug, Default)]
+struct ResponseStore {
+    by_id: HashMap<String, StoredResponse>,
+    order: VecDeque<String>,
 }
 
 /// Optional parts of a pod.
@@ -298,6 +323,8 @@ pub struct PodOptions {
     /// Where this pod's KV events go; `None` disables them.
     pub kv_events: Option<mpsc::Sender<Command>>,
     pub role: Option<String>,
+    /// The `/detokenize` vocabulary to share with other pods; `None` gives the pod its own.
+    pub vocab: Option<Arc<Mutex<Vocab>>>,
 }
 
 impl Pod {
@@ -344,6 +371,8 @@ impl Pod {
             kv: opts.kv_events,
             role: opts.role,
             metrics_cache: Mutex::new(None),
+            responses: Mutex::new(ResponseStore::default()),
+            vocab: opts.vocab.unwrap_or_default(),
         }
     }
 
@@ -421,6 +450,50 @@ impl Pod {
             lora_loads: st.lora.loads,
             restarts: st.restarts,
         }
+    }
+
+    /// What `/metrics` shows, read under one lock: the knobs (faults included) and the key of the
+    /// exposition — only the fields the text renders, so unrelated changes keep the cached bytes.
+    pub(crate) fn metrics_inputs(&self) -> (PodKnobs, crate::metrics::CacheKey) {
+        let st = self.lock();
+        let key = crate::metrics::CacheKey {
+            stats: PodStats {
+                served: st.counters.served,
+                running: st.running as u64,
+                waiting: st.waiting as u64,
+                kv_usage: st.kv_usage(),
+                prefix_hits_tokens: st.counters.prefix_hits_tokens,
+                prefix_queries_tokens: st.counters.prefix_queries_tokens,
+                prompt_tokens: st.counters.prompt_tokens,
+                generation_tokens: st.counters.generation_tokens,
+                ..PodStats::default()
+            },
+            block_size: st.knobs.block_size,
+            kv_blocks: st.knobs.kv_blocks,
+            max_loras: st.knobs.max_loras,
+            lora_stamp: (st.lora.info.len(), st.lora.last_ts),
+        };
+        (st.knobs.clone(), key)
+    }
+
+    /// Keeps a `/v1/responses` result under `id`, dropping the oldest past
+    /// [`RESPONSE_STORE_CAPACITY`].
+    pub fn store_response(&self, id: String, stored: StoredResponse) {
+        let mut st = self.responses.lock().unwrap_or_else(|e| e.into_inner());
+        if st.by_id.insert(id.clone(), stored).is_none() {
+            st.order.push_back(id);
+        }
+        while st.order.len() > RESPONSE_STORE_CAPACITY {
+            if let Some(old) = st.order.pop_front() {
+                st.by_id.remove(&old);
+            }
+        }
+    }
+
+    /// A stored `/v1/responses` result.
+    pub fn stored_response(&self, id: &str) -> Option<StoredResponse> {
+        let st = self.responses.lock().unwrap_or_else(|e| e.into_inner());
+        st.by_id.get(id).cloned()
     }
 
     /// Keys of every block in the prefix cache, sorted.
@@ -540,6 +613,8 @@ impl Pod {
         if let Some(tx) = &self.kv {
             let _ = tx.send(Command::Reset { pod: self.index });
         }
+        drop(st);
+        *self.responses.lock().unwrap_or_else(|e| e.into_inner()) = ResponseStore::default();
     }
 
     /// Wakes every queued request with [`EngineClosed`].

@@ -59,10 +59,9 @@ impl Fleet {
         })?;
         let mut srv = self.server(index)?.lock().await;
         let (kill, killed) = oneshot::channel();
-        let router = server::pod_router(Arc::clone(pod));
-        srv.task = Some(tokio::spawn(server::serve_until(
+        srv.task = Some(tokio::spawn(server::serve_pod(
             listener,
-            router,
+            Arc::clone(pod),
             self.stop.clone(),
             async move {
                 // A dropped sender is not a kill.

@@ -27,6 +27,7 @@
 //! - [`kvevents`]: vLLM KV-cache events (msgpack, both encodings) on PUB + replay ROUTER sockets.
 //! - [`metrics`]: vLLM-shaped Prometheus text.
 //! - [`server`]: the HTTP routers for pods and the admin API.
+//! - [`podsvc`]: a pod's connection service — `/metrics` and `/health` answered ahead of the router.
 //! - [`fleet`]: pods and their server tasks (crash, restart, drain).
 //! - [`loadgen`]: workloads (multi-turn conversations, tenant classes) and reports.
 
@@ -37,6 +38,7 @@ pub mod knobs;
 pub mod kvevents;
 pub mod loadgen;
 pub mod metrics;
+pub mod podsvc;
 pub mod server;
 pub mod tokenizer;
 
@@ -220,6 +222,7 @@ impl Sim {
             }
             None => None,
         };
+        let vocab = Arc::new(std::sync::Mutex::new(tokenizer::Vocab::default()));
         let mut pods = Vec::with_capacity(cfg.pods);
         for (i, (_, addr)) in listeners.iter().enumerate() {
             pods.push(Arc::new(Pod::with_options(
@@ -231,6 +234,7 @@ impl Sim {
                     adapters: cfg.lora_adapters.clone(),
                     kv_events: kv.as_ref().and_then(|k| k.sender()),
                     role: cfg.role(i),
+                    vocab: Some(Arc::clone(&vocab)),
                 },
             )));
         }

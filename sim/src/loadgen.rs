@@ -107,6 +107,10 @@ pub struct LoadConfig {
     pub arrival: Arrival,
     /// Arrivals per second in [`Arrival::Poisson`] mode.
     pub rate: f64,
+    /// Poisson mode: when > 0, the conversation (and short-prompt) arrivals are a Poisson process
+    /// conditioned to fall within this many ms (see [`poisson_schedule_within`]), so the schedule
+    /// ends on time however long the random tail would have been; `rate` is then unused.
+    pub window_ms: u64,
     /// Independent single-turn prompts, sent besides the conversations.
     pub short_prompts: usize,
     pub short_prompt_words: usize,
@@ -132,6 +136,7 @@ impl Default for LoadConfig {
             think_time_ms: 0,
             arrival: Arrival::Closed,
             rate: 10.0,
+            window_ms: 0,
             short_prompts: 0,
             short_prompt_words: 16,
             tenants: Vec::new(),
@@ -182,7 +187,10 @@ impl LoadConfig {
         if self.max_tokens == 0 {
             return invalid("max_tokens must be > 0");
         }
-        if self.arrival == Arrival::Poisson && !(self.rate.is_finite() && self.rate > 0.0) {
+        if self.arrival == Arrival::Poisson
+            && self.window_ms == 0
+            && !(self.rate.is_finite() && self.rate > 0.0)
+        {
             return invalid("rate must be > 0 for Poisson arrivals");
         }
         for t in &self.tenants {
@@ -348,6 +356,25 @@ pub fn poisson_schedule(seed: u64, n: usize, burst: usize, rate: f64) -> Vec<Dur
         .collect()
 }
 
+/// `n` arrival offsets of a Poisson process conditioned to fall within `window`: the gaps are drawn
+/// as in [`poisson_schedule`] for `n + 1` events, then scaled so the `(n + 1)`-th lands exactly at
+/// `window`. That is the law of `n` sorted uniform points in the window — a Poisson process given
+/// its count — so the last arrival is before `window` whatever the seed.
+pub fn poisson_schedule_within(seed: u64, n: usize, window: Duration) -> Vec<Duration> {
+    let raw = poisson_schedule(seed, n + 1, 0, 1.0);
+    let end = raw.last().map_or(0.0, Duration::as_secs_f64);
+    raw[..n]
+        .iter()
+        .map(|d| {
+            if end > 0.0 {
+                window.mul_f64(d.as_secs_f64() / end)
+            } else {
+                Duration::ZERO
+            }
+        })
+        .collect()
+}
+
 /// Progress counter, drawn on stderr every 200 ms when enabled.
 #[derive(Debug, Default)]
 struct Progress {
@@ -459,7 +486,12 @@ where
                 .await
         }
         Arrival::Poisson => {
-            let at = poisson_schedule(ctx.cfg.seed ^ salt, n, 0, ctx.cfg.rate);
+            let at = if ctx.cfg.window_ms > 0 {
+                let window = Duration::from_millis(ctx.cfg.window_ms);
+                poisson_schedule_within(ctx.cfg.seed ^ salt, n, window)
+            } else {
+                poisson_schedule(ctx.cfg.seed ^ salt, n, 0, ctx.cfg.rate)
+            };
             let start = tokio::time::Instant::from_std(ctx.started);
             at.into_iter()
                 .enumerate()
@@ -1060,6 +1092,26 @@ mod tests {
         // 1995 gaps at 100/s: ~19.95 s.
         let total = a[1999].as_secs_f64();
         assert!((17.0..23.0).contains(&total), "{total}");
+    }
+
+    #[test]
+    fn poisson_schedule_within_ends_inside_the_window() {
+        let w = Duration::from_secs(60);
+        for seed in 0..50 {
+            let a = poisson_schedule_within(seed, 6, w);
+            assert_eq!(a.len(), 6);
+            assert!(a.windows(2).all(|p| p[0] <= p[1]));
+            assert!(a.iter().all(|d| *d < w), "{a:?}");
+        }
+        assert_eq!(
+            poisson_schedule_within(3, 100, w),
+            poisson_schedule_within(3, 100, w)
+        );
+        // Spread over the window, not bunched at its start: the mean of uniform points is w/2.
+        let many = poisson_schedule_within(9, 5000, w);
+        let mean = many.iter().map(Duration::as_secs_f64).sum::<f64>() / 5000.0;
+        assert!((27.0..33.0).contains(&mean), "{mean}");
+        assert!(poisson_schedule_within(1, 0, w).is_empty());
     }
 
     #[test]

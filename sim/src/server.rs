@@ -1,8 +1,11 @@
 //! HTTP shells: the per-pod vLLM-compatible server and the admin server.
 //!
-//! Pod routes: `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/messages`
-//! (Anthropic), `/v1/models`, `/tokenize`, `/v1/chat/completions/render`, `/v1/completions/render`,
-//! `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/reset_prefix_cache`, `/health`, `/metrics`.
+//! Pod routes: `/v1/chat/completions`, `/v1/completions`, `/v1/responses` (+ `GET
+//! /v1/responses/{id}`), `/v1/embeddings`, `/v1/messages` (Anthropic) and
+//! `/v1/messages/count_tokens`, `/v1/models`, `/tokenize`, `/detokenize`,
+//! `/v1/chat/completions/render`, `/v1/completions/render`, `/v1/load_lora_adapter`,
+//! `/v1/unload_lora_adapter`, `/reset_prefix_cache`, `/health`, `/metrics` (the last two served
+//! ahead of the router by [`crate::podsvc`]).
 //! Admin routes: see [`admin_router`].
 
 use std::convert::Infallible;
@@ -13,9 +16,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Path, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderName, HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use serde::Deserialize;
@@ -27,7 +31,8 @@ use tokio::task::JoinSet;
 use crate::engine::{self, Adapter, LoraError, Pod, Running};
 use crate::fleet::Fleet;
 use crate::knobs::{KnobsPatch, MetricsFault, PodKnobs};
-use crate::tokenizer::{self, ChatMessage, Content, Prompt};
+use crate::podsvc::PodService;
+use crate::tokenizer::{self, ChatMessage, Content, ContentPart, Prompt};
 
 const BODY_LIMIT: usize = 64 << 20;
 /// `max_model_len` reported by `/v1/models` and `/tokenize`.
@@ -44,9 +49,40 @@ pub async fn serve(listener: TcpListener, router: Router, shutdown: watch::Recei
 pub async fn serve_until(
     listener: TcpListener,
     router: Router,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
     kill: impl Future<Output = ()>,
 ) {
+    let svc = TowerToHyperService::new(router);
+    serve_service(listener, move || svc.clone(), shutdown, kill).await;
+}
+
+/// Serves one pod on `listener` (see [`serve_until`] for `shutdown` and `kill`): `/metrics` and
+/// `/health` on the fast path of [`PodService`], everything else through [`pod_router`].
+pub async fn serve_pod(
+    listener: TcpListener,
+    pod: Arc<Pod>,
+    shutdown: watch::Receiver<bool>,
+    kill: impl Future<Output = ()>,
+) {
+    let svc = PodService::new(pod);
+    serve_service(listener, move || svc.clone(), shutdown, kill).await;
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+async fn serve_service<S, B>(
+    listener: TcpListener,
+    make_service: impl Fn() -> S,
+    mut shutdown: watch::Receiver<bool>,
+    kill: impl Future<Output = ()>,
+) where
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
     let addr = listener.local_addr().ok();
     let mut conns = JoinSet::new();
     tokio::pin!(kill);
@@ -61,7 +97,7 @@ pub async fn serve_until(
                     if let Err(error) = tcp.set_nodelay(true) {
                         tracing::debug!(%error, "cannot set TCP_NODELAY");
                     }
-                    let svc = TowerToHyperService::new(router.clone());
+                    let svc = make_service();
                     let mut stop = shutdown.clone();
                     conns.spawn(async move {
                         let builder =
@@ -69,6 +105,7 @@ pub async fn serve_until(
                         let conn = builder.serve_connection(TokioIo::new(tcp), svc);
                         tokio::pin!(conn);
                         tokio::select! {
+                            biased;
                             r = conn.as_mut() => {
                                 if let Err(error) = r {
                                     tracing::debug!(%error, "connection ended with an error");
@@ -116,17 +153,34 @@ fn bad_request(pod: &Pod, message: &str) -> Response {
     error_response(StatusCode::BAD_REQUEST, "BadRequestError", message)
 }
 
-/// Router of one simulated vLLM pod.
+/// The headers every answer of `pod` carries: `x-inference-pod` (its name) and `x-inference-port`.
+pub(crate) fn identity_headers(pod: &Pod) -> Vec<(HeaderName, HeaderValue)> {
+    let mut out = Vec::with_capacity(2);
+    if let Ok(v) = HeaderValue::from_str(&pod.name) {
+        out.push((HeaderName::from_static("x-inference-pod"), v));
+    }
+    out.push((
+        HeaderName::from_static("x-inference-port"),
+        HeaderValue::from(pod.addr.port()),
+    ));
+    out
+}
+
+/// Router of one simulated vLLM pod. [`serve_pod`] answers `GET /metrics` and `GET /health` ahead
+/// of it ([`PodService`]); the routes here stay the reference behaviour for both.
 pub fn pod_router(pod: Arc<Pod>) -> Router {
-    let pod_header = HeaderValue::from_str(&pod.name).ok();
-    let port_header = HeaderValue::from(pod.addr.port());
+    let identity = identity_headers(&pod);
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
+        .route("/v1/responses", post(responses))
+        .route("/v1/responses/{id}", get(get_response))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/chat/completions/render", post(render_chat))
         .route("/v1/completions/render", post(render_completions))
         .route("/v1/load_lora_adapter", post(load_lora))
@@ -137,14 +191,12 @@ pub fn pod_router(pod: Arc<Pod>) -> Router {
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::from_fn(echo_destination))
         .layer(axum::middleware::map_response(move |mut res: Response| {
-            let pod_header = pod_header.clone();
-            let port_header = port_header.clone();
+            let identity = identity.clone();
             async move {
                 let h = res.headers_mut();
-                if let Some(v) = pod_header {
-                    h.insert("x-inference-pod", v);
+                for (name, value) in identity {
+                    h.insert(name, value);
                 }
-                h.insert("x-inference-port", port_header);
                 res
             }
         }))
@@ -152,16 +204,25 @@ pub fn pod_router(pod: Arc<Pod>) -> Router {
 }
 
 /// Header the endpoint picker sets to choose this pod.
-const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+pub(crate) const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// Echo of [`DESTINATION_HEADER`] as received, so tests can check from the pod's side that the pod
 /// serving a request is the one the picker chose.
 pub const RECEIVED_DESTINATION_HEADER: &str = "x-sim-received-destination";
 
+/// Header the endpoint picker sets on a disaggregated request: the prefill pod (`ip:port`).
+const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+/// Echo of [`PREFILLER_HEADER`] as received, so tests can see which requests were disaggregated.
+pub const RECEIVED_PREFILLER_HEADER: &str = "x-sim-received-prefiller";
+
 async fn echo_destination(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let dest = req.headers().get(DESTINATION_HEADER).cloned();
+    let prefiller = req.headers().get(PREFILLER_HEADER).cloned();
     let mut res = next.run(req).await;
     if let Some(v) = dest {
         res.headers_mut().insert(RECEIVED_DESTINATION_HEADER, v);
+    }
+    if let Some(v) = prefiller {
+        res.headers_mut().insert(RECEIVED_PREFILLER_HEADER, v);
     }
     res
 }
@@ -254,6 +315,21 @@ struct Job {
     seed: u64,
     lora: Option<Adapter>,
     pd: PdLeg,
+    /// Set for `/v1/responses` (whose prompt is tokenized like a chat).
+    responses: Option<Box<RespCtx>>,
+}
+
+/// The `/v1/responses` side of a job.
+struct RespCtx {
+    /// The conversation this answer continues (the previous response's history, then this input),
+    /// without the instructions.
+    history: Vec<ChatMessage>,
+    instructions: Option<String>,
+    max_output_tokens: Option<u32>,
+    previous_response_id: Option<String>,
+    store: bool,
+    /// Id of the output message item.
+    msg_id: String,
 }
 
 async fn chat(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
@@ -405,6 +481,7 @@ async fn generate(pod: Arc<Pod>, kind: Kind, body: Bytes) -> Response {
         seed,
         lora,
         pd,
+        responses: None,
     };
     if stream {
         let include_usage = req
@@ -534,6 +611,20 @@ async fn full_response(job: Job) -> Response {
     let cached: usize = outs.iter().map(|o| o.2).sum();
     let params = outs.first().and_then(|o| o.3.clone());
     let reason = finish_reason(&job);
+    if job.responses.is_some() {
+        let text = outs.into_iter().map(|o| o.0).collect::<String>();
+        let mut body = response_object(
+            &job,
+            final_status(&job),
+            Some(&text),
+            Some(responses_usage(prompt, cached, job.output_tokens)),
+        );
+        if let Some(p) = params {
+            body["kv_transfer_params"] = p;
+        }
+        remember_response(&job, &text, &body);
+        return axum::Json(body).into_response();
+    }
     if job.kind == Kind::Messages {
         let text = outs.into_iter().map(|o| o.0).collect::<String>();
         return axum::Json(json!({
@@ -584,6 +675,8 @@ async fn full_response(job: Job) -> Response {
 }
 
 enum Step {
+    /// `/v1/responses`: `response.created` and `response.in_progress`, before admission.
+    Begin,
     /// Admit and prefill prompt `p`, then send its first token.
     Start(usize),
     /// Token `i` of prompt `p`.
@@ -605,6 +698,9 @@ struct StreamState {
     /// When the first token went out; token i is due at `first_token + i * inter_token`, so timer
     /// rounding does not accumulate over a long output.
     first_token: tokio::time::Instant,
+    /// `/v1/responses`: the next event's `sequence_number` and the text so far.
+    seq: u64,
+    text: String,
 }
 
 fn sse_event(name: &str, data: &Value) -> String {
@@ -651,9 +747,25 @@ impl StreamState {
         }
     }
 
-    fn delta(&self, p: usize, i: u32) -> String {
+    /// One `/v1/responses` event (`type` and `sequence_number` added to `data`).
+    fn resp_event(&mut self, kind: &str, mut data: Value) -> String {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        sse_event(kind, &data)
+    }
+
+    fn delta(&mut self, p: usize, i: u32) -> String {
         let text = token_text(&self.job, p, i);
-        if self.job.kind == Kind::Messages {
+        if self.job.responses.is_some() {
+            self.text.push_str(&text);
+            let item_id = self.msg_id();
+            self.resp_event(
+                "response.output_text.delta",
+                json!({"item_id": item_id, "output_index": 0, "content_index": 0,
+                       "delta": text, "logprobs": []}),
+            )
+        } else if self.job.kind == Kind::Messages {
             sse_event(
                 "content_block_delta",
                 &json!({"type": "content_block_delta", "index": 0,
@@ -672,7 +784,82 @@ impl StreamState {
         }
     }
 
+    fn msg_id(&self) -> String {
+        self.job
+            .responses
+            .as_ref()
+            .map(|c| c.msg_id.clone())
+            .unwrap_or_default()
+    }
+
+    /// `/v1/responses` events after prefill: the message item and its text part open.
+    fn responses_open(&mut self) -> String {
+        let item_id = self.msg_id();
+        let mut out = self.resp_event(
+            "response.output_item.added",
+            json!({"output_index": 0, "item": {"id": item_id, "type": "message",
+                   "status": "in_progress", "role": "assistant", "content": []}}),
+        );
+        out.push_str(&self.resp_event(
+            "response.content_part.added",
+            json!({"item_id": item_id, "output_index": 0, "content_index": 0,
+                   "part": {"type": "output_text", "text": "", "annotations": []}}),
+        ));
+        out
+    }
+
+    /// `/v1/responses` events at the end: text, part and item done, then the final response
+    /// (stored when asked).
+    fn responses_close(&mut self, params: Option<Value>) -> String {
+        let item_id = self.msg_id();
+        let text = std::mem::take(&mut self.text);
+        let part = json!({"type": "output_text", "text": text, "annotations": []});
+        let mut out = self.resp_event(
+            "response.output_text.done",
+            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text,
+                   "logprobs": []}),
+        );
+        out.push_str(&self.resp_event(
+            "response.content_part.done",
+            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part}),
+        ));
+        out.push_str(&self.resp_event(
+            "response.output_item.done",
+            json!({"output_index": 0, "item": {"id": item_id, "type": "message",
+                   "status": "completed", "role": "assistant", "content": [part]}}),
+        ));
+        let status = final_status(&self.job);
+        let mut body = response_object(
+            &self.job,
+            status,
+            Some(&text),
+            Some(responses_usage(
+                self.prompt_tokens,
+                self.cached,
+                self.job.output_tokens,
+            )),
+        );
+        if let Some(p) = params {
+            body["kv_transfer_params"] = p;
+        }
+        remember_response(&self.job, &text, &body);
+        let kind = if status == "completed" {
+            "response.completed"
+        } else {
+            "response.incomplete"
+        };
+        out.push_str(&self.resp_event(kind, json!({ "response": body })));
+        out
+    }
+
     fn error_event(&mut self, message: &str) -> String {
+        if self.job.responses.is_some() {
+            self.step = Step::End;
+            return self.resp_event(
+                "error",
+                json!({"code": "ServiceUnavailableError", "message": message, "param": null}),
+            );
+        }
         if self.job.kind == Kind::Messages {
             self.step = Step::End;
             sse_event(
@@ -690,6 +877,15 @@ impl StreamState {
     /// Produces the next piece of the event stream, or `None` when it is over.
     async fn advance(&mut self) -> Option<String> {
         match std::mem::replace(&mut self.step, Step::End) {
+            Step::Begin => {
+                let created = response_object(&self.job, "in_progress", None, None);
+                let mut out = self.resp_event("response.created", json!({ "response": created }));
+                out.push_str(
+                    &self.resp_event("response.in_progress", json!({ "response": created })),
+                );
+                self.step = Step::Start(0);
+                Some(out)
+            }
             Step::Start(p) => {
                 let run = match prefill(&self.job, &self.job.prompts[p]).await {
                     Ok(r) => r,
@@ -699,6 +895,7 @@ impl StreamState {
                 self.prompt_tokens += self.job.prompts[p].len();
                 let mut out = String::new();
                 match self.job.kind {
+                    _ if self.job.responses.is_some() => out.push_str(&self.responses_open()),
                     Kind::Chat => {
                         out.push_str(&self.chunk(self.choice(p, Some(String::new()), true, false)))
                     }
@@ -740,6 +937,10 @@ impl StreamState {
                     .map(|r| transfer_params(&self.job, r));
                 if let Some(run) = self.run.take() {
                     run.finish(self.job.output_tokens);
+                }
+                if self.job.responses.is_some() {
+                    self.step = Step::End;
+                    return Some(self.responses_close(params));
                 }
                 if self.job.kind == Kind::Messages {
                     self.step = Step::End;
@@ -796,14 +997,21 @@ impl StreamState {
 }
 
 fn stream_response(job: Job, include_usage: bool) -> Response {
+    let step = if job.responses.is_some() {
+        Step::Begin
+    } else {
+        Step::Start(0)
+    };
     let state = StreamState {
         job,
         include_usage,
-        step: Step::Start(0),
+        step,
         run: None,
         prompt_tokens: 0,
         cached: 0,
         first_token: tokio::time::Instant::now(),
+        seq: 0,
+        text: String::new(),
     };
     // The state (and with it the running slot) lives in the body: a client that goes away drops the
     // body, which releases the slot and blocks.
@@ -816,6 +1024,337 @@ fn stream_response(job: Job, include_usage: bool) -> Response {
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(body))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// `POST /v1/responses` body: the fields the simulator acts on (others are accepted and ignored).
+#[derive(Debug, Deserialize)]
+struct ResponsesRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    input: Option<Value>,
+    #[serde(default)]
+    instructions: Option<String>,
+    #[serde(default)]
+    max_output_tokens: Option<u32>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    store: Option<bool>,
+    #[serde(default)]
+    background: Option<bool>,
+    #[serde(default)]
+    previous_response_id: Option<String>,
+    #[serde(default)]
+    kv_transfer_params: Option<Value>,
+}
+
+/// Chat content of a Responses item: a string, or parts whose `text` carries the tokens.
+fn item_content(v: Option<&Value>) -> Result<Option<Content>, String> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(t)) => Ok(Some(Content::Text(t.clone()))),
+        Some(Value::Array(parts)) => Ok(Some(Content::Parts(
+            parts
+                .iter()
+                .map(|p| ContentPart {
+                    kind: p
+                        .get("type")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
+                    text: p.get("text").and_then(Value::as_str).map(str::to_owned),
+                })
+                .collect(),
+        ))),
+        Some(_) => Err("item `content` must be a string or a list of parts".into()),
+    }
+}
+
+/// The messages of a Responses `input`: a string is one user message; a list holds messages
+/// (`role` + `content`), function calls and their outputs; reasoning items carry no prompt.
+fn response_input(input: &Value) -> Result<Vec<ChatMessage>, String> {
+    let items = match input {
+        Value::String(t) => {
+            return Ok(vec![ChatMessage {
+                role: "user".into(),
+                content: Some(Content::Text(t.clone())),
+            }]);
+        }
+        Value::Array(items) if !items.is_empty() => items,
+        Value::Array(_) => return Err("`input` must not be empty".into()),
+        _ => return Err("`input` must be a string or a list of items".into()),
+    };
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let kind = item.get("type").and_then(Value::as_str);
+        let text_of = |k: &str| {
+            item.get(k)
+                .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_owned))
+        };
+        let msg = match (item.get("role").and_then(Value::as_str), kind) {
+            (Some(role), None | Some("message")) => ChatMessage {
+                role: role.to_owned(),
+                content: item_content(item.get("content"))
+                    .map_err(|e| format!("input[{i}]: {e}"))?,
+            },
+            (_, Some("function_call")) => ChatMessage {
+                role: "assistant".into(),
+                content: text_of("arguments").map(Content::Text),
+            },
+            (_, Some("function_call_output")) => ChatMessage {
+                role: "tool".into(),
+                content: text_of("output").map(Content::Text),
+            },
+            (_, Some("reasoning")) => continue,
+            _ => {
+                return Err(format!(
+                    "input[{i}]: unsupported item (needs a `role`, or a `type` of message, function_call, function_call_output or reasoning)"
+                ));
+            }
+        };
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+/// `status` of a finished response: the simulator always writes the whole budget, so an explicit
+/// `max_output_tokens` is what stopped it (`incomplete`), while without one it simply ended.
+fn final_status(job: &Job) -> &'static str {
+    match &job.responses {
+        Some(c) if c.max_output_tokens.is_some() => "incomplete",
+        _ => "completed",
+    }
+}
+
+fn responses_usage(prompt: usize, cached: usize, output: u32) -> Value {
+    json!({
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt as u64 + u64::from(output),
+    })
+}
+
+/// The Responses API object of `job` in `status`, with its output text once there is one.
+fn response_object(job: &Job, status: &str, text: Option<&str>, usage: Option<Value>) -> Value {
+    let Some(ctx) = &job.responses else {
+        return Value::Null;
+    };
+    let output = match text {
+        Some(t) => json!([{
+            "id": ctx.msg_id, "type": "message", "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": t, "annotations": [], "logprobs": []}],
+        }]),
+        None => json!([]),
+    };
+    let incomplete = (status == "incomplete").then(|| json!({"reason": "max_output_tokens"}));
+    json!({
+        "id": job.id,
+        "object": "response",
+        "created_at": job.created,
+        "status": status,
+        "background": false,
+        "error": null,
+        "incomplete_details": incomplete,
+        "instructions": ctx.instructions,
+        "max_output_tokens": ctx.max_output_tokens,
+        "model": job.model,
+        "output": output,
+        "parallel_tool_calls": true,
+        "previous_response_id": ctx.previous_response_id,
+        "store": ctx.store,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "truncation": "disabled",
+        "usage": usage,
+    })
+}
+
+/// Stores a finished response when the request asked for it (`store`, default true).
+fn remember_response(job: &Job, text: &str, body: &Value) {
+    let Some(ctx) = &job.responses else { return };
+    if !ctx.store {
+        return;
+    }
+    let mut history = ctx.history.clone();
+    history.push(ChatMessage {
+        role: "assistant".into(),
+        content: Some(Content::Text(text.to_owned())),
+    });
+    job.pod.store_response(
+        job.id.clone(),
+        engine::StoredResponse {
+            history,
+            body: body.clone(),
+        },
+    );
+}
+
+/// `POST /v1/responses`: a chat-like generation with vLLM's per-process response store, so a
+/// follow-up naming `previous_response_id` only works on the pod that answered the first turn.
+async fn responses(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
+    let req: ResponsesRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(&pod, &format!("invalid request body: {e}")),
+    };
+    if req.background == Some(true) {
+        return bad_request(
+            &pod,
+            "`background` responses are not supported by the simulator",
+        );
+    }
+    let Some(input) = &req.input else {
+        return bad_request(&pod, "field `input` is required");
+    };
+    let input = match response_input(input) {
+        Ok(m) => m,
+        Err(msg) => return bad_request(&pod, &msg),
+    };
+    let lora = match resolve_model(&pod, req.model.as_deref()) {
+        Ok(l) => l,
+        Err(msg) => {
+            pod.record_error();
+            return error_response(StatusCode::NOT_FOUND, "NotFoundError", &msg);
+        }
+    };
+    let mut history = match &req.previous_response_id {
+        None => Vec::new(),
+        Some(id) => match pod.stored_response(id) {
+            Some(prev) => prev.history,
+            None => {
+                pod.record_error();
+                return error_response(
+                    StatusCode::NOT_FOUND,
+                    "NotFoundError",
+                    &format!("Response with id '{id}' not found."),
+                );
+            }
+        },
+    };
+    history.extend(input);
+    let mut convo = Vec::with_capacity(history.len() + 1);
+    if let Some(i) = &req.instructions {
+        convo.push(ChatMessage {
+            role: "system".into(),
+            content: Some(Content::Text(i.clone())),
+        });
+    }
+    convo.extend(history.iter().cloned());
+    let tokens = tokenizer::chat_tokens(&convo);
+    let knobs = pod.knobs();
+    let pd = pd_leg(req.kv_transfer_params.as_ref());
+    let mut output_tokens = req.max_output_tokens.unwrap_or(knobs.default_max_tokens);
+    if output_tokens == 0 {
+        return bad_request(&pod, "max_output_tokens must be at least 1");
+    }
+    if pd == PdLeg::Prefill {
+        output_tokens = 1;
+    }
+    if engine::inject_failure(&knobs) {
+        pod.record_error();
+        return error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            "injected failure",
+        );
+    }
+    let n = pod.next_request_id();
+    let seed = tokens
+        .iter()
+        .fold(n, |acc, t| acc.rotate_left(5) ^ u64::from(*t));
+    let job = Job {
+        id: format!("resp_{}-{n}", pod.name),
+        created: now_secs(),
+        model: req.model.unwrap_or_else(|| pod.model.clone()),
+        knobs,
+        kind: Kind::Chat,
+        prompts: vec![tokens],
+        output_tokens,
+        seed,
+        lora,
+        pd,
+        responses: Some(Box::new(RespCtx {
+            history,
+            instructions: req.instructions,
+            max_output_tokens: req.max_output_tokens,
+            previous_response_id: req.previous_response_id,
+            store: req.store.unwrap_or(true),
+            msg_id: format!("msg_{}-{n}", pod.name),
+        })),
+        pod,
+    };
+    if req.stream.unwrap_or(false) {
+        stream_response(job, false)
+    } else {
+        full_response(job).await
+    }
+}
+
+/// `GET /v1/responses/{id}`: a stored response of this pod.
+async fn get_response(State(pod): State<Arc<Pod>>, Path(id): Path<String>) -> Response {
+    match pod.stored_response(&id) {
+        Some(r) => axum::Json(r.body).into_response(),
+        None => error_response(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            &format!("Response with id '{id}' not found."),
+        ),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct DetokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+/// `POST /detokenize {model, tokens}` → `{prompt}` (see [`tokenizer::Vocab`] for what it can
+/// recover).
+async fn detokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
+    let req: DetokenizeRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(&pod, &format!("invalid request body: {e}")),
+    };
+    if let Err(msg) = resolve_model(&pod, req.model.as_deref()) {
+        return error_response(StatusCode::NOT_FOUND, "NotFoundError", &msg);
+    }
+    let prompt = pod
+        .vocab
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .detokenize(&req.tokens);
+    axum::Json(json!({ "prompt": prompt })).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct CountTokensRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<ChatMessage>>,
+    #[serde(default)]
+    system: Option<Content>,
+}
+
+/// `POST /v1/messages/count_tokens` (Anthropic): `{input_tokens}` of a Messages request.
+async fn count_tokens(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
+    let bad = |msg: &str| anthropic_error(StatusCode::BAD_REQUEST, "invalid_request_error", msg);
+    let req: CountTokensRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad(&format!("invalid request body: {e}")),
+    };
+    let Some(msgs) = &req.messages else {
+        return bad("field `messages` is required");
+    };
+    if let Err(msg) = resolve_model(&pod, req.model.as_deref()) {
+        return anthropic_error(StatusCode::NOT_FOUND, "not_found_error", &msg);
+    }
+    let n = messages_tokens(req.system.as_ref(), msgs).len();
+    axum::Json(json!({ "input_tokens": n })).into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -961,6 +1500,15 @@ async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
     if let Err(msg) = resolve_model(&pod, req.model.as_deref()) {
         return error_response(StatusCode::NOT_FOUND, "NotFoundError", &msg);
     }
+    {
+        let mut vocab = pod.vocab.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = &req.prompt {
+            vocab.learn_text(p);
+        }
+        if let Some(m) = &req.messages {
+            vocab.learn_chat(m);
+        }
+    }
     let (tokens, strs) = match (&req.prompt, &req.messages) {
         (Some(p), None) => {
             let mut strs = Vec::new();
@@ -1008,6 +1556,10 @@ async fn render_chat(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
     if let Err(msg) = resolve_model(&pod, req.model.as_deref()) {
         return error_response(StatusCode::NOT_FOUND, "NotFoundError", &msg);
     }
+    pod.vocab
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .learn_chat(m);
     let tokens = tokenizer::chat_tokens(m);
     let n = pod.next_request_id() as usize;
     axum::Json(render_one(&req, &pod, tokens, n, true)).into_response()
@@ -1023,6 +1575,14 @@ async fn render_completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Respons
     };
     if let Err(msg) = resolve_model(&pod, req.model.as_deref()) {
         return error_response(StatusCode::NOT_FOUND, "NotFoundError", &msg);
+    }
+    {
+        let mut vocab = pod.vocab.lock().unwrap_or_else(|e| e.into_inner());
+        match p {
+            Prompt::Text(t) => vocab.learn_text(t),
+            Prompt::Texts(ts) => ts.iter().for_each(|t| vocab.learn_text(t)),
+            Prompt::Ids(_) | Prompt::IdLists(_) => {}
+        }
     }
     let n = pod.next_request_id() as usize;
     let out: Vec<Value> = tokenizer::prompt_list(p)
@@ -1113,10 +1673,10 @@ async fn models(State(pod): State<Arc<Pod>>) -> Response {
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
-const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+pub(crate) const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 async fn metrics(State(pod): State<Arc<Pod>>) -> Response {
-    let knobs = pod.knobs();
+    let (knobs, _) = pod.metrics_inputs();
     if knobs.metrics_delay_ms > 0.0 {
         tokio::time::sleep(Duration::from_secs_f64(knobs.metrics_delay_ms / 1000.0)).await;
     }
@@ -1139,33 +1699,32 @@ async fn metrics(State(pod): State<Arc<Pod>>) -> Response {
             }
         }
     }
-    let key = crate::metrics::CacheKey {
-        stats: pod.stats(),
-        block_size: knobs.block_size,
-        kv_blocks: knobs.kv_blocks,
-        max_loras: knobs.max_loras,
-        lora_stamp: pod.lora_info_stamp(),
-    };
-    let text = {
-        let mut cache = pod.metrics_cache.lock().unwrap_or_else(|e| e.into_inner());
-        match cache.as_ref() {
-            Some(c) if c.key == key => c.text.clone(),
-            _ => {
-                let text = Bytes::from(crate::metrics::render_with_lora(
-                    &pod.model,
-                    &knobs,
-                    &key.stats,
-                    &pod.lora_info(),
-                ));
-                *cache = Some(crate::metrics::Cached {
-                    key,
-                    text: text.clone(),
-                });
-                text
-            }
-        }
-    };
+    // Read again: the state moved on during a delay or a hang.
+    let (knobs, key) = pod.metrics_inputs();
+    let text = exposition(&pod, &knobs, key);
     ([(header::CONTENT_TYPE, PROMETHEUS_TEXT)], text).into_response()
+}
+
+/// The pod's exposition for `key` (from [`Pod::metrics_inputs`]): the cached bytes while nothing it
+/// shows changed, else a fresh render that replaces the cache. Cloning `Bytes` shares the buffer.
+pub(crate) fn exposition(pod: &Pod, knobs: &PodKnobs, key: crate::metrics::CacheKey) -> Bytes {
+    let mut cache = pod.metrics_cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = cache.as_ref()
+        && c.key == key
+    {
+        return c.text.clone();
+    }
+    let text = Bytes::from(crate::metrics::render_with_lora(
+        &pod.model,
+        knobs,
+        &key.stats,
+        &pod.lora_info(),
+    ));
+    *cache = Some(crate::metrics::Cached {
+        key,
+        text: text.clone(),
+    });
+    text
 }
 
 /// Renders the discovery file the EPP reads.

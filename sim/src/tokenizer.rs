@@ -5,6 +5,8 @@
 //! becomes `ceil(len / 4)` tokens, one per 4-byte piece, whose id is the xxh3 hash of the piece
 //! truncated to `u32`.
 
+use std::collections::HashMap;
+
 use serde::Deserialize;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -143,14 +145,105 @@ pub fn prompt_tokens(prompt: &Prompt) -> Vec<u32> {
     }
 }
 
+/// The words generated text is made of (each one token).
+const OUTPUT_WORDS: [&str; 16] = [
+    "the", "sim", "says", "ok", "data", "flow", "cat", "sun", "blue", "road", "hill", "tree", "kv",
+    "page", "fast", "node",
+];
+
 /// A short word (at most one token) for deterministic output text.
 pub fn output_word(seed: u64, index: u32) -> &'static str {
-    const WORDS: [&str; 16] = [
-        "the", "sim", "says", "ok", "data", "flow", "cat", "sun", "blue", "road", "hill", "tree",
-        "kv", "page", "fast", "node",
-    ];
     let h = xxh3_64(&[seed.to_le_bytes(), u64::from(index).to_le_bytes()].concat());
-    WORDS[(h % WORDS.len() as u64) as usize]
+    OUTPUT_WORDS[(h % OUTPUT_WORDS.len() as u64) as usize]
+}
+
+/// The reverse of the hashing tokenizer, for `/detokenize`: ids cannot be inverted, so the
+/// vocabulary is learned from the text the pods tokenize on request (`/tokenize`, the render
+/// endpoints) plus every output word. Each id keeps the bytes of the piece it was first seen as and
+/// whether that piece began a word, which is where detokenized text gets its spaces back. Ids never
+/// seen come out as `<|tok:ID|>` — every u32 is a valid id of this tokenizer, so none is an error.
+#[derive(Debug)]
+pub struct Vocab {
+    pieces: HashMap<u32, (Box<[u8]>, bool)>,
+}
+
+/// Ids a [`Vocab`] remembers at most; past that it stops learning (memory stays bounded).
+pub const VOCAB_CAPACITY: usize = 1 << 20;
+
+impl Default for Vocab {
+    fn default() -> Self {
+        let mut v = Vocab {
+            pieces: HashMap::new(),
+        };
+        for w in OUTPUT_WORDS {
+            v.learn_text(w);
+        }
+        v
+    }
+}
+
+impl Vocab {
+    fn learn_piece(&mut self, piece: &[u8], word_start: bool) {
+        if self.pieces.len() < VOCAB_CAPACITY {
+            self.pieces
+                .entry(piece_token(piece))
+                .or_insert_with(|| (piece.into(), word_start));
+        }
+    }
+
+    /// Remembers the pieces of `text`.
+    pub fn learn_text(&mut self, text: &str) {
+        for word in text.split_whitespace() {
+            for (i, piece) in word.as_bytes().chunks(PIECE_BYTES).enumerate() {
+                self.learn_piece(piece, i == 0);
+            }
+        }
+    }
+
+    /// Remembers the role markers and text of `messages`.
+    pub fn learn_chat(&mut self, messages: &[ChatMessage]) {
+        for m in messages {
+            self.learn_piece(format!("<|{}|>", m.role).as_bytes(), true);
+            match &m.content {
+                Some(Content::Text(t)) => self.learn_text(t),
+                Some(Content::Parts(parts)) => {
+                    for t in parts.iter().filter_map(|p| p.text.as_deref()) {
+                        self.learn_text(t);
+                    }
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// How many ids are known.
+    pub fn len(&self) -> usize {
+        self.pieces.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pieces.is_empty()
+    }
+
+    /// The text of `ids`: pieces concatenated, a space before each piece that began a word.
+    pub fn detokenize(&self, ids: &[u32]) -> String {
+        let mut out: Vec<u8> = Vec::with_capacity(ids.len() * PIECE_BYTES);
+        for id in ids {
+            let unknown;
+            let (bytes, word_start) = match self.pieces.get(id) {
+                Some((b, w)) => (&b[..], *w),
+                None => {
+                    unknown = format!("<|tok:{id}|>");
+                    (unknown.as_bytes(), true)
+                }
+            };
+            if word_start && !out.is_empty() {
+                out.push(b' ');
+            }
+            out.extend_from_slice(bytes);
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
 }
 
 #[cfg(test)]
@@ -202,6 +295,23 @@ mod tests {
             serde_json::from_str(r#"[{"role":"user","content":"hello w"}]"#).unwrap();
         assert_eq!(chat_token_strs(&msgs), vec!["<|user|>", "hell", "o", "w"]);
         assert_eq!(chat_token_strs(&msgs).len(), chat_tokens(&msgs).len());
+    }
+
+    #[test]
+    fn vocab_round_trips_learned_text_and_marks_unknown_ids() {
+        let mut v = Vocab::default();
+        let text = "hello wonderful world ünïcødé";
+        v.learn_text(text);
+        assert_eq!(v.detokenize(&tokenize(text)), text);
+        // Output words are known from the start.
+        let out = format!("{} {}", output_word(3, 0), output_word(3, 1));
+        assert_eq!(Vocab::default().detokenize(&tokenize(&out)), out);
+        let msgs: Vec<ChatMessage> =
+            serde_json::from_str(r#"[{"role":"user","content":"hi there"}]"#).unwrap();
+        v.learn_chat(&msgs);
+        assert_eq!(v.detokenize(&chat_tokens(&msgs)), "<|user|> hi there");
+        assert_eq!(v.detokenize(&[7, piece_token(b"hi")]), "<|tok:7|> hi");
+        assert_eq!(v.detokenize(&[]), "");
     }
 
     #[test]

@@ -55,6 +55,10 @@ struct Args {
     /// Conversation (and short-prompt) arrivals per second with --arrival poisson.
     #[arg(long, default_value_t = 10.0)]
     rate: f64,
+    /// With --arrival poisson: spread the arrivals as a Poisson process that ends within this many
+    /// ms (--rate is then unused); 0 keeps the open-ended process.
+    #[arg(long, default_value_t = 0)]
+    window_ms: u64,
     /// Independent single-turn prompts besides the conversations.
     #[arg(long, default_value_t = 0)]
     short_prompts: usize,
@@ -136,6 +140,7 @@ fn config(args: &Args) -> anyhow::Result<LoadConfig> {
             other => bail!("--arrival {other:?}: use closed or poisson"),
         },
         rate: args.rate,
+        window_ms: args.window_ms,
         short_prompts: args.short_prompts,
         short_prompt_words: args.short_prompt_words,
         tenants: args

@@ -206,6 +206,9 @@ async fn fleet_run(fleet: &FleetArgs, workload_rate: Option<f64>) -> anyhow::Res
             max_tokens: 32,
             arrival: Arrival::Poisson,
             rate: per_pod_rate,
+            // Arrivals end inside the window instead of trailing off with the Poisson tail.
+            window_ms: fleet.seconds * 1000,
+            request_timeout_ms: 10_000,
             ..LoadConfig::default()
         };
         let runs = child.pods.iter().enumerate().map(|(i, p)| {
