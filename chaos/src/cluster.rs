@@ -99,6 +99,26 @@ impl LocalCluster {
         })
     }
 
+    /// Wait until replica 0 knows every simulated pod (its ready-endpoints gauge), which the
+    /// scorers need before a comparison run means anything.
+    pub async fn wait_for_pods(&self) -> anyhow::Result<()> {
+        let want = format!(
+            "llm_d_epp_pool_ready_endpoints{{name=\"default-pool\"}} {}",
+            self.sim.pods().len()
+        );
+        crate::wait::until(
+            "the EPP to know every pod",
+            std::time::Duration::from_secs(20),
+            || async {
+                let Ok(epp) = self.epp(0) else {
+                    return false;
+                };
+                epp.metrics().await.is_ok_and(|m| m.contains(&want))
+            },
+        )
+        .await
+    }
+
     /// Replica `i` (0-based) in either mode.
     pub fn epp(&self, i: usize) -> anyhow::Result<&EppProcess> {
         match &self.raft {

@@ -3,8 +3,8 @@
 
 use std::process::Command;
 
-#[test]
-fn demo_runs_to_completion() {
+/// Run the demo with small settings plus `extra`; assert it succeeded; return its stdout.
+fn run_demo(extra: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_epp-demo"))
         .args([
             "--pods",
@@ -16,46 +16,32 @@ fn demo_runs_to_completion() {
             "--concurrency",
             "2",
         ])
+        .args(extra)
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(stdout.contains("ok: every request succeeded"), "{stdout}");
+    stdout
+}
+
+#[test]
+fn demo_runs_to_completion() {
+    let stdout = run_demo(&[]);
     assert!(stdout.contains("round-robin"), "{stdout}");
     assert!(stdout.contains("cached ratio"), "{stdout}");
-    assert!(stdout.contains("ok: every request succeeded"), "{stdout}");
 }
 
 /// Three replicas: cluster mode (Raft between them, Envoy spreading streams over all three).
 #[test]
 fn demo_runs_three_replicas_in_cluster_mode() {
-    let out = Command::new(env!("CARGO_BIN_EXE_epp-demo"))
-        .args([
-            "--pods",
-            "2",
-            "--replicas",
-            "3",
-            "--conversations",
-            "4",
-            "--turns",
-            "2",
-            "--concurrency",
-            "2",
-        ])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = run_demo(&["--replicas", "3"]);
     assert!(stdout.contains("cluster mode: leader"), "{stdout}");
     assert!(stdout.contains("3 live members"), "{stdout}");
-    assert!(stdout.contains("ok: every request succeeded"), "{stdout}");
 }
 
 #[test]

@@ -104,14 +104,7 @@ async fn cluster(dir: &std::path::Path, flow_control: bool) -> LocalCluster {
     })
     .await
     .unwrap();
-    chaos::wait::until("EPP scraped the pods", Duration::from_secs(20), || async {
-        c.epps[0]
-            .metrics()
-            .await
-            .is_ok_and(|m| m.contains("llm_d_epp_pool_ready_endpoints{name=\"default-pool\"} 4"))
-    })
-    .await
-    .unwrap();
+    c.wait_for_pods().await.unwrap();
     c
 }
 
@@ -218,14 +211,7 @@ flowControl:
     })
     .await
     .unwrap();
-    chaos::wait::until("EPP scraped the pod", Duration::from_secs(20), || async {
-        c.epps[0]
-            .metrics()
-            .await
-            .is_ok_and(|m| m.contains("llm_d_epp_pool_ready_endpoints{name=\"default-pool\"} 1"))
-    })
-    .await
-    .unwrap();
+    c.wait_for_pods().await.unwrap();
     let url = format!("{}/v1/chat/completions", c.envoy.url());
     let body = |max_tokens: u32| {
         serde_json::json!({

@@ -7,7 +7,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
 use chaos::locate::workspace_root;
@@ -34,14 +33,7 @@ async fn long_uncached_prompts_get_a_prefill_pod_cached_ones_do_not() {
     })
     .await
     .unwrap();
-    chaos::wait::until("EPP scraped the pods", Duration::from_secs(20), || async {
-        c.epps[0]
-            .metrics()
-            .await
-            .is_ok_and(|m| m.contains("llm_d_epp_pool_ready_endpoints{name=\"default-pool\"} 4"))
-    })
-    .await
-    .unwrap();
+    c.wait_for_pods().await.unwrap();
     // Pods 0-1 are prefill, 2-3 decode (the simulator's labelling order).
     let addr: Vec<String> = c.sim.pods().iter().map(|p| p.addr.to_string()).collect();
     let (prefill, decode) = (&addr[..2], &addr[2..]);

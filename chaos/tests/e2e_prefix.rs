@@ -55,18 +55,8 @@ async fn conversations_stick_to_their_warm_pod() {
         ..LoadConfig::default()
     };
     let base = c.envoy.url();
-    // Wait until the EPP has metrics for every pod (the scorers need them).
-    chaos::wait::until(
-        "EPP scraped the pods",
-        std::time::Duration::from_secs(20),
-        || async {
-            c.epps[0].metrics().await.is_ok_and(|m| {
-                m.contains("llm_d_epp_pool_ready_endpoints{name=\"default-pool\"} 4")
-            })
-        },
-    )
-    .await
-    .unwrap();
+    // The scorers need metrics for every pod.
+    c.wait_for_pods().await.unwrap();
     let epp = loadgen::run(&load, &base).await.unwrap();
     c.sim.reset_prefix_caches();
     let rr = loadgen::run(&load, &format!("{base}/rr")).await.unwrap();

@@ -80,23 +80,8 @@ async fn main() -> anyhow::Result<()> {
         "gateway {}  (EPP route /, round-robin route /rr/)",
         cluster.envoy.url()
     );
-    // The EPP needs a first scrape of every pod; wait until the pool gauge says they are known.
-    chaos::wait::until(
-        "the EPP to know the pods",
-        Duration::from_secs(20),
-        || async {
-            let Ok(epp) = cluster.epp(0) else {
-                return false;
-            };
-            epp.metrics().await.is_ok_and(|m| {
-                m.contains(&format!(
-                    "llm_d_epp_pool_ready_endpoints{{name=\"default-pool\"}} {}",
-                    args.pods
-                ))
-            })
-        },
-    )
-    .await?;
+    // The EPP needs a first scrape of every pod.
+    cluster.wait_for_pods().await?;
 
     if let Some(raft) = &cluster.raft {
         let ids: Vec<u64> = (1..=args.replicas as u64).collect();
