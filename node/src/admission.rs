@@ -766,6 +766,38 @@ mod tests {
     }
 
     #[test]
+    fn legacy_controller_sheds_only_sheddable_requests_when_saturated() {
+        use crate::plugins::testutil::{cand, metrics};
+        let legacy = LegacyAdmission::new(SaturationDetector::default(), None).unwrap();
+        let now = Instant::now();
+        // Waiting queues 10 and 6 against the default threshold 5: saturation (2 + 1.2)/2 ≥ 1.
+        let busy = [
+            cand("a", metrics(10.0, 0.0, 0.1), false),
+            cand("b", metrics(6.0, 0.0, 0.1), false),
+        ];
+        assert!(legacy.check(-1, &busy, now));
+        assert!(
+            !legacy.check(0, &busy, now),
+            "non-sheddable requests always pass"
+        );
+        let idle = [
+            cand("a", metrics(1.0, 0.0, 0.1), false),
+            cand("b", metrics(0.0, 0.0, 0.1), false),
+        ];
+        assert!(!legacy.check(-1, &idle, now));
+        // No metrics at all counts as saturated (fail closed), as llm-d.
+        assert!(legacy.check(-1, &[cand("a", None, false)], now));
+        // The concurrency detector needs the in-flight ledger.
+        let e = LegacyAdmission::new(
+            SaturationDetector::Concurrency(ConcurrencyDetector::default()),
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("inflight-load-producer"), "{e}");
+    }
+
+    #[test]
     fn example_objectives_file_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/objectives.yaml");
         let o = Objectives::from_file(&path).unwrap();

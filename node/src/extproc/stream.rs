@@ -332,12 +332,14 @@ impl StreamState {
         let meta = RequestMeta::from_headers(&self.headers, &self.ctx.objectives);
         let mut ticket = None;
         match &self.ctx.admission {
-            Admission::Legacy(legacy) => {
+            // Only sheddable requests are checked: skip the snapshot for the others.
+            Admission::Legacy(legacy) if meta.priority < 0 => {
                 let now = Instant::now();
                 if legacy.check(meta.priority, &self.ctx.store.candidates(now), now) {
                     return self.reject(Rejection::sheddable_saturated()).await;
                 }
             }
+            Admission::Legacy(_) => {}
             Admission::Flow(gate) => {
                 let pending = gate.enqueue(AdmitRequest {
                     request_id: &self.request_id,
