@@ -1,4 +1,5 @@
-//! Peer RPCs over mutual TLS (certificates generated with the `openssl` CLI at test time).
+//! Peer RPCs over mutual TLS (certificates made at test time by `deploy/local/make-test-certs.sh`,
+//! which needs the `openssl` CLI).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -17,87 +18,19 @@ use consensus::testkit::LogCommand;
 
 static TLS_DIR: OnceLock<PathBuf> = OnceLock::new();
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
+/// `deploy/local/make-test-certs.sh` (one script for every TLS test): ca.pem, node.pem, node.key.
+fn make_certs(dir: &Path) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/local/make-test-certs.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg(dir)
         .output()
-        .expect("run openssl");
+        .expect("run make-test-certs.sh");
     assert!(
         out.status.success(),
-        "openssl {args:?}: {}",
+        "{}: {}",
+        script.display(),
         String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn make_certs(dir: &Path) {
-    std::fs::write(
-        dir.join("ext.cnf"),
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\n\
-         extendedKeyUsage=serverAuth,clientAuth\n\
-         basicConstraints=CA:FALSE\n",
-    )
-    .unwrap();
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=consensus-test-ca",
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "node.key",
-            "-out",
-            "node.csr",
-            "-subj",
-            "/CN=localhost",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "node.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "node.pem",
-            "-days",
-            "1",
-            "-extfile",
-            "ext.cnf",
-        ],
     );
 }
 

@@ -53,6 +53,8 @@ pub struct ClusterOptions {
     pub heartbeat: Duration,
     /// Snapshot (and compact the log) after this many entries; `None` = the consensus default.
     pub snapshot_logs: Option<u64>,
+    /// Peer TLS (PEM files); mutual when a CA is given.
+    pub tls: Option<consensus::TlsConfig>,
 }
 
 impl ClusterOptions {
@@ -73,6 +75,7 @@ impl ClusterOptions {
             election_timeout_max: self.election_timeout.1,
             heartbeat_interval: self.raft_heartbeat,
             peer_routes: self.peer_routes.clone(),
+            tls: self.tls.clone(),
             ..ConsensusConfig::default()
         }
     }

@@ -128,6 +128,18 @@ struct ClusterArgs {
     /// Snapshot the replicated state and compact the log every N entries (default 10000).
     #[arg(long)]
     raft_snapshot_logs: Option<u64>,
+    /// Peer TLS: this replica's certificate chain (PEM). Needs --peer-tls-key.
+    #[arg(long, requires = "peer_tls_key")]
+    peer_tls_cert: Option<PathBuf>,
+    /// Peer TLS: this replica's private key (PEM).
+    #[arg(long, requires = "peer_tls_cert")]
+    peer_tls_key: Option<PathBuf>,
+    /// Peer TLS: CA bundle to verify peers; given, TLS is mutual.
+    #[arg(long, requires = "peer_tls_cert")]
+    peer_tls_ca: Option<PathBuf>,
+    /// Peer TLS: the name expected in peer certificates (default: the peer address's host).
+    #[arg(long, requires = "peer_tls_cert")]
+    peer_tls_server_name: Option<String>,
 }
 
 impl ClusterArgs {
@@ -146,6 +158,15 @@ impl ClusterArgs {
             raft_heartbeat: self.raft_heartbeat,
             heartbeat: self.cluster_heartbeat,
             snapshot_logs: self.raft_snapshot_logs,
+            tls: match (self.peer_tls_cert, self.peer_tls_key) {
+                (Some(cert_file), Some(key_file)) => Some(consensus::TlsConfig {
+                    cert_file,
+                    key_file,
+                    ca_file: self.peer_tls_ca,
+                    server_name: self.peer_tls_server_name,
+                }),
+                _ => None,
+            },
         })
     }
 }
