@@ -1,8 +1,8 @@
 //! End to end through Envoy: flow control protects a premium tenant from a best-effort burst.
 //!
 //! Four simulated pods with four decode slots each. A premium tenant (InferenceObjective `premium`,
-//! priority 10) sends a steady 10 requests/s; a best-effort tenant (`batch`, priority 0) floods the
-//! pool at about 1.3× its capacity. With the `flowControl` gate on — a concurrency detector sized
+//! priority 10) sends a steady 10 requests/s (60 of them: a p95 over enough samples); a
+//! best-effort tenant (`batch`, priority 0) floods the pool at about 1.3× its capacity. With the `flowControl` gate on — a concurrency detector sized
 //! to the slots and `priority-holdback-policy` capping the lower band at 75% of them — the batch
 //! backlog waits in the EPP (its ext_proc streams held) instead of in the pods' queues, so premium
 //! requests find a free slot. The same workload without flow control shows premium requests stuck
@@ -50,11 +50,15 @@ flowControl:
   priorityBands: [{priority: 10}, {priority: 0}]
 ";
 
+/// The tests of this file measure latency: they run one at a time so neither's processes take the
+/// other's CPU (the test harness runs a binary's tests in parallel).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn premium() -> TenantClass {
     TenantClass {
         name: "premium".into(),
         objective: Some("premium".into()),
-        requests: 40,
+        requests: 60,
         rate: 10.0,
         burst: 0,
         prompt_words: 200,
@@ -125,6 +129,7 @@ fn p95(r: &Report, tenant: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn premium_ttft_survives_a_best_effort_burst_only_with_flow_control() {
+    let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
 
     let fc = cluster(dir.path(), true).await;
@@ -184,6 +189,7 @@ async fn premium_ttft_survives_a_best_effort_burst_only_with_flow_control() {
 /// `rejected-ttl-expired`, and one over the cap gets 429 `rejected-saturated` at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_requests_cancel_expire_and_overflow_with_llmd_reasons() {
+    let _serial = SERIAL.lock().await;
     let config = "\
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
