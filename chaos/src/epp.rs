@@ -123,13 +123,22 @@ impl EppProcess {
 
     /// `GET /debug/cluster` (cluster mode).
     pub async fn cluster_view(&self) -> anyhow::Result<serde_json::Value> {
+        self.admin_json("/debug/cluster").await
+    }
+
+    /// `GET /debug/prefix-index`: per pod epoch, entries and digest.
+    pub async fn prefix_index(&self) -> anyhow::Result<serde_json::Value> {
+        self.admin_json("/debug/prefix-index").await
+    }
+
+    async fn admin_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
         let resp = reqwest::Client::new()
-            .get(format!("http://{}/debug/cluster", self.addrs.admin))
+            .get(format!("http://{}{path}", self.addrs.admin))
             .timeout(Duration::from_secs(2))
             .send()
             .await?;
         if !resp.status().is_success() {
-            bail!("/debug/cluster: {}", resp.status());
+            bail!("{path}: {}", resp.status());
         }
         Ok(resp.json().await?)
     }

@@ -598,6 +598,16 @@ impl<S: StateMachine> ConsensusNode<S> {
         config: ConsensusConfig,
         listener: TcpListener,
     ) -> Result<Self, ConsensusError> {
+        Self::start_with_routes(config, listener, tonic::service::Routes::default()).await
+    }
+
+    /// [`ConsensusNode::start`], also serving `routes` (other peer-to-peer gRPC services of the
+    /// application) on the same port, with the same TLS.
+    pub async fn start_with_routes(
+        config: ConsensusConfig,
+        listener: TcpListener,
+        routes: tonic::service::Routes,
+    ) -> Result<Self, ConsensusError> {
         config.validate()?;
         let raft_config = Arc::new(config.raft_config()?);
         let local = listener.local_addr().map_err(|source| ConsensusError::Io {
@@ -655,10 +665,12 @@ impl<S: StateMachine> ConsensusNode<S> {
                 .map_err(|source| ConsensusError::Server { source })?;
         }
         let max = inner.config.max_message_bytes;
-        let router = builder.add_service(
-            RaftPeerServer::new(PeerService::new(Arc::clone(&inner)))
-                .max_decoding_message_size(max)
-                .max_encoding_message_size(max),
+        let router = builder.add_routes(
+            routes.add_service(
+                RaftPeerServer::new(PeerService::new(Arc::clone(&inner)))
+                    .max_decoding_message_size(max)
+                    .max_encoding_message_size(max),
+            ),
         );
         let (server_shutdown, shutdown_rx) = oneshot::channel::<()>();
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
@@ -719,6 +731,12 @@ impl<S: StateMachine> ConsensusNode<S> {
                 reason: e.to_string(),
             }),
         }
+    }
+
+    /// A channel to the peer at `addr` (an advertised peer address) with this node's peer TLS and
+    /// routes, shared with Raft's own traffic — for the application's other peer services.
+    pub fn peer_channel(&self, addr: &str) -> Result<tonic::transport::Channel, tonic::Status> {
+        self.inner.pool.channel(addr)
     }
 
     /// This node's id.

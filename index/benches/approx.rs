@@ -1,8 +1,8 @@
-//! Insert and match throughput of the approximate prefix index, and its memory per entry.
+//! Insert, match and merge throughput of the approximate prefix index, and its memory per entry.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use index::{ApproxIndex, BlockHasher, block_hashes_of_text};
+use index::{ApproxIndex, BlockHasher, PodState, block_hashes_of_text};
 
 fn text(n: usize, seed: u8) -> Vec<u8> {
     (0..n)
@@ -44,11 +44,37 @@ fn bench(c: &mut Criterion) {
             ix.insert(pod, &hashes, ts);
         })
     });
+    g.bench_function("insert_delta 250 blocks (refresh)", |b| {
+        b.iter(|| {
+            ts += 1;
+            ix.insert_delta(pod, &hashes, ts).map(|d| d.entries.len())
+        })
+    });
+    // A 16-entry delta from a peer: 16 blocks of a prompt the pod holds, newer timestamps.
+    g.throughput(Throughput::Elements(16));
+    let mut delta = PodState {
+        name: "pod-2".into(),
+        epoch: 0,
+        entries: hashes[..16].iter().map(|&h| (h, 0)).collect(),
+    };
+    g.bench_function("merge_pod 16-entry delta (new)", |b| {
+        b.iter(|| {
+            ts += 1;
+            for e in &mut delta.entries {
+                e.1 = ts;
+            }
+            ix.merge_pod(&delta)
+        })
+    });
+    g.bench_function("merge_pod 16-entry delta (known)", |b| {
+        b.iter(|| ix.merge_pod(&delta))
+    });
     g.finish();
     eprintln!(
-        "index holds {} entries over {} distinct hashes",
+        "index holds {} entries over {} distinct hashes; ~{} bytes/entry (approx_heap_bytes)",
         ix.len(),
-        ix.distinct_hashes()
+        ix.distinct_hashes(),
+        ix.approx_heap_bytes() / ix.len().max(1)
     );
 }
 

@@ -56,6 +56,7 @@ fn candidates(n: usize) -> Vec<Candidate> {
                     max_active_models: Some(4),
                     active_models: vec!["adapter-a".into()],
                     waiting_models: vec![],
+                    started_ms: Some(1_700_000_000_000),
                 },
                 Instant::now(),
             );

@@ -26,6 +26,7 @@ pub async fn run(
         .route("/readyz", get(readyz))
         .route("/debug/cluster", get(cluster_view))
         .route("/debug/cluster/{op}", post(cluster_op))
+        .route("/debug/prefix-index", get(prefix_index))
         .with_state(ctx);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
@@ -53,6 +54,30 @@ async fn readyz(State(ctx): State<Arc<PickerContext>>) -> impl IntoResponse {
     } else {
         (StatusCode::OK, "ready")
     }
+}
+
+/// `GET /debug/prefix-index`: the approximate prefix index per pod — epoch, entries and the
+/// order-independent digest replicas compare (equal digests ⇔ equal content, with overwhelming
+/// probability).
+async fn prefix_index(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
+    let Some(p) = &ctx.scheduler.prefix_index else {
+        return (
+            StatusCode::NOT_FOUND,
+            "no approx-prefix-cache-producer configured",
+        )
+            .into_response();
+    };
+    let pods: Vec<serde_json::Value> = p
+        .digests()
+        .into_iter()
+        .map(|d| {
+            serde_json::json!({
+                "pod": d.name, "epoch": d.epoch, "entries": d.len,
+                "digest": format!("{:016x}", d.digest),
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "entries": p.entries(), "pods": pods })).into_response()
 }
 
 async fn cluster_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {

@@ -55,6 +55,9 @@ pub struct ClusterOptions {
     pub snapshot_logs: Option<u64>,
     /// Peer TLS (PEM files); mutual when a CA is given.
     pub tls: Option<consensus::TlsConfig>,
+    /// Replicate the approximate prefix index to the other replicas (`None`: each replica
+    /// keeps its own, as llm-d does).
+    pub prefix_gossip: Option<crate::gossip::GossipOptions>,
 }
 
 impl ClusterOptions {
@@ -136,11 +139,14 @@ pub struct MembershipRequest {
 }
 
 impl ClusterMember {
+    /// Starts the consensus node; `routes` are further peer services served on its port.
     pub async fn start(
         opts: ClusterOptions,
         listener: TcpListener,
+        routes: tonic::service::Routes,
     ) -> Result<ClusterMember, consensus::ConsensusError> {
-        let node = ConsensusNode::start(opts.consensus_config(), listener).await?;
+        let node =
+            ConsensusNode::start_with_routes(opts.consensus_config(), listener, routes).await?;
         Ok(ClusterMember {
             node,
             opts,

@@ -13,6 +13,8 @@
 //!   and flow control (the ext_proc stream waits while its request is queued);
 //! - [`cluster`]: cluster mode — this replica as a Raft member (`consensus`) replicating
 //!   `flowctl`'s cluster state (liveness leases), `/debug/cluster`, membership operations;
+//! - [`gossip`]: cluster mode — the prefix index replicated between replicas (CRDT deltas and
+//!   anti-entropy on the peer port);
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/debug/cluster`;
 //! - [`metrics`]: the `llm_d_epp_*` Prometheus registry;
 //! - [`serve`]: start-up (validate, then bind), drain and shutdown.
@@ -30,6 +32,7 @@ pub mod cluster;
 pub mod config;
 pub mod datalayer;
 pub mod extproc;
+pub mod gossip;
 pub mod metrics;
 pub mod parsers;
 pub mod plugins;

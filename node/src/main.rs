@@ -140,6 +140,24 @@ struct ClusterArgs {
     /// Peer TLS: the name expected in peer certificates (default: the peer address's host).
     #[arg(long, requires = "peer_tls_cert")]
     peer_tls_server_name: Option<String>,
+    /// Replicate the approximate prefix index between replicas (`off`: each replica learns only
+    /// from the requests it routes, as in llm-d).
+    #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
+    prefix_replication: bool,
+    /// How often routing decisions are sent to the other replicas.
+    #[arg(long, default_value = "5ms", value_parser = duration)]
+    prefix_gossip_interval: Duration,
+    /// Anti-entropy period: digests compared with each peer, differing pods exchanged.
+    #[arg(long, default_value = "1s", value_parser = duration)]
+    prefix_anti_entropy: Duration,
+}
+
+fn on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" | "true" => Ok(true),
+        "off" | "false" => Ok(false),
+        other => Err(format!("expected on or off, got `{other}`")),
+    }
 }
 
 impl ClusterArgs {
@@ -167,6 +185,13 @@ impl ClusterArgs {
                 }),
                 _ => None,
             },
+            prefix_gossip: self
+                .prefix_replication
+                .then(|| node::gossip::GossipOptions {
+                    interval: self.prefix_gossip_interval,
+                    anti_entropy: self.prefix_anti_entropy,
+                    ..node::gossip::GossipOptions::default()
+                }),
         })
     }
 }

@@ -160,6 +160,119 @@ pub struct Metrics {
     cached_tokens: Family<TokenLabels, Histogram, fn() -> Histogram>,
     pub flow: FlowMetrics,
     pub cluster: ClusterMetrics,
+    pub gossip: GossipMetrics,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DirectionLabels {
+    /// `sent` or `received`.
+    pub direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `ok` or `error`.
+    pub result: &'static str,
+}
+
+/// Prefix-index replication between replicas (`llm_d_epp_prefix_gossip_*`), updated by
+/// [`crate::gossip`].
+#[derive(Debug)]
+pub struct GossipMetrics {
+    bytes: Family<DirectionLabels, Counter>,
+    entries: Family<DirectionLabels, Counter>,
+    dropped_batches: Counter,
+    syncs: Family<ResultLabels, Counter>,
+    pushes_failed: Counter,
+    lag: Histogram,
+    peers: Gauge,
+}
+
+impl GossipMetrics {
+    fn register(registry: &mut Registry) -> GossipMetrics {
+        let m = GossipMetrics {
+            bytes: Family::default(),
+            entries: Family::default(),
+            dropped_batches: Counter::default(),
+            syncs: Family::default(),
+            pushes_failed: Counter::default(),
+            lag: Histogram::new([
+                0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+            ]),
+            peers: Gauge::default(),
+        };
+        registry.register(
+            "prefix_gossip_bytes",
+            "Encoded prefix-index gossip bytes, by direction (deltas and anti-entropy)",
+            m.bytes.clone(),
+        );
+        registry.register(
+            "prefix_gossip_entries",
+            "Prefix-index entries carried by gossip, by direction",
+            m.entries.clone(),
+        );
+        registry.register(
+            "prefix_gossip_dropped_batches",
+            "Delta batches not queued for a slow or unreachable peer (anti-entropy repairs them)",
+            m.dropped_batches.clone(),
+        );
+        registry.register(
+            "prefix_gossip_push_failures",
+            "Delta pushes that failed (peer down, partitioned or slow)",
+            m.pushes_failed.clone(),
+        );
+        registry.register(
+            "prefix_gossip_syncs",
+            "Anti-entropy rounds with a peer, by result",
+            m.syncs.clone(),
+        );
+        registry.register(
+            "prefix_gossip_delta_lag_seconds",
+            "Received delta age: receive time minus the newest entry's hybrid-logical-clock time",
+            m.lag.clone(),
+        );
+        registry.register(
+            "prefix_gossip_peers",
+            "Replicas this one exchanges prefix-index state with",
+            m.peers.clone(),
+        );
+        m
+    }
+
+    pub fn sent(&self, bytes: usize, entries: usize) {
+        let l = DirectionLabels { direction: "sent" };
+        self.bytes.get_or_create(&l).inc_by(bytes as u64);
+        self.entries.get_or_create(&l).inc_by(entries as u64);
+    }
+
+    pub fn received(&self, bytes: usize, entries: usize) {
+        let l = DirectionLabels {
+            direction: "received",
+        };
+        self.bytes.get_or_create(&l).inc_by(bytes as u64);
+        self.entries.get_or_create(&l).inc_by(entries as u64);
+    }
+
+    pub fn dropped_batch(&self) {
+        self.dropped_batches.inc();
+    }
+
+    pub fn push_failed(&self) {
+        self.pushes_failed.inc();
+    }
+
+    pub fn sync(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.syncs.get_or_create(&ResultLabels { result }).inc();
+    }
+
+    pub fn lag(&self, seconds: f64) {
+        self.lag.observe(seconds.max(0.0));
+    }
+
+    pub fn set_peers(&self, n: usize) {
+        self.peers.set(n as i64);
+    }
 }
 
 /// Raft progress of this replica (cluster mode), `llm_d_epp_cluster_*`.
@@ -444,6 +557,7 @@ impl Metrics {
             prefix_hit_bytes.clone(),
         );
         let cluster = ClusterMetrics::register(&mut registry);
+        let gossip = GossipMetrics::register(&mut registry);
         Metrics {
             registry,
             pool_name: pool_name.to_string(),
@@ -461,6 +575,7 @@ impl Metrics {
             model_cap: LabelCap::default(),
             fairness_cap: LabelCap::default(),
             cluster,
+            gossip,
             disagg_decisions,
             prefix_size,
             prefix_hit_ratio,

@@ -172,12 +172,31 @@ pub async fn serve(
             _ => None,
         },
     };
+    // Prefix-index replication needs cluster mode and an approximate prefix producer.
+    let gossip = match (&opts.cluster, &built.scheduler.prefix_index) {
+        (Some(c), Some(producer)) => c.prefix_gossip.clone().map(|g| {
+            crate::gossip::Gossip::new(
+                c.node_id,
+                producer.clone(),
+                store.clone(),
+                g,
+                metrics.clone(),
+            )
+        }),
+        _ => None,
+    };
     let cluster = match (peer, &opts.cluster) {
-        (Some(listener), Some(c)) => Some(Arc::new(
-            ClusterMember::start(c.clone(), listener)
-                .await
-                .map_err(|e| ServeError::Server(format!("cluster: {e}")))?,
-        )),
+        (Some(listener), Some(c)) => {
+            let mut routes = tonic::service::Routes::default();
+            if let Some(g) = &gossip {
+                routes = routes.add_service(g.service());
+            }
+            Some(Arc::new(
+                ClusterMember::start(c.clone(), listener, routes)
+                    .await
+                    .map_err(|e| ServeError::Server(format!("cluster: {e}")))?,
+            ))
+        }
         _ => None,
     };
 
@@ -278,6 +297,13 @@ pub async fn serve(
                     }
                 }
             }
+        });
+    }
+    if let (Some(g), Some(member)) = (gossip, cluster.clone()) {
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            g.run(member, stop).await;
+            Ok(())
         });
     }
     if let Some(member) = cluster.clone() {

@@ -50,6 +50,8 @@ pub struct PodStats {
     pub lora_loads: u64,
     /// Server (re)starts after a simulated crash.
     pub restarts: u64,
+    /// When the server last (re)started, UNIX seconds (`process_start_time_seconds`).
+    pub started_s: f64,
 }
 
 #[derive(Debug, Default)]
@@ -189,6 +191,7 @@ struct PodState {
     counters: Counters,
     lora: LoraState,
     restarts: u64,
+    started_s: f64,
     /// Events of the current engine step, published when the step's lock is released.
     pending: Vec<KvEvent>,
     events_on: bool,
@@ -361,6 +364,7 @@ impl Pod {
                 counters: Counters::default(),
                 lora,
                 restarts: 0,
+                started_s: unix_now_s(),
                 pending: Vec::new(),
                 events_on: opts.kv_events.is_some(),
             }),
@@ -449,6 +453,7 @@ impl Pod {
             lora_waiting: st.lora.waiting.keys().cloned().collect(),
             lora_loads: st.lora.loads,
             restarts: st.restarts,
+            started_s: st.started_s,
         }
     }
 
@@ -466,6 +471,7 @@ impl Pod {
                 prefix_queries_tokens: st.counters.prefix_queries_tokens,
                 prompt_tokens: st.counters.prompt_tokens,
                 generation_tokens: st.counters.generation_tokens,
+                started_s: st.started_s,
                 ..PodStats::default()
             },
             block_size: st.knobs.block_size,
@@ -604,6 +610,8 @@ impl Pod {
         st.counters = Counters::default();
         st.pending.clear();
         st.restarts += 1;
+        // A new process: a new start time, even within the same millisecond as the last one.
+        st.started_s = unix_now_s().max(st.started_s + 0.001);
         let mut lora = LoraState::default();
         for (name, path) in &self.initial_adapters {
             lora.register(name, path);
@@ -917,6 +925,15 @@ pub fn inter_token(knobs: &PodKnobs) -> Duration {
 /// Whether this request should get an injected failure.
 pub fn inject_failure(knobs: &PodKnobs) -> bool {
     knobs.error_rate > 0.0 && rand::random::<f64>() < knobs.error_rate
+}
+
+/// Wall-clock seconds since the UNIX epoch, millisecond resolution (as Prometheus' process
+/// collector reports `process_start_time_seconds`).
+fn unix_now_s() -> f64 {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    ms as f64 / 1000.0
 }
 
 #[cfg(test)]

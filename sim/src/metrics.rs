@@ -37,6 +37,7 @@ pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
 pub const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
 pub const REQUEST_SUCCESS: &str = "vllm:request_success_total";
 pub const LORA_REQUESTS_INFO: &str = "vllm:lora_requests_info";
+pub const PROCESS_START_TIME: &str = "process_start_time_seconds";
 
 /// Prometheus label values escape backslash, quote and newline.
 fn escape(v: &str) -> String {
@@ -135,6 +136,14 @@ pub fn render_with_lora(
         ",finished_reason=\"length\"",
         stats.served as f64,
     );
+    // Prometheus' process collector (vLLM exposes it): the server's incarnation.
+    family(
+        &mut out,
+        PROCESS_START_TIME,
+        "gauge",
+        "Start time of the process since unix epoch in seconds.",
+    );
+    let _ = writeln!(out, "{PROCESS_START_TIME} {:?}", stats.started_s);
     // Info-style gauge: labels carry the cache config, no model_name (as in vLLM).
     family(
         &mut out,

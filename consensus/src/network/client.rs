@@ -87,23 +87,27 @@ impl ChannelPool {
         self
     }
 
+    /// The (lazily connecting, shared) channel to the peer at `addr` (`host:port`), with the
+    /// pool's TLS and routes; created on first use.
+    pub fn channel(&self, addr: &str) -> Result<Channel, tonic::Status> {
+        let addr = self.routes.get(addr).map_or(addr, String::as_str);
+        let mut channels = self
+            .channels
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        Ok(match channels.get(addr) {
+            Some(ch) => ch.clone(),
+            None => {
+                let ch = self.endpoint(addr)?.connect_lazy();
+                channels.insert(addr.to_string(), ch.clone());
+                ch
+            }
+        })
+    }
+
     /// A client for the peer at `addr` (`host:port`), creating its channel on first use.
     pub fn client(&self, addr: &str) -> Result<RaftPeerClient<Channel>, tonic::Status> {
-        let addr = self.routes.get(addr).map_or(addr, String::as_str);
-        let channel = {
-            let mut channels = self
-                .channels
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            match channels.get(addr) {
-                Some(ch) => ch.clone(),
-                None => {
-                    let ch = self.endpoint(addr)?.connect_lazy();
-                    channels.insert(addr.to_string(), ch.clone());
-                    ch
-                }
-            }
-        };
+        let channel = self.channel(addr)?;
         Ok(RaftPeerClient::new(channel)
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes))

@@ -45,6 +45,10 @@ pub struct EndpointMetrics {
     pub max_active_models: Option<u64>,
     pub active_models: Vec<String>,
     pub waiting_models: Vec<String>,
+    /// `process_start_time_seconds` (Prometheus' process collector, exported by vLLM and SGLang)
+    /// in milliseconds: the server's incarnation. Every replica scraping the pod reads the same
+    /// value, so it identifies a recreated pod at the same address without Kubernetes.
+    pub started_ms: Option<u64>,
 }
 
 /// The metrics together with when they were scraped.

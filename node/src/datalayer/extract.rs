@@ -46,6 +46,10 @@ pub fn extract(engine: Engine, text: &str) -> EndpointMetrics {
     let mut out = EndpointMetrics::default();
     let mut acc = Acc::default();
     for s in samples(text) {
+        if s.name == "process_start_time_seconds" && s.value.is_finite() && s.value > 0.0 {
+            out.started_ms = Some((s.value * 1000.0) as u64);
+            continue;
+        }
         match engine {
             Engine::Vllm => vllm(&mut out, &mut acc, &s),
             Engine::Sglang => sglang(&mut out, &mut acc, &s),
@@ -151,8 +155,10 @@ mod tests {
             vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.9\n\
             vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"8192\",engine=\"0\"} 1\n\
             vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"a,b\",waiting_lora_adapters=\"\"} 1700000001\n\
-            vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"old\",waiting_lora_adapters=\"c\"} 1700000000\n";
+            vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"old\",waiting_lora_adapters=\"c\"} 1700000000\n\
+            process_start_time_seconds 1.7000000125e+09\n";
         let m = extract(Engine::Vllm, text);
+        assert_eq!(m.started_ms, Some(1_700_000_012_500));
         assert_eq!(m.waiting_queue_size, Some(4.0));
         assert_eq!(m.running_requests, Some(2.0));
         assert_eq!(m.kv_cache_usage, Some(0.25));

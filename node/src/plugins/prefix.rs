@@ -5,10 +5,13 @@
 //! it against the index of what was routed where (`index::ApproxIndex`) and, once a pod is chosen,
 //! records the chain for that pod. The scorer and the filter read the per-candidate match.
 
-use std::sync::RwLock;
-use std::time::Instant;
+use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use index::{ApproxIndex, BlockHasher, PodMatch, block_hashes_of_text, block_hashes_of_tokens};
+use index::{
+    ApproxIndex, BlockHasher, Hlc, PodDigest, PodId, PodMatch, PodState, block_hashes_of_text,
+    block_hashes_of_tokens,
+};
 use serde::Deserialize;
 
 use super::{Filter, PrefixMatchInfo, Producer, RequestData, SchedRequest, Scorer};
@@ -68,28 +71,86 @@ impl Default for ProducerParams {
     }
 }
 
+/// The index with the clock that stamps its entries.
+#[derive(Debug)]
+struct Indexed {
+    index: ApproxIndex,
+    /// Hybrid logical clock (µs since the UNIX epoch): comparable across replicas, and above
+    /// every timestamp merged from a peer, so a local routing decision always counts as newest.
+    clock: Hlc,
+}
+
 #[derive(Debug)]
 pub struct ApproxPrefixProducer {
     params: ProducerParams,
-    index: RwLock<ApproxIndex>,
-    epoch: Instant,
+    state: RwLock<Indexed>,
+    /// Set in cluster mode with replication on: every insert's delta goes here for the peers.
+    outbox: OnceLock<Arc<crate::gossip::Outbox>>,
+}
+
+fn wall_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 impl ApproxPrefixProducer {
     /// Index entries over all pods (`prefix_indexer_size`).
     pub fn entries(&self) -> usize {
-        match self.index.read() {
-            Ok(g) => g.len(),
-            Err(p) => p.into_inner().len(),
-        }
+        self.read().index.len()
     }
 
     pub fn new(params: ProducerParams) -> Self {
         ApproxPrefixProducer {
-            index: RwLock::new(ApproxIndex::new(params.lru_capacity_per_server)),
+            state: RwLock::new(Indexed {
+                index: ApproxIndex::new(params.lru_capacity_per_server),
+                clock: Hlc::default(),
+            }),
             params,
-            epoch: Instant::now(),
+            outbox: OnceLock::new(),
         }
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, Indexed> {
+        self.state.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, Indexed> {
+        self.state.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Replicate: from now on every insert's delta is also queued in `outbox`. False if already set.
+    pub fn replicate_into(&self, outbox: Arc<crate::gossip::Outbox>) -> bool {
+        self.outbox.set(outbox).is_ok()
+    }
+
+    /// Join peers' deltas or pod states into the index (idempotent, any order). Returns the
+    /// entries that changed and the newest timestamp seen.
+    pub fn merge(&self, states: &[PodState]) -> (usize, u64) {
+        let mut st = self.write();
+        let mut changed = 0;
+        let mut newest = 0;
+        for p in states {
+            if let Some(ts) = p.entries.iter().map(|e| e.1).max() {
+                newest = newest.max(ts);
+            }
+            changed += st.index.merge_pod(p);
+        }
+        st.clock.observe(newest);
+        (changed, newest)
+    }
+
+    /// Per-pod digests, for anti-entropy.
+    pub fn digests(&self) -> Vec<PodDigest> {
+        self.read().index.digests()
+    }
+
+    /// The full state of the named pods that are known.
+    pub fn export(&self, pods: &[String]) -> Vec<PodState> {
+        let st = self.read();
+        pods.iter()
+            .filter_map(|name| st.index.export_pod(name))
+            .collect()
     }
 
     /// Block size for this request: the first candidate's engine block size when auto-tuning,
@@ -119,10 +180,7 @@ impl ApproxPrefixProducer {
 
     /// Entries held in the index (for metrics and tests).
     pub fn index_len(&self) -> usize {
-        match self.index.read() {
-            Ok(ix) => ix.len(),
-            Err(p) => p.into_inner().len(),
-        }
+        self.read().index.len()
     }
 }
 
@@ -137,6 +195,33 @@ fn engine_capacity(m: &crate::datalayer::EndpointMetrics, block_size: usize) -> 
         .filter(|b| *b > 0)
         .map_or(block_size, |b| b as usize);
     Some((blocks.saturating_mul(engine_block) / block_size.max(1)).max(1))
+}
+
+impl ApproxPrefixProducer {
+    /// Apply every pod's capacity and incarnation from its latest metrics. Replicated indexes
+    /// converge only if every replica bounds each pod alike — including pods it never routes to
+    /// and replicas that route nothing — so the gossip loop calls this periodically.
+    pub fn refresh_bounds(&self, candidates: &[Candidate]) {
+        let block_size = self.block_size(candidates);
+        let mut st = self.write();
+        for c in candidates {
+            self.apply_bounds(&mut st.index, c, block_size);
+        }
+    }
+
+    /// The pod of `c` in the index, in its current incarnation and bounded to its capacity.
+    fn apply_bounds(&self, ix: &mut ApproxIndex, c: &Candidate, block_size: usize) -> PodId {
+        let metrics = c.sample.as_ref().map(|s| &s.metrics);
+        let capacity = metrics
+            .filter(|_| self.params.auto_tune)
+            .and_then(|m| engine_capacity(m, block_size))
+            .unwrap_or(self.params.lru_capacity_per_server);
+        // The server's start time tells a recreated pod at the same address from the old one.
+        let epoch = metrics.and_then(|m| m.started_ms).unwrap_or(0);
+        let pod = ix.pod_with_epoch(&c.endpoint.hostport, epoch);
+        ix.set_capacity(pod, capacity);
+        pod
+    }
 }
 
 impl Producer for ApproxPrefixProducer {
@@ -159,10 +244,8 @@ impl Producer for ApproxPrefixProducer {
         };
         let mut matched = vec![0usize; candidates.len()];
         if !hashes.is_empty() {
-            let ix = match self.index.read() {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
+            let st = self.read();
+            let ix = &st.index;
             let mut runs: Vec<PodMatch> = Vec::new();
             ix.match_prefix(&hashes, &mut runs);
             if !runs.is_empty() {
@@ -193,28 +276,24 @@ impl Producer for ApproxPrefixProducer {
         if info.hashes.is_empty() {
             return;
         }
-        let ts = self.epoch.elapsed().as_micros() as u64;
-        let mut ix = match self.index.write() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
+        let outbox = self.outbox.get();
+        let mut st = self.write();
+        let ts = st.clock.now(wall_us());
+        let ix = &mut st.index;
         // The decode pod receives the KV blocks; a prefill pod computed them too.
         for c in std::iter::once(primary).chain(prefill) {
             let Some(target) = candidates.get(c) else {
                 continue;
             };
-            let capacity = if self.params.auto_tune {
-                target
-                    .sample
-                    .as_ref()
-                    .and_then(|s| engine_capacity(&s.metrics, info.block_size))
-            } else {
-                None
+            let pod = self.apply_bounds(ix, target, info.block_size);
+            match outbox {
+                Some(out) => {
+                    if let Some(delta) = ix.insert_delta(pod, &info.hashes, ts) {
+                        out.push(delta);
+                    }
+                }
+                None => ix.insert(pod, &info.hashes, ts),
             }
-            .unwrap_or(self.params.lru_capacity_per_server);
-            let pod = ix.pod(&target.endpoint.hostport);
-            ix.set_capacity(pod, capacity);
-            ix.insert(pod, &info.hashes, ts);
         }
     }
 }
