@@ -119,7 +119,10 @@ async fn three_replicas_route_like_one_only_with_prefix_replication() {
     let spread = requests_per_replica(&replicated, 3).await;
     let took = converged(&replicated, 3, Duration::from_secs(2)).await;
     let index = replicated.epp(0).unwrap().prefix_index().await.unwrap();
-    let gossip = replicated.epp(0).unwrap().metrics().await.unwrap();
+    let mut gossip = Vec::new();
+    for i in 0..3 {
+        gossip.push(replicated.epp(i).unwrap().metrics().await.unwrap());
+    }
     replicated.shutdown().await;
 
     let isolated = LocalCluster::start(spec(3, &["--prefix-replication", "off"]))
@@ -138,12 +141,25 @@ async fn three_replicas_route_like_one_only_with_prefix_replication() {
     );
     eprintln!("requests per replica (replicated run): {spread:?}");
     eprintln!("indexes identical {took:?} after the traffic stopped; replica 1's index: {index}");
-    for l in gossip
+    for l in gossip[0]
         .lines()
         .filter(|l| l.starts_with("llm_d_epp_prefix_gossip"))
     {
-        eprintln!("{l}");
+        eprintln!("replica 1: {l}");
     }
+    let sum = |name: &str| -> f64 {
+        gossip
+            .iter()
+            .flat_map(|m| m.lines())
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let sent = sum("llm_d_epp_prefix_gossip_bytes_total{direction=\"sent\"}");
+    eprintln!(
+        "gossip: {sent} bytes sent by the 3 replicas = {:.0} bytes per routed request",
+        sent / (64.0 * 6.0)
+    );
     eprintln!(
         "cached ratio: 1 replica {:.3}, 3 replicated {:.3}, 3 per replica {:.3}",
         one.cached_ratio, on.cached_ratio, off.cached_ratio

@@ -271,12 +271,14 @@ impl Gossip {
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 
-    fn merge(&self, pods: Vec<pb::PodDelta>, bytes: usize) -> Result<usize, Status> {
+    /// Joins received pod states; `fresh`: they are routing decisions just made (their age is the
+    /// propagation delay), not anti-entropy state.
+    fn merge(&self, pods: Vec<pb::PodDelta>, bytes: usize, fresh: bool) -> Result<usize, Status> {
         let states = from_pb_all(pods)?;
         let entries: usize = states.iter().map(|s| s.entries.len()).sum();
         let (changed, newest) = self.producer.merge(&states);
         self.metrics.gossip.received(bytes, entries);
-        if newest > 0 {
+        if fresh && newest > 0 {
             self.metrics
                 .gossip
                 .lag(wall_us().saturating_sub(newest) as f64 / 1e6);
@@ -376,6 +378,7 @@ impl Gossip {
         let msg = Arc::new(pb::Deltas {
             from: self.node_id,
             pods: pods.into_iter().map(to_pb).collect(),
+            anti_entropy: false,
         });
         for p in peers.values() {
             if p.tx.try_send(msg.clone()).is_err() {
@@ -492,7 +495,7 @@ impl Gossip {
             .map_err(|_| Status::deadline_exceeded("sync timed out"))??
             .into_inner();
         let bytes = reply.encoded_len();
-        self.merge(reply.pods, bytes)?;
+        self.merge(reply.pods, bytes, false)?;
         let states = self.producer.export(&reply.wanted);
         for part in chunk(states, self.opts.max_sync_entries) {
             self.push(
@@ -500,6 +503,7 @@ impl Gossip {
                 pb::Deltas {
                     from: self.node_id,
                     pods: part.into_iter().map(to_pb).collect(),
+                    anti_entropy: true,
                 },
             )
             .await?;
@@ -572,7 +576,7 @@ impl PrefixGossip for GossipService {
     async fn push(&self, req: Request<pb::Deltas>) -> Result<Response<pb::PushReply>, Status> {
         let msg = req.into_inner();
         let bytes = msg.encoded_len();
-        self.0.merge(msg.pods, bytes)?;
+        self.0.merge(msg.pods, bytes, !msg.anti_entropy)?;
         Ok(Response::new(pb::PushReply {}))
     }
 

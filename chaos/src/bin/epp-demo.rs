@@ -123,6 +123,9 @@ async fn main() -> anyhow::Result<()> {
             .await
             .with_context(|| format!("load against {name}"))?;
         reports.push((name.to_string(), report));
+        if name == "epp" && args.replicas > 1 {
+            print_prefix_replication(&cluster, args.replicas).await?;
+        }
     }
     cluster.shutdown().await;
 
@@ -146,5 +149,44 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     println!("\nok: every request succeeded on both routes");
+    Ok(())
+}
+
+/// Cluster mode: whether the replicas' prefix indexes converged (they should within one gossip
+/// round of the traffic stopping) and what replicating them cost.
+async fn print_prefix_replication(cluster: &LocalCluster, replicas: usize) -> anyhow::Result<()> {
+    let t0 = std::time::Instant::now();
+    let (views, took) = loop {
+        let mut views = Vec::new();
+        for i in 0..replicas {
+            views.push(cluster.epp(i)?.prefix_index().await?);
+        }
+        let same = views.windows(2).all(|w| w[0]["pods"] == w[1]["pods"]);
+        if same || t0.elapsed() > Duration::from_secs(3) {
+            break (views, same.then(|| t0.elapsed()));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let mut sent = 0.0;
+    for i in 0..replicas {
+        let text = cluster.epp(i)?.metrics().await?;
+        sent += text
+            .lines()
+            .filter(|l| l.starts_with("llm_d_epp_prefix_gossip_bytes_total{direction=\"sent\"}"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    match took {
+        Some(t) => println!(
+            "prefix index: identical on all {replicas} replicas {t:?} after the traffic ({} entries); \
+             gossip sent {:.0} KB",
+            views[0]["entries"],
+            sent / 1000.0
+        ),
+        None => println!(
+            "prefix index: replicas still differ 3 s after the traffic: {}",
+            serde_json::to_string(&views)?
+        ),
+    }
     Ok(())
 }
