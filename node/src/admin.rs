@@ -27,6 +27,7 @@ pub async fn run(
         .route("/debug/cluster", get(cluster_view))
         .route("/debug/cluster/{op}", post(cluster_op))
         .route("/debug/prefix-index", get(prefix_index))
+        .route("/debug/scrape", get(scrape_view))
         .with_state(ctx);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
@@ -37,6 +38,13 @@ async fn metrics(State(ctx): State<Arc<PickerContext>>) -> impl IntoResponse {
     if let Some(p) = &ctx.scheduler.prefix_index {
         ctx.metrics.set_prefix_size(p.entries());
     }
+    let owned = ctx
+        .store
+        .endpoints()
+        .iter()
+        .filter(|e| ctx.store.shard.owns(&e.hostport))
+        .count();
+    ctx.metrics.gossip.set_owned(owned);
     (
         [(
             header::CONTENT_TYPE,
@@ -54,6 +62,32 @@ async fn readyz(State(ctx): State<Arc<PickerContext>>) -> impl IntoResponse {
     } else {
         (StatusCode::OK, "ready")
     }
+}
+
+/// `GET /debug/scrape`: who scrapes each pod (cluster mode: its rendezvous owners) and how old this
+/// replica's sample of it is, by its original scrape time.
+async fn scrape_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
+    let shard = &ctx.store.shard;
+    let (owners_per_pod, members) = shard.layout();
+    let now = std::time::Instant::now();
+    let pods: Vec<serde_json::Value> = ctx
+        .store
+        .endpoints()
+        .iter()
+        .map(|e| {
+            let age_ms = e
+                .sample()
+                .map(|s| now.saturating_duration_since(s.scraped_at).as_millis() as u64);
+            serde_json::json!({
+                "pod": e.hostport, "owned": shard.owns(&e.hostport),
+                "owners": shard.owners(&e.hostport), "age_ms": age_ms,
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({
+        "owners_per_pod": owners_per_pod, "members": members, "pods": pods,
+    }))
+    .into_response()
 }
 
 /// `GET /debug/prefix-index`: the approximate prefix index per pod — epoch, entries and the

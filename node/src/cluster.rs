@@ -55,9 +55,13 @@ pub struct ClusterOptions {
     pub snapshot_logs: Option<u64>,
     /// Peer TLS (PEM files); mutual when a CA is given.
     pub tls: Option<consensus::TlsConfig>,
-    /// Replicate the approximate prefix index to the other replicas (`None`: each replica
-    /// keeps its own, as llm-d does).
-    pub prefix_gossip: Option<crate::gossip::GossipOptions>,
+    /// Peer exchange settings (prefix-index deltas, scrape fan-out).
+    pub gossip: crate::gossip::GossipOptions,
+    /// Replicate the approximate prefix index to the other replicas (off: each replica keeps its
+    /// own, as llm-d does).
+    pub prefix_replication: bool,
+    /// Replicas scraping each pod (rendezvous owners); 0 = every replica scrapes every pod.
+    pub scrape_owners: usize,
 }
 
 impl ClusterOptions {

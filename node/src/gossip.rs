@@ -13,13 +13,18 @@
 //!   names the pods it wants back, which are then pushed. One round makes the pair equal; an empty
 //!   replica (a new member) receives everything this way, as a snapshot.
 //!
-//! Peers are the Raft membership's addresses; the service runs on the peer port beside the
+//! - **Scrape fan-out.** Each pod is scraped only by its owners (`datalayer::shard`); every
+//!   [`GossipOptions::samples_interval`] they send what they scraped to every peer, newest wins
+//!   by original scrape time (a latest-value slot per peer: a slow peer skips samples, never
+//!   queues them).
+//!
+//! Peers are the Raft membership's addresses; the services run on the peer port beside the
 //! consensus RPCs, over the same channels (TLS, routes).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use index::{PodDigest, PodState};
 use prost::Message;
@@ -28,6 +33,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::cluster::ClusterMember;
+use crate::datalayer::EndpointMetrics;
+use crate::datalayer::scraper::unix_us;
 use crate::datalayer::store::Datastore;
 use crate::metrics::Metrics;
 use crate::plugins::prefix::ApproxPrefixProducer;
@@ -40,9 +47,17 @@ pub mod pb {
 
 use pb::prefix_gossip_client::PrefixGossipClient;
 use pb::prefix_gossip_server::{PrefixGossip, PrefixGossipServer};
+use pb::sample_fanout_client::SampleFanoutClient;
+use pb::sample_fanout_server::{SampleFanout, SampleFanoutServer};
 
 /// How often every pod's capacity and incarnation are applied from the scraped metrics.
 const BOUNDS_REFRESH: Duration = Duration::from_millis(100);
+
+/// A peer not heard from for this long (its fan-out batches, sent every 50 ms even when empty,
+/// stopped) no longer owns scrapes. Peer-to-peer rather than the Raft leases: an overloaded
+/// cluster whose heartbeats commit slowly must not conclude everyone is dead and have every
+/// replica scrape everything.
+const PEER_LIVENESS: Duration = Duration::from_secs(2);
 
 /// Largest gossip message either side sends or accepts.
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -62,6 +77,8 @@ pub struct GossipOptions {
     pub max_sync_entries: usize,
     /// Time limit of one push or sync call.
     pub rpc_timeout: Duration,
+    /// How often owned pods' samples are fanned out.
+    pub samples_interval: Duration,
 }
 
 impl Default for GossipOptions {
@@ -73,6 +90,7 @@ impl Default for GossipOptions {
             max_outbox_entries: 1 << 20,
             max_sync_entries: 1 << 18,
             rpc_timeout: Duration::from_secs(2),
+            samples_interval: Duration::from_millis(50),
         }
     }
 }
@@ -205,12 +223,6 @@ fn digest_to_pb(d: PodDigest) -> pb::PodDigest {
     }
 }
 
-fn wall_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
-}
-
 /// Split pod states into messages of at most `max` entries (a bigger pod goes alone).
 fn chunk(states: Vec<PodState>, max: usize) -> Vec<Vec<PodState>> {
     let mut out = Vec::new();
@@ -230,38 +242,117 @@ fn chunk(states: Vec<PodState>, max: usize) -> Vec<Vec<PodState>> {
     out
 }
 
-/// One replica's side of prefix-index replication.
+/// One replica's side of the peer exchange.
 #[derive(Debug)]
 pub struct Gossip {
     node_id: u64,
-    producer: Arc<ApproxPrefixProducer>,
+    /// The replicated prefix index and its outbox (`None`: replication off).
+    prefix: Option<(Arc<ApproxPrefixProducer>, Arc<Outbox>)>,
     store: Arc<Datastore>,
-    outbox: Arc<Outbox>,
     opts: GossipOptions,
     metrics: Arc<Metrics>,
+    /// The latest fan-out batch; each peer sends the newest it has not sent.
+    samples: tokio::sync::watch::Sender<Arc<pb::SampleBatch>>,
+    /// When each peer (node id) was last heard from: the liveness scrape ownership uses.
+    heard: Mutex<HashMap<u64, Instant>>,
 }
 
 impl Gossip {
-    /// Connects `producer`'s inserts to a new outbox.
+    /// Connects `producer`'s inserts (if replicating) to a new outbox.
     pub fn new(
         node_id: u64,
-        producer: Arc<ApproxPrefixProducer>,
+        producer: Option<Arc<ApproxPrefixProducer>>,
         store: Arc<Datastore>,
         opts: GossipOptions,
         metrics: Arc<Metrics>,
     ) -> Arc<Gossip> {
-        let outbox = Arc::new(Outbox::new(opts.max_outbox_entries));
-        if !producer.replicate_into(outbox.clone()) {
-            tracing::warn!("prefix index already replicated; a second gossip is ignored");
-        }
+        let prefix = producer.map(|p| {
+            let outbox = Arc::new(Outbox::new(opts.max_outbox_entries));
+            if !p.replicate_into(outbox.clone()) {
+                tracing::warn!("prefix index already replicated; a second gossip is ignored");
+            }
+            (p, outbox)
+        });
+        let (samples, _) = tokio::sync::watch::channel(Arc::new(pb::SampleBatch::default()));
         Arc::new(Gossip {
             node_id,
-            producer,
+            prefix,
             store,
-            outbox,
             opts,
             metrics,
+            samples,
+            heard: Mutex::new(HashMap::new()),
         })
+    }
+
+    fn heard_from(&self, node: u64) {
+        if node != self.node_id {
+            let mut h = self.heard.lock().unwrap_or_else(|p| p.into_inner());
+            h.insert(node, Instant::now());
+        }
+    }
+
+    /// Peers heard from within [`PEER_LIVENESS`].
+    fn live_peers(&self) -> Vec<u64> {
+        let h = self.heard.lock().unwrap_or_else(|p| p.into_inner());
+        h.iter()
+            .filter(|(_, t)| t.elapsed() < PEER_LIVENESS)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    fn producer(&self) -> Result<&ApproxPrefixProducer, Status> {
+        self.prefix
+            .as_ref()
+            .map(|(p, _)| p.as_ref())
+            .ok_or_else(|| Status::failed_precondition("prefix replication is off on this replica"))
+    }
+
+    /// The scrape fan-out gRPC service.
+    pub fn sample_service(self: &Arc<Self>) -> SampleFanoutServer<GossipService> {
+        SampleFanoutServer::new(GossipService(self.clone()))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    /// Queue this replica's fresh scrapes for the peers — also when there are none: the batch
+    /// is this replica's liveness signal to them.
+    fn publish_samples(&self) {
+        let samples: Vec<pb::Sample> = self
+            .store
+            .shard
+            .take()
+            .into_iter()
+            .map(|(pod, m, t)| sample_to_pb(pod, m, t))
+            .collect();
+        self.samples.send_replace(Arc::new(pb::SampleBatch {
+            from: self.node_id,
+            samples,
+        }));
+    }
+
+    /// Apply peers' samples that are newer than what this replica holds.
+    fn apply_samples(&self, batch: pb::SampleBatch) -> usize {
+        let endpoints = self.store.endpoints();
+        let by_addr: HashMap<&str, &Arc<crate::datalayer::Endpoint>> =
+            endpoints.iter().map(|e| (e.hostport.as_str(), e)).collect();
+        let (now, now_us) = (Instant::now(), unix_us());
+        let mut applied = 0;
+        for s in batch.samples {
+            let Some(ep) = by_addr.get(s.pod.as_str()) else {
+                continue; // not (yet) in this replica's endpoint set
+            };
+            let age = Duration::from_micros(now_us.saturating_sub(s.scraped_unix_us));
+            let Some(scraped_at) = now.checked_sub(age) else {
+                continue;
+            };
+            if ep.sample().is_some_and(|cur| cur.scraped_at >= scraped_at) {
+                continue;
+            }
+            ep.set_metrics(sample_from_pb(s), scraped_at);
+            applied += 1;
+        }
+        applied
     }
 
     /// The gRPC service to serve on the peer port.
@@ -274,14 +365,15 @@ impl Gossip {
     /// Joins received pod states; `fresh`: they are routing decisions just made (their age is the
     /// propagation delay), not anti-entropy state.
     fn merge(&self, pods: Vec<pb::PodDelta>, bytes: usize, fresh: bool) -> Result<usize, Status> {
+        let producer = self.producer()?;
         let states = from_pb_all(pods)?;
         let entries: usize = states.iter().map(|s| s.entries.len()).sum();
-        let (changed, newest) = self.producer.merge(&states);
+        let (changed, newest) = producer.merge(&states);
         self.metrics.gossip.received(bytes, entries);
         if fresh && newest > 0 {
             self.metrics
                 .gossip
-                .lag(wall_us().saturating_sub(newest) as f64 / 1e6);
+                .lag(unix_us().saturating_sub(newest) as f64 / 1e6);
         }
         Ok(changed)
     }
@@ -295,14 +387,21 @@ impl Gossip {
         membership.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut bounds = tokio::time::interval(BOUNDS_REFRESH);
         bounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut samples = tokio::time::interval(self.opts.samples_interval);
+        samples.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = membership.tick() => self.update_peers(&member, &mut peers, &stop).await,
-                _ = flush.tick() => self.flush(&peers),
-                _ = bounds.tick() => {
-                    let candidates = self.store.candidates(Instant::now());
-                    self.producer.refresh_bounds(&candidates);
+                _ = flush.tick(), if self.prefix.is_some() => self.flush(&peers),
+                _ = bounds.tick(), if self.prefix.is_some() => {
+                    if let Some((p, _)) = &self.prefix {
+                        p.refresh_bounds(&self.store.candidates(Instant::now()));
+                    }
+                }
+                _ = samples.tick() => {
+                    self.store.shard.set_members(self.live_peers());
+                    self.publish_samples();
                 }
             }
         }
@@ -349,14 +448,24 @@ impl Gossip {
                 needs_sync: Arc::new(AtomicBool::new(true)),
                 stop: stop.child_token(),
             };
-            let client = PrefixGossipClient::new(channel)
+            let client = PrefixGossipClient::new(channel.clone())
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES);
-            tokio::spawn(self.clone().peer_loop(
-                addr.clone(),
-                client,
-                rx,
-                peer.needs_sync.clone(),
+            if self.prefix.is_some() {
+                tokio::spawn(self.clone().peer_loop(
+                    addr.clone(),
+                    client,
+                    rx,
+                    peer.needs_sync.clone(),
+                    peer.stop.clone(),
+                ));
+            }
+            let samples = SampleFanoutClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            tokio::spawn(self.clone().sample_loop(
+                samples,
+                self.samples.subscribe(),
                 peer.stop.clone(),
             ));
             tracing::info!(%addr, "prefix gossip: peer added");
@@ -365,8 +474,35 @@ impl Gossip {
         self.metrics.gossip.set_peers(peers.len());
     }
 
+    /// Sends each new fan-out batch to one peer; a batch superseded while a send was in flight
+    /// is skipped (only the newest samples matter).
+    async fn sample_loop(
+        self: Arc<Self>,
+        mut client: SampleFanoutClient<tonic::transport::Channel>,
+        mut rx: tokio::sync::watch::Receiver<Arc<pb::SampleBatch>>,
+        stop: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                changed = rx.changed() => if changed.is_err() { return },
+            }
+            let batch = (*rx.borrow_and_update()).clone();
+            let bytes = batch.encoded_len();
+            let mut req = Request::new((*batch).clone());
+            req.set_timeout(self.opts.rpc_timeout);
+            match tokio::time::timeout(self.opts.rpc_timeout, client.samples(req)).await {
+                Ok(Ok(_)) => self.metrics.gossip.samples_sent(bytes),
+                _ => self.metrics.gossip.push_failed(),
+            }
+        }
+    }
+
     fn flush(&self, peers: &BTreeMap<String, Peer>) {
-        let (pods, overflowed) = self.outbox.take();
+        let Some((_, outbox)) = &self.prefix else {
+            return;
+        };
+        let (pods, overflowed) = outbox.take();
         if overflowed {
             for p in peers.values() {
                 p.needs_sync.store(true, Ordering::Relaxed);
@@ -478,14 +614,10 @@ impl Gossip {
         &self,
         client: &mut PrefixGossipClient<tonic::transport::Channel>,
     ) -> Result<(), Status> {
+        let producer = self.producer()?;
         let digests = pb::Digests {
             from: self.node_id,
-            pods: self
-                .producer
-                .digests()
-                .into_iter()
-                .map(digest_to_pb)
-                .collect(),
+            pods: producer.digests().into_iter().map(digest_to_pb).collect(),
         };
         self.metrics.gossip.sent(digests.encoded_len(), 0);
         let mut req = Request::new(digests);
@@ -496,7 +628,7 @@ impl Gossip {
             .into_inner();
         let bytes = reply.encoded_len();
         self.merge(reply.pods, bytes, false)?;
-        let states = self.producer.export(&reply.wanted);
+        let states = producer.export(&reply.wanted);
         for part in chunk(states, self.opts.max_sync_entries) {
             self.push(
                 client,
@@ -512,9 +644,9 @@ impl Gossip {
     }
 
     /// The reply to a peer's digests: this replica's differing pods (bounded) and the pods wanted.
-    fn answer(&self, remote: Vec<pb::PodDigest>) -> pb::SyncReply {
-        let local: HashMap<String, PodDigest> = self
-            .producer
+    fn answer(&self, remote: Vec<pb::PodDigest>) -> Result<pb::SyncReply, Status> {
+        let producer = self.producer()?;
+        let local: HashMap<String, PodDigest> = producer
             .digests()
             .into_iter()
             .map(|d| (d.name.clone(), d))
@@ -549,14 +681,14 @@ impl Gossip {
         send.sort();
         let mut pods = Vec::new();
         let mut n = 0;
-        for state in self.producer.export(&send) {
+        for state in producer.export(&send) {
             if n > 0 && n + state.entries.len() > self.opts.max_sync_entries {
                 break; // the digests still differ: the next round carries the rest
             }
             n += state.entries.len();
             pods.push(to_pb(state));
         }
-        pb::SyncReply { pods, wanted }
+        Ok(pb::SyncReply { pods, wanted })
     }
 }
 
@@ -575,6 +707,7 @@ pub struct GossipService(Arc<Gossip>);
 impl PrefixGossip for GossipService {
     async fn push(&self, req: Request<pb::Deltas>) -> Result<Response<pb::PushReply>, Status> {
         let msg = req.into_inner();
+        self.0.heard_from(msg.from);
         let bytes = msg.encoded_len();
         self.0.merge(msg.pods, bytes, !msg.anti_entropy)?;
         Ok(Response::new(pb::PushReply {}))
@@ -582,13 +715,60 @@ impl PrefixGossip for GossipService {
 
     async fn sync(&self, req: Request<pb::Digests>) -> Result<Response<pb::SyncReply>, Status> {
         let msg = req.into_inner();
+        self.0.heard_from(msg.from);
         self.0.metrics.gossip.received(msg.encoded_len(), 0);
-        let reply = self.0.answer(msg.pods);
+        let reply = self.0.answer(msg.pods)?;
         self.0.metrics.gossip.sent(
             reply.encoded_len(),
             reply.pods.iter().map(|p| p.hashes.len()).sum(),
         );
         Ok(Response::new(reply))
+    }
+}
+
+#[tonic::async_trait]
+impl SampleFanout for GossipService {
+    async fn samples(
+        &self,
+        req: Request<pb::SampleBatch>,
+    ) -> Result<Response<pb::PushReply>, Status> {
+        let batch = req.into_inner();
+        self.0.heard_from(batch.from);
+        let bytes = batch.encoded_len();
+        let applied = self.0.apply_samples(batch);
+        self.0.metrics.gossip.samples_received(bytes, applied);
+        Ok(Response::new(pb::PushReply {}))
+    }
+}
+
+fn sample_to_pb(pod: String, m: EndpointMetrics, scraped_unix_us: u64) -> pb::Sample {
+    pb::Sample {
+        pod,
+        scraped_unix_us,
+        waiting_queue_size: m.waiting_queue_size,
+        running_requests: m.running_requests,
+        kv_cache_usage: m.kv_cache_usage,
+        block_size: m.block_size,
+        num_gpu_blocks: m.num_gpu_blocks,
+        max_active_models: m.max_active_models,
+        active_models: m.active_models,
+        waiting_models: m.waiting_models,
+        started_ms: m.started_ms,
+    }
+}
+
+fn sample_from_pb(s: pb::Sample) -> EndpointMetrics {
+    let finite = |v: Option<f64>| v.filter(|x| x.is_finite());
+    EndpointMetrics {
+        waiting_queue_size: finite(s.waiting_queue_size),
+        running_requests: finite(s.running_requests),
+        kv_cache_usage: finite(s.kv_cache_usage).map(|v| v.clamp(0.0, 1.0)),
+        block_size: s.block_size,
+        num_gpu_blocks: s.num_gpu_blocks,
+        max_active_models: s.max_active_models,
+        active_models: s.active_models,
+        waiting_models: s.waiting_models,
+        started_ms: s.started_ms,
     }
 }
 
@@ -659,6 +839,27 @@ mod tests {
         assert_eq!(wire.ts_deltas, vec![2, 0, 5, 0]);
         let round = from_pb(wire).unwrap();
         assert_eq!(round, state("p", 3, &[(1, 2), (5, 2), (3, 7), (9, 7)]));
+    }
+
+    #[test]
+    fn samples_round_trip_and_garbage_is_contained() {
+        let m = EndpointMetrics {
+            waiting_queue_size: Some(3.0),
+            kv_cache_usage: Some(0.5),
+            block_size: Some(16),
+            active_models: vec!["a".into()],
+            started_ms: Some(7),
+            ..EndpointMetrics::default()
+        };
+        assert_eq!(sample_from_pb(sample_to_pb("p".into(), m.clone(), 1)), m);
+        let bad = pb::Sample {
+            waiting_queue_size: Some(f64::NAN),
+            kv_cache_usage: Some(7.0),
+            ..pb::Sample::default()
+        };
+        let got = sample_from_pb(bad);
+        assert_eq!(got.waiting_queue_size, None);
+        assert_eq!(got.kv_cache_usage, Some(1.0));
     }
 
     #[test]

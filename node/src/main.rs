@@ -150,6 +150,10 @@ struct ClusterArgs {
     /// Anti-entropy period: digests compared with each peer, differing pods exchanged.
     #[arg(long, default_value = "1s", value_parser = duration)]
     prefix_anti_entropy: Duration,
+    /// Replicas that scrape each pod and fan the samples out to the others (rendezvous hashing
+    /// over live members); 0 = every replica scrapes every pod.
+    #[arg(long, default_value_t = 2)]
+    scrape_owners: usize,
 }
 
 fn on_off(s: &str) -> Result<bool, String> {
@@ -185,13 +189,13 @@ impl ClusterArgs {
                 }),
                 _ => None,
             },
-            prefix_gossip: self
-                .prefix_replication
-                .then(|| node::gossip::GossipOptions {
-                    interval: self.prefix_gossip_interval,
-                    anti_entropy: self.prefix_anti_entropy,
-                    ..node::gossip::GossipOptions::default()
-                }),
+            gossip: node::gossip::GossipOptions {
+                interval: self.prefix_gossip_interval,
+                anti_entropy: self.prefix_anti_entropy,
+                ..node::gossip::GossipOptions::default()
+            },
+            prefix_replication: self.prefix_replication,
+            scrape_owners: self.scrape_owners,
         })
     }
 }

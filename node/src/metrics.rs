@@ -186,6 +186,9 @@ pub struct GossipMetrics {
     pushes_failed: Counter,
     lag: Histogram,
     peers: Gauge,
+    sample_bytes: Family<DirectionLabels, Counter>,
+    samples_applied: Counter,
+    owned: Gauge,
 }
 
 impl GossipMetrics {
@@ -200,7 +203,25 @@ impl GossipMetrics {
                 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
             ]),
             peers: Gauge::default(),
+            sample_bytes: Family::default(),
+            samples_applied: Counter::default(),
+            owned: Gauge::default(),
         };
+        registry.register(
+            "datalayer_fanout_bytes",
+            "Encoded scrape fan-out bytes between replicas, by direction",
+            m.sample_bytes.clone(),
+        );
+        registry.register(
+            "datalayer_fanout_samples_applied",
+            "Peers' samples newer than this replica's, applied",
+            m.samples_applied.clone(),
+        );
+        registry.register(
+            "datalayer_owned_endpoints",
+            "Endpoints this replica scrapes (cluster mode: it owns them)",
+            m.owned.clone(),
+        );
         registry.register(
             "prefix_gossip_bytes",
             "Encoded prefix-index gossip bytes, by direction (deltas and anti-entropy)",
@@ -251,6 +272,23 @@ impl GossipMetrics {
         };
         self.bytes.get_or_create(&l).inc_by(bytes as u64);
         self.entries.get_or_create(&l).inc_by(entries as u64);
+    }
+
+    pub fn samples_sent(&self, bytes: usize) {
+        let l = DirectionLabels { direction: "sent" };
+        self.sample_bytes.get_or_create(&l).inc_by(bytes as u64);
+    }
+
+    pub fn samples_received(&self, bytes: usize, applied: usize) {
+        let l = DirectionLabels {
+            direction: "received",
+        };
+        self.sample_bytes.get_or_create(&l).inc_by(bytes as u64);
+        self.samples_applied.inc_by(applied as u64);
+    }
+
+    pub fn set_owned(&self, n: usize) {
+        self.owned.set(n as i64);
     }
 
     pub fn dropped_batch(&self) {

@@ -172,24 +172,30 @@ pub async fn serve(
             _ => None,
         },
     };
-    // Prefix-index replication needs cluster mode and an approximate prefix producer.
-    let gossip = match (&opts.cluster, &built.scheduler.prefix_index) {
-        (Some(c), Some(producer)) => c.prefix_gossip.clone().map(|g| {
-            crate::gossip::Gossip::new(
-                c.node_id,
-                producer.clone(),
-                store.clone(),
-                g,
-                metrics.clone(),
-            )
-        }),
-        _ => None,
-    };
+    // Cluster mode: the peer exchange (scrape fan-out; prefix-index replication when on and an
+    // approximate prefix producer is configured).
+    let gossip = opts.cluster.as_ref().map(|c| {
+        store.shard.configure(c.node_id, c.scrape_owners);
+        let producer = built
+            .scheduler
+            .prefix_index
+            .clone()
+            .filter(|_| c.prefix_replication);
+        crate::gossip::Gossip::new(
+            c.node_id,
+            producer,
+            store.clone(),
+            c.gossip.clone(),
+            metrics.clone(),
+        )
+    });
     let cluster = match (peer, &opts.cluster) {
         (Some(listener), Some(c)) => {
             let mut routes = tonic::service::Routes::default();
             if let Some(g) = &gossip {
-                routes = routes.add_service(g.service());
+                routes = routes
+                    .add_service(g.service())
+                    .add_service(g.sample_service());
             }
             Some(Arc::new(
                 ClusterMember::start(c.clone(), listener, routes)

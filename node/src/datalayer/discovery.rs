@@ -146,6 +146,7 @@ impl FileDiscovery {
                         Arc::downgrade(&ep),
                         self.client.clone(),
                         self.scrape.clone(),
+                        self.store.shard.clone(),
                         self.metrics.clone(),
                         shutdown.child_token(),
                     ));

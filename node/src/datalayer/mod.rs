@@ -5,13 +5,15 @@
 //! - [`store`]: the datastore the request path reads (a lock-free-for-readers snapshot);
 //! - [`discovery`]: standalone discovery from a YAML file of pods, reloaded on change;
 //! - [`promtext`] + [`extract`]: Prometheus text parsing and engine-specific metric extraction;
-//! - [`scraper`]: one task per endpoint polling `/metrics`; requests never wait on it.
+//! - [`scraper`]: one task per endpoint polling `/metrics`; requests never wait on it;
+//! - [`shard`]: cluster mode — which replicas scrape which pod (rendezvous owners, fan-out).
 
 pub mod discovery;
 pub mod endpoint;
 pub mod extract;
 pub mod promtext;
 pub mod scraper;
+pub mod shard;
 pub mod store;
 
 pub use endpoint::{Endpoint, EndpointMetrics};

@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::endpoint::Endpoint;
 use super::extract::extract;
+use super::shard::Shard;
 use crate::metrics::Metrics;
 
 /// Largest `/metrics` body accepted; bigger answers are treated as errors.
@@ -35,11 +36,13 @@ impl Default for ScrapeConfig {
     }
 }
 
-/// Run the scrape loop for one endpoint until it leaves the datastore or `shutdown` fires.
+/// Run the scrape loop for one endpoint until it leaves the datastore or `shutdown` fires. In
+/// cluster mode only the pod's owners scrape (see [`Shard`]); they queue each sample for fan-out.
 pub async fn scrape_loop(
     endpoint: Weak<Endpoint>,
     client: reqwest::Client,
     cfg: Arc<ScrapeConfig>,
+    shard: Arc<Shard>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
@@ -55,9 +58,13 @@ pub async fn scrape_loop(
             _ = tick.tick() => {}
         }
         let Some(ep) = endpoint.upgrade() else { return };
+        if !shard.owns(&ep.hostport) {
+            continue;
+        }
         match fetch(&client, &url, cfg.timeout).await {
             Ok(text) => {
                 let m = extract(ep.engine, &text);
+                shard.publish(&ep.hostport, &m, unix_us());
                 ep.set_metrics(m, Instant::now());
             }
             Err(err) => {
@@ -66,6 +73,13 @@ pub async fn scrape_loop(
             }
         }
     }
+}
+
+/// Microseconds since the UNIX epoch: a scrape's time as other replicas understand it.
+pub fn unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 async fn fetch(client: &reqwest::Client, url: &str, timeout: Duration) -> Result<String, String> {

@@ -29,6 +29,8 @@ impl Candidate {
 #[derive(Debug)]
 pub struct Datastore {
     endpoints: RwLock<Arc<Vec<Arc<Endpoint>>>>,
+    /// Which pods this replica scrapes (all of them outside cluster mode).
+    pub shard: Arc<super::shard::Shard>,
     staleness: Duration,
     synced: std::sync::atomic::AtomicBool,
 }
@@ -37,6 +39,7 @@ impl Datastore {
     pub fn new(staleness: Duration) -> Self {
         Datastore {
             endpoints: RwLock::new(Arc::new(Vec::new())),
+            shard: Arc::default(),
             staleness,
             synced: std::sync::atomic::AtomicBool::new(false),
         }

@@ -6,7 +6,6 @@
 //! records the chain for that pod. The scorer and the filter read the per-candidate match.
 
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use index::{
     ApproxIndex, BlockHasher, Hlc, PodDigest, PodId, PodMatch, PodState, block_hashes_of_text,
@@ -15,6 +14,7 @@ use index::{
 use serde::Deserialize;
 
 use super::{Filter, PrefixMatchInfo, Producer, RequestData, SchedRequest, Scorer};
+use crate::datalayer::scraper::unix_us;
 use crate::datalayer::store::Candidate;
 use crate::parsers::Prompt;
 
@@ -86,12 +86,6 @@ pub struct ApproxPrefixProducer {
     state: RwLock<Indexed>,
     /// Set in cluster mode with replication on: every insert's delta goes here for the peers.
     outbox: OnceLock<Arc<crate::gossip::Outbox>>,
-}
-
-fn wall_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
 }
 
 impl ApproxPrefixProducer {
@@ -278,7 +272,7 @@ impl Producer for ApproxPrefixProducer {
         }
         let outbox = self.outbox.get();
         let mut st = self.write();
-        let ts = st.clock.now(wall_us());
+        let ts = st.clock.now(unix_us());
         let ix = &mut st.index;
         // The decode pod receives the KV blocks; a prefill pod computed them too.
         for c in std::iter::once(primary).chain(prefill) {
