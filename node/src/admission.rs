@@ -1,9 +1,10 @@
 //! Admission: what happens to a parsed request before it is scheduled.
 //!
 //! * **Request metadata** — fairness id (`x-llm-d-inference-fairness-id`, deprecated alias
-//!   `x-gateway-inference-fairness-id`, else `default-flow`), priority from the `InferenceObjective`
-//!   named by `x-llm-d-inference-objective` (alias `x-gateway-inference-objective`; unknown or absent
-//!   = 0), and the TTFT objective `x-llm-d-slo-ttft-ms` (alias `x-slo-ttft-ms`).
+//!   `x-gateway-inference-fairness-id`, else an agent session header — [`AGENT_SESSION_HEADERS`]
+//!   — else `default-flow`), priority from the `InferenceObjective` named by
+//!   `x-llm-d-inference-objective` (alias `x-gateway-inference-objective`; unknown or absent = 0),
+//!   and the TTFT objective `x-llm-d-slo-ttft-ms` (alias `x-slo-ttft-ms`).
 //! * **Legacy admission** (the `flowControl` gate off, llm-d's `LegacyAdmissionController`):
 //!   sheddable requests (priority < 0) are refused with 429 while the saturation detector says the
 //!   pool is saturated; nothing waits.
@@ -39,6 +40,14 @@ pub const OBJECTIVE_ALIAS: &str = "x-gateway-inference-objective";
 pub const SLO_TTFT_HEADER: &str = "x-llm-d-slo-ttft-ms";
 pub const SLO_TTFT_ALIAS: &str = "x-slo-ttft-ms";
 pub const DEFAULT_FAIRNESS_ID: &str = "default-flow";
+/// Agent identity (llm-d's `agent-identity`): an agent's session header is the fairness id of a
+/// request that names none, so each agent session is its own flow.
+pub const AGENT_SESSION_HEADERS: [&str; 4] = [
+    "x-claude-code-session-id",
+    "x-session-affinity",
+    "session-id",
+    "session_id",
+];
 
 /// Headers a client must not be able to smuggle to the model server.
 pub const CONTROL_HEADERS: [&str; 6] = [
@@ -164,6 +173,7 @@ fn first_header<'a>(headers: &'a HashMap<String, String>, names: &[&str]) -> Opt
 impl RequestMeta {
     pub fn from_headers(headers: &HashMap<String, String>, objectives: &Objectives) -> Self {
         let fairness_id = first_header(headers, &[FAIRNESS_ID_HEADER, FAIRNESS_ID_ALIAS])
+            .or_else(|| first_header(headers, &AGENT_SESSION_HEADERS))
             .unwrap_or(DEFAULT_FAIRNESS_ID)
             .to_string();
         let objective =
@@ -746,6 +756,22 @@ mod tests {
             &obj,
         );
         assert_eq!((m.fairness_id.as_str(), m.priority), ("new", 0));
+        // agent identity: an agent's session header when no fairness id is given
+        let agent = |pairs: &[(&str, &str)]| {
+            RequestMeta::from_headers(&headers(pairs), &Objectives::default()).fairness_id
+        };
+        assert_eq!(agent(&[("x-claude-code-session-id", "cc-1")]), "cc-1");
+        assert_eq!(
+            agent(&[("session_id", "s"), ("x-session-affinity", "a")]),
+            "a",
+            "listed order decides"
+        );
+        assert_eq!(
+            agent(&[("x-llm-d-inference-fairness-id", "t"), ("session-id", "s")]),
+            "t",
+            "an explicit fairness id wins"
+        );
+        assert_eq!(agent(&[("session-id", "  ")]), "default-flow");
         assert_eq!(m.slo_ttft_ms, None);
     }
 
