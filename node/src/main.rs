@@ -74,6 +74,9 @@ struct ServeArgs {
     /// Largest request body buffered; larger requests get 413.
     #[arg(long, default_value_t = 64 << 20)]
     max_body_bytes: usize,
+    /// Ignore the proxy's subset hint (`envoy.lb.subset_hint` request metadata).
+    #[arg(long)]
+    disable_endpoint_subset_filter: bool,
     /// Model-server metrics scrape tick.
     #[arg(long, default_value = "50ms", value_parser = duration)]
     refresh_metrics_interval: Duration,
@@ -274,6 +277,7 @@ fn main() -> anyhow::Result<()> {
                 drain_timeout: args.drain_timeout,
                 objectives_file: args.objectives_file,
                 cluster: args.cluster.options(args.bind),
+                disable_subset_filter: args.disable_endpoint_subset_filter,
             };
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
@@ -322,6 +326,7 @@ fn options_for_validation(
         drain_timeout: Duration::ZERO,
         objectives_file: None,
         cluster: None,
+        disable_subset_filter: false,
     }
 }
 

@@ -45,6 +45,8 @@ pub struct ServeOptions {
     pub objectives_file: Option<PathBuf>,
     /// Cluster mode (Raft membership with the other replicas); `None` = standalone.
     pub cluster: Option<ClusterOptions>,
+    /// Ignore the proxy's subset hint (`--disable-endpoint-subset-filter`).
+    pub disable_subset_filter: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -217,6 +219,7 @@ pub async fn serve(
         admission,
         objectives,
         cluster: cluster.clone(),
+        subset_filter: !opts.disable_subset_filter,
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();

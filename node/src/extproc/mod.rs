@@ -10,6 +10,7 @@
 
 mod reject;
 mod stream;
+pub mod subset;
 pub mod usage;
 
 use std::sync::Arc;
@@ -46,6 +47,8 @@ pub struct PickerContext {
     pub objectives: Objectives,
     /// Cluster mode: this replica's Raft membership.
     pub cluster: Option<Arc<crate::cluster::ClusterMember>>,
+    /// Honour the proxy's subset hint (`--disable-endpoint-subset-filter` turns it off).
+    pub subset_filter: bool,
 }
 
 #[derive(Debug, Clone)]

@@ -72,6 +72,8 @@ struct StreamState {
     /// Set by the routing stream; decoded from the request headers by an observing stream.
     route_info: Option<RouteInfo>,
     usage: Option<UsageScanner>,
+    /// The proxy's subset hint (allowed endpoint IPs), from any request-phase message's metadata.
+    subset: Option<Vec<std::net::IpAddr>>,
 }
 
 pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
@@ -95,6 +97,7 @@ pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingReque
         first_response_byte: false,
         route_info: None,
         usage: None,
+        subset: None,
     };
     loop {
         let msg = match inbound.message().await {
@@ -133,15 +136,22 @@ impl StreamState {
             self.response_body_mode = pc.response_body_mode;
         }
         self.observability = msg.observability_mode;
+        if let Some(hint) = msg
+            .metadata_context
+            .as_ref()
+            .and_then(super::subset::subset_hint)
+        {
+            self.subset = Some(hint);
+        }
         let Some(req) = msg.request else {
             return Ok(());
         };
         match req {
             Req::RequestHeaders(h) => self.on_request_headers(h).await,
-            Req::RequestBody(b) => self.on_request_body(b, msg.metadata_context).await,
+            Req::RequestBody(b) => self.on_request_body(b).await,
             Req::RequestTrailers(_) => {
                 if self.phase == Phase::Request && !self.observability {
-                    self.route(None).await?;
+                    self.route().await?;
                 }
                 if self.observability || self.phase == Phase::Done {
                     return Ok(());
@@ -248,7 +258,7 @@ impl StreamState {
         }
         if h.end_of_stream {
             // No body (e.g. GET /v1/models): route now, on scores alone.
-            return self.route(None).await;
+            return self.route().await;
         }
         if self.request_body_mode != FULL_DUPLEX {
             // Envoy waits for this answer before sending a buffered/streamed body; the
@@ -260,11 +270,7 @@ impl StreamState {
         Ok(())
     }
 
-    async fn on_request_body(
-        &mut self,
-        b: HttpBody,
-        metadata: Option<envoy_types::pb::envoy::config::core::v3::Metadata>,
-    ) -> Result<(), ()> {
+    async fn on_request_body(&mut self, b: HttpBody) -> Result<(), ()> {
         if self.phase != Phase::Request || self.observability {
             return Ok(());
         }
@@ -281,16 +287,13 @@ impl StreamState {
             self.body.extend_from_slice(&b.body);
         }
         if b.end_of_stream {
-            self.route(metadata).await?;
+            self.route().await?;
         }
         Ok(())
     }
 
     /// Parse, schedule and answer the request phase.
-    async fn route(
-        &mut self,
-        _metadata: Option<envoy_types::pb::envoy::config::core::v3::Metadata>,
-    ) -> Result<(), ()> {
+    async fn route(&mut self) -> Result<(), ()> {
         let path = self
             .headers
             .get(":path")
@@ -365,7 +368,11 @@ impl StreamState {
         }
 
         let t0 = Instant::now();
-        let candidates = self.ctx.store.candidates(t0);
+        let mut candidates = self.ctx.store.candidates(t0);
+        if let Some(allowed) = self.subset.as_ref().filter(|_| self.ctx.subset_filter) {
+            // Matched by IP, as llm-d does; an empty hint leaves nothing (503).
+            candidates.retain(|c| allowed.contains(&c.endpoint.addr.ip()));
+        }
         let no_prompt = Prompt::None;
         let req = SchedRequest {
             request_id: &self.request_id,

@@ -1,0 +1,175 @@
+//! The subset hint over the real ext_proc protocol (a synthetic Envoy client against `epp serve`):
+//! `metadata_context.filter_metadata["envoy.lb.subset_hint"]["x-gateway-destination-endpoint-subset"]`
+//! restricts the candidates by IP. The simulated pods all listen on 127.0.0.1, so a hint naming it
+//! allows every pod and a hint naming another address allows none (503 `rejected-no-endpoints`);
+//! `--disable-endpoint-subset-filter` ignores the hint.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use chaos::epp::EppProcess;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Resp;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use envoy_types::pb::google::protobuf::value::Kind;
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
+use sim::{Sim, SimConfig};
+
+fn header(k: &str, v: &str) -> HeaderValue {
+    HeaderValue {
+        key: k.into(),
+        value: String::new(),
+        raw_value: v.as_bytes().to_vec(),
+    }
+}
+
+fn hint(entries: &[&str]) -> Metadata {
+    let list = Kind::ListValue(ListValue {
+        values: entries
+            .iter()
+            .map(|e| Value {
+                kind: Some(Kind::StringValue((*e).into())),
+            })
+            .collect(),
+    });
+    let mut s = Struct::default();
+    s.fields.insert(
+        "x-gateway-destination-endpoint-subset".into(),
+        Value { kind: Some(list) },
+    );
+    let mut md = Metadata::default();
+    md.filter_metadata.insert("envoy.lb.subset_hint".into(), s);
+    md
+}
+
+/// Routes one chat request carrying `metadata`; `Ok(destination)` or `Err((status, reason))`.
+async fn route(
+    addr: std::net::SocketAddr,
+    metadata: Option<Metadata>,
+) -> Result<String, (i32, String)> {
+    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let body = serde_json::to_vec(&serde_json::json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+    }))
+    .unwrap();
+    let msgs = vec![
+        ProcessingRequest {
+            request: Some(Req::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![
+                        header(":method", "POST"),
+                        header(":path", "/v1/chat/completions"),
+                        header("content-type", "application/json"),
+                    ],
+                }),
+                end_of_stream: false,
+                ..Default::default()
+            })),
+            metadata_context: metadata,
+            ..Default::default()
+        },
+        ProcessingRequest {
+            request: Some(Req::RequestBody(HttpBody {
+                body,
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+    ];
+    let mut responses = client
+        .process(tokio_stream::iter(msgs))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut destination = None;
+    while let Some(msg) = responses.message().await.unwrap() {
+        match msg.response {
+            Some(Resp::ImmediateResponse(i)) => {
+                let reason = i
+                    .headers
+                    .iter()
+                    .flat_map(|h| &h.set_headers)
+                    .filter_map(|o| o.header.as_ref())
+                    .find(|h| h.key == "x-llm-d-request-dropped-reason")
+                    .map(value)
+                    .unwrap_or_default();
+                return Err((i.status.map_or(0, |s| s.code), reason));
+            }
+            Some(r) => destination = destination.or_else(|| destination_of(&r)),
+            None => {}
+        }
+    }
+    destination.ok_or((0, "no destination in the answer".into()))
+}
+
+fn value(h: &HeaderValue) -> String {
+    if h.raw_value.is_empty() {
+        h.value.clone()
+    } else {
+        String::from_utf8_lossy(&h.raw_value).into_owned()
+    }
+}
+
+fn destination_of(r: &Resp) -> Option<String> {
+    let common = match r {
+        Resp::RequestHeaders(h) => h.response.as_ref(),
+        Resp::RequestBody(b) => b.response.as_ref(),
+        _ => None,
+    }?;
+    common
+        .header_mutation
+        .as_ref()?
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .find(|h| h.key == "x-gateway-destination-endpoint")
+        .map(value)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_subset_hint_restricts_candidates_by_ip() {
+    let sim = Sim::start(SimConfig {
+        pods: 2,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let endpoints = dir.path().join("endpoints.yaml");
+    std::fs::write(&endpoints, sim.pods_yaml()).unwrap();
+    let pods: Vec<String> = sim.pods().iter().map(|p| p.addr.to_string()).collect();
+
+    let epp = EppProcess::start(&endpoints, &[]).await.unwrap();
+    let addr = epp.addrs.ext_proc;
+    let routed = route(addr, None).await.unwrap();
+    assert!(pods.contains(&routed), "{routed} not in {pods:?}");
+    // A hint naming the pods' IP (any port: matched by IP) allows them.
+    let routed = route(addr, Some(hint(&["127.0.0.1:1"]))).await.unwrap();
+    assert!(pods.contains(&routed), "{routed}");
+    // A hint naming another address, or an empty one, leaves no candidate: 503.
+    let refused = (503, "rejected-no-endpoints".to_string());
+    assert_eq!(
+        route(addr, Some(hint(&["10.9.9.9:8000"]))).await,
+        Err(refused.clone())
+    );
+    assert_eq!(route(addr, Some(hint(&[]))).await, Err(refused));
+    drop(epp);
+
+    let epp = EppProcess::start(&endpoints, &["--disable-endpoint-subset-filter"])
+        .await
+        .unwrap();
+    let routed = route(epp.addrs.ext_proc, Some(hint(&["10.9.9.9:8000"])))
+        .await
+        .unwrap();
+    assert!(
+        pods.contains(&routed),
+        "the hint is ignored when disabled: {routed}"
+    );
+    drop(epp);
+    sim.shutdown().await;
+}
