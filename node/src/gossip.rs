@@ -378,7 +378,8 @@ impl Gossip {
         Ok(changed)
     }
 
-    /// Flushes the outbox to the peers of `member`'s Raft membership until `stop`.
+    /// Runs the exchange with the peers of `member`'s Raft membership until `stop`: delta
+    /// flushes, bounds refresh, scrape ownership and fan-out.
     pub async fn run(self: Arc<Self>, member: Arc<ClusterMember>, stop: CancellationToken) {
         let mut peers: BTreeMap<String, Peer> = BTreeMap::new();
         let mut flush = tokio::time::interval(self.opts.interval);
