@@ -151,3 +151,14 @@ impl EppProcess {
             .await?)
     }
 }
+
+/// CPU seconds (user + system) process `pid` has used so far, from `/proc/<pid>/stat`.
+pub fn proc_cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let after = stat.rsplit_once(')').ok_or_else(|| anyhow!("bad stat"))?.1;
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // fields after the command: state(0) ... utime(11) stime(12), in clock ticks (100 Hz here)
+    let utime: f64 = f.get(11).ok_or_else(|| anyhow!("no utime"))?.parse()?;
+    let stime: f64 = f.get(12).ok_or_else(|| anyhow!("no stime"))?.parse()?;
+    Ok((utime + stime) / 100.0)
+}

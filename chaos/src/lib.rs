@@ -10,15 +10,19 @@
 //! - [`locate`]: where the `epp` and `envoy` binaries are;
 //! - [`epp`]: an `epp serve` child process (start, SIGTERM, SIGKILL);
 //! - [`envoy`]: render the bootstrap and run Envoy;
+//! - [`extproc`]: the ext_proc messages Envoy sends, for tests and benchmarks without Envoy;
 //! - [`cluster`]: sim + EPP replicas + Envoy together;
 //! - [`wait`]: waiting on observable conditions with a deadline (never fixed sleeps).
 //! - [`raft`]: EPP replicas in cluster mode with a controllable proxy on every peer link;
-//! - [`netproxy`]: a controllable TCP link (partition, latency, blackhole) to put between processes.
+//! - [`netproxy`]: a controllable TCP link (partition, latency, blackhole) to put between processes;
+//! - [`workloads`]: pod fleets and load shapes shared by tests, benchmarks and the demo.
 
 pub mod cluster;
 pub mod envoy;
 pub mod epp;
+pub mod extproc;
 pub mod locate;
 pub mod netproxy;
 pub mod raft;
 pub mod wait;
+pub mod workloads;

@@ -14,23 +14,13 @@
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
 use chaos::locate::workspace_root;
-use sim::loadgen::{self, LoadConfig};
-use sim::{PodKnobs, SimConfig};
+use chaos::workloads;
+use sim::loadgen;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversations_stick_to_their_warm_pod() {
     let c = LocalCluster::start(ClusterSpec {
-        sim: SimConfig {
-            pods: 4,
-            knobs: PodKnobs {
-                kv_blocks: 1600,
-                max_num_seqs: 8,
-                prefill_us_per_token: 50.0,
-                decode_ms_per_token: 1.0,
-                ..PodKnobs::default()
-            },
-            ..SimConfig::default()
-        },
+        sim: workloads::prefix_affinity_pods(),
         epp_args: vec![
             "--config-file".into(),
             workspace_root()
@@ -42,18 +32,7 @@ async fn conversations_stick_to_their_warm_pod() {
     })
     .await
     .unwrap();
-    let load = LoadConfig {
-        conversations: 64,
-        turns: 6,
-        system_prompt_words: 1600,
-        conversation_words: 3400,
-        user_words: 32,
-        max_tokens: 16,
-        // Not a multiple of the pod count: strict round robin would otherwise pin each
-        // conversation to one pod by accident.
-        concurrency: 7,
-        ..LoadConfig::default()
-    };
+    let load = workloads::multi_turn();
     let base = c.envoy.url();
     // The scorers need metrics for every pod.
     c.wait_for_pods().await.unwrap();

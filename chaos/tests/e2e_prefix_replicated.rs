@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
 use chaos::locate::workspace_root;
+use chaos::workloads;
 use sim::loadgen::{self, LoadConfig, Report};
-use sim::{PodKnobs, SimConfig};
 
 fn spec(replicas: usize, extra: &[&str]) -> ClusterSpec {
     let mut epp_args = vec![
@@ -32,34 +32,11 @@ fn spec(replicas: usize, extra: &[&str]) -> ClusterSpec {
     ];
     epp_args.extend(extra.iter().map(|s| s.to_string()));
     ClusterSpec {
-        sim: SimConfig {
-            pods: 4,
-            knobs: PodKnobs {
-                kv_blocks: 1600,
-                max_num_seqs: 8,
-                prefill_us_per_token: 50.0,
-                decode_ms_per_token: 1.0,
-                ..PodKnobs::default()
-            },
-            ..SimConfig::default()
-        },
+        sim: workloads::prefix_affinity_pods(),
         replicas,
         raft: replicas > 1,
         epp_args,
         ..ClusterSpec::default()
-    }
-}
-
-fn load() -> LoadConfig {
-    LoadConfig {
-        conversations: 64,
-        turns: 6,
-        system_prompt_words: 1600,
-        conversation_words: 3400,
-        user_words: 32,
-        max_tokens: 16,
-        concurrency: 7,
-        ..LoadConfig::default()
     }
 }
 
@@ -80,7 +57,9 @@ async fn requests_per_replica(c: &LocalCluster, n: usize) -> Vec<f64> {
 
 async fn run(c: &LocalCluster) -> Report {
     c.wait_for_pods().await.unwrap();
-    let r = loadgen::run(&load(), &c.envoy.url()).await.unwrap();
+    let r = loadgen::run(&workloads::multi_turn(), &c.envoy.url())
+        .await
+        .unwrap();
     assert_eq!(r.errors, 0, "{r:?}");
     assert_eq!(r.requests, 64 * 6);
     r

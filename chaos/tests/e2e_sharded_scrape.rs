@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
+use chaos::epp::proc_cpu_seconds;
 use sim::{PodKnobs, SimConfig};
 
 const PODS: usize = 200;
@@ -102,26 +103,16 @@ async fn wait_for(
     }
 }
 
-/// CPU seconds (user + system) of process `pid` so far.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-    let rest = &stat[stat.rfind(')').unwrap() + 2..];
-    let f: Vec<&str> = rest.split(' ').collect();
-    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
-    ticks / 100.0
-}
-
 /// Each replica's CPU share (cores) over `window`.
 async fn cpu(c: &LocalCluster, window: Duration) -> Vec<f64> {
     let pids: Vec<u32> = (0..3)
         .map(|i| c.epp(i).unwrap().pid_u32().unwrap())
         .collect();
-    let before: Vec<f64> = pids.iter().map(|p| cpu_seconds(*p)).collect();
+    let before: Vec<f64> = pids.iter().map(|p| proc_cpu_seconds(*p).unwrap()).collect();
     tokio::time::sleep(window).await;
     pids.iter()
         .zip(before)
-        .map(|(p, b)| (cpu_seconds(*p) - b) / window.as_secs_f64())
+        .map(|(p, b)| (proc_cpu_seconds(*p).unwrap() - b) / window.as_secs_f64())
         .collect()
 }
 

@@ -6,22 +6,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chaos::epp::EppProcess;
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use chaos::extproc::{chat_request, header_value};
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Resp;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
 use sim::{Sim, SimConfig};
-
-fn header(k: &str, v: &str) -> HeaderValue {
-    HeaderValue {
-        key: k.into(),
-        value: String::new(),
-        raw_value: v.as_bytes().to_vec(),
-    }
-}
 
 fn hint(entries: &[&str]) -> Metadata {
     let list = Kind::ListValue(ListValue {
@@ -56,31 +47,7 @@ async fn route(
         "max_tokens": 4,
     }))
     .unwrap();
-    let msgs = vec![
-        ProcessingRequest {
-            request: Some(Req::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![
-                        header(":method", "POST"),
-                        header(":path", "/v1/chat/completions"),
-                        header("content-type", "application/json"),
-                    ],
-                }),
-                end_of_stream: false,
-                ..Default::default()
-            })),
-            metadata_context: metadata,
-            ..Default::default()
-        },
-        ProcessingRequest {
-            request: Some(Req::RequestBody(HttpBody {
-                body,
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-    ];
+    let msgs = chat_request(&body, metadata);
     let mut responses = client
         .process(tokio_stream::iter(msgs))
         .await
@@ -96,7 +63,7 @@ async fn route(
                     .flat_map(|h| &h.set_headers)
                     .filter_map(|o| o.header.as_ref())
                     .find(|h| h.key == "x-llm-d-request-dropped-reason")
-                    .map(value)
+                    .map(header_value)
                     .unwrap_or_default();
                 return Err((i.status.map_or(0, |s| s.code), reason));
             }
@@ -105,14 +72,6 @@ async fn route(
         }
     }
     destination.ok_or((0, "no destination in the answer".into()))
-}
-
-fn value(h: &HeaderValue) -> String {
-    if h.raw_value.is_empty() {
-        h.value.clone()
-    } else {
-        String::from_utf8_lossy(&h.raw_value).into_owned()
-    }
 }
 
 fn destination_of(r: &Resp) -> Option<String> {
@@ -128,7 +87,7 @@ fn destination_of(r: &Resp) -> Option<String> {
         .iter()
         .filter_map(|o| o.header.as_ref())
         .find(|h| h.key == "x-gateway-destination-endpoint")
-        .map(value)
+        .map(header_value)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

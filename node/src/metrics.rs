@@ -239,7 +239,7 @@ impl GossipMetrics {
         );
         registry.register(
             "prefix_gossip_push_failures",
-            "Delta pushes that failed (peer down, partitioned or slow)",
+            "Pushes to a peer that failed, index deltas or scrape fan-out (peer down, partitioned or slow)",
             m.pushes_failed.clone(),
         );
         registry.register(

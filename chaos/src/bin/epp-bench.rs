@@ -8,16 +8,13 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, bail};
 use chaos::cluster::{ClusterSpec, LocalCluster};
-use chaos::epp::EppProcess;
+use chaos::epp::{EppProcess, proc_cpu_seconds};
 use clap::{Parser, Subcommand};
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Resp;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
 use futures::StreamExt;
 use sim::{PodKnobs, Sim, SimConfig};
 
@@ -157,52 +154,11 @@ async fn added_latency(requests: usize, levels: &[usize], observe: bool) -> anyh
     Ok(())
 }
 
-fn proc_cpu_seconds(pid: u32) -> anyhow::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let after = stat.rsplit_once(')').ok_or_else(|| anyhow!("bad stat"))?.1;
-    let f: Vec<&str> = after.split_whitespace().collect();
-    // fields after the command: state(0) ... utime(11) stime(12), in clock ticks (100 Hz here)
-    let utime: f64 = f.get(11).ok_or_else(|| anyhow!("no utime"))?.parse()?;
-    let stime: f64 = f.get(12).ok_or_else(|| anyhow!("no stime"))?.parse()?;
-    Ok((utime + stime) / 100.0)
-}
-
-fn header(k: &str, v: &str) -> HeaderValue {
-    HeaderValue {
-        key: k.into(),
-        value: String::new(),
-        raw_value: v.as_bytes().to_vec(),
-    }
-}
-
 async fn one_decision(
     client: &mut ExternalProcessorClient<tonic::transport::Channel>,
     body: &[u8],
 ) -> anyhow::Result<()> {
-    let msgs = vec![
-        ProcessingRequest {
-            request: Some(Req::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![
-                        header(":method", "POST"),
-                        header(":path", "/v1/chat/completions"),
-                        header("content-type", "application/json"),
-                    ],
-                }),
-                end_of_stream: false,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-        ProcessingRequest {
-            request: Some(Req::RequestBody(HttpBody {
-                body: body.to_vec(),
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        },
-    ];
+    let msgs = chaos::extproc::chat_request(body, None);
     let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
     // Read to the end of the stream, as Envoy does (dropping it early makes the client reset it).
     let (mut routed, mut body_done) = (false, false);

@@ -125,9 +125,7 @@ impl ApproxPrefixProducer {
         let mut changed = 0;
         let mut newest = 0;
         for p in states {
-            if let Some(ts) = p.entries.iter().map(|e| e.1).max() {
-                newest = newest.max(ts);
-            }
+            newest = newest.max(p.max_ts().unwrap_or(0));
             changed += st.index.merge_pod(p);
         }
         st.clock.observe(newest);

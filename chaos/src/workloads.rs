@@ -1,0 +1,37 @@
+//! Workloads shared by the tests, the benchmarks and the demo.
+
+use sim::loadgen::LoadConfig;
+use sim::{PodKnobs, SimConfig};
+
+/// Four pods whose KV capacity (1600 blocks of 16 tokens) holds the [`multi_turn`] working set only
+/// when each conversation sticks to one pod.
+pub fn prefix_affinity_pods() -> SimConfig {
+    SimConfig {
+        pods: 4,
+        knobs: PodKnobs {
+            kv_blocks: 1600,
+            max_num_seqs: 8,
+            prefill_us_per_token: 50.0,
+            decode_ms_per_token: 1.0,
+            ..PodKnobs::default()
+        },
+        ..SimConfig::default()
+    }
+}
+
+/// 64 conversations × 6 turns with ~8k-token contexts: a shared ~2.5k-token system prompt plus a
+/// ~5.3k-token per-conversation preamble.
+pub fn multi_turn() -> LoadConfig {
+    LoadConfig {
+        conversations: 64,
+        turns: 6,
+        system_prompt_words: 1600,
+        conversation_words: 3400,
+        user_words: 32,
+        max_tokens: 16,
+        // Not a multiple of the pod count: strict round robin would otherwise pin each
+        // conversation to one pod by accident.
+        concurrency: 7,
+        ..LoadConfig::default()
+    }
+}
