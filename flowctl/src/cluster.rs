@@ -6,12 +6,15 @@
 //! state (credit, the global queue and the in-flight ledger hang off member leases); like the rest
 //! of `flowctl` it is pure: time comes in the commands, and every replica computes the same state.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-/// A replica's Raft node id.
-pub type MemberId = u64;
+use crate::ControllerConfig;
+use crate::global::{BatchResult, FlowCmd, GlobalFlow, GlobalParams};
+use crate::saturation::EndpointSnapshot;
+
+pub use crate::global::MemberId;
 
 /// What the cluster knows about one replica.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,7 +31,7 @@ pub struct Member {
 }
 
 /// Commands of the cluster state machine.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ClusterCommand {
     /// `node` is alive at `now_ms` (the proposer's wall clock).
     Heartbeat {
@@ -40,6 +43,24 @@ pub enum ClusterCommand {
     },
     /// `node` leaves (graceful shutdown): its lease ends now.
     Leave { node: MemberId },
+    /// Turn on cluster-wide flow control with this configuration. The first one wins; a different
+    /// one replaces it only while nothing is queued or in flight.
+    ConfigureFlow {
+        config: Box<ControllerConfig>,
+        params: GlobalParams,
+    },
+    /// A member's batch of flow-control commands, stamped with its incarnation and wall clock.
+    Flow {
+        node: MemberId,
+        incarnation: u64,
+        now_us: u64,
+        cmds: Vec<FlowCmd>,
+    },
+    /// The pool's endpoint metrics (sample times in wall-clock ns), proposed by the leader.
+    ObservePool {
+        now_us: u64,
+        endpoints: Vec<EndpointSnapshot>,
+    },
 }
 
 /// What applying a command did.
@@ -50,19 +71,106 @@ pub enum ClusterOutput {
     /// The member was restarted (new `started_ms`): its old lease's resources are void.
     Restarted,
     UnknownMember,
+    /// `ConfigureFlow`: whether the configuration is now the given one.
+    Configured(bool),
+    Flow(BatchResult),
+    /// A flow command while cluster flow control is not configured.
+    NoFlow,
 }
 
-/// Replicated membership with liveness leases.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Replicated membership with liveness leases, and the global flow state when configured.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ClusterState {
     members: BTreeMap<MemberId, Member>,
     /// Highest `now_ms` seen in any command: the state's notion of "now" (monotone).
     now_ms: u64,
+    #[serde(default)]
+    flow: Option<GlobalFlow>,
 }
 
 impl ClusterState {
     pub fn apply(&mut self, cmd: ClusterCommand) -> ClusterOutput {
+        let heartbeat = match &cmd {
+            ClusterCommand::Heartbeat {
+                node, started_ms, ..
+            } => Some((*node, *started_ms)),
+            _ => None,
+        };
+        let out = self.apply_inner(cmd);
+        if let Some(lease) = self.flow.as_ref().map(|f| f.params().lease_ms) {
+            let live = self.live_set_with(lease);
+            let now_us = self.now_ms.saturating_mul(1000);
+            if let Some(flow) = self.flow.as_mut() {
+                if let Some((node, started_ms)) = heartbeat
+                    && live.contains(&node)
+                {
+                    flow.member_alive(node, started_ms, &live);
+                }
+                flow.advance(now_us, &live);
+            }
+        }
+        out
+    }
+
+    fn live_set_with(&self, lease_ms: u64) -> BTreeSet<MemberId> {
+        self.live(self.now_ms, lease_ms).map(|(id, _)| id).collect()
+    }
+
+    /// The global flow state, when cluster flow control is configured.
+    pub fn flow(&self) -> Option<&GlobalFlow> {
+        self.flow.as_ref()
+    }
+
+    fn apply_inner(&mut self, cmd: ClusterCommand) -> ClusterOutput {
         match cmd {
+            ClusterCommand::ConfigureFlow { config, params } => {
+                let replace = match &self.flow {
+                    None => true,
+                    Some(f) if f.config() == config.as_ref() && f.params() == params => {
+                        return ClusterOutput::Configured(true);
+                    }
+                    Some(f) => {
+                        let t = f.totals();
+                        t.queued_requests == 0 && t.inflight_requests == 0
+                    }
+                };
+                if !replace {
+                    return ClusterOutput::Configured(false);
+                }
+                match GlobalFlow::new(*config, params) {
+                    Ok(mut f) => {
+                        let live = self.live_set_with(params.lease_ms);
+                        for (id, m) in &self.members {
+                            if live.contains(id) {
+                                f.member_alive(*id, m.started_ms, &live);
+                            }
+                        }
+                        self.flow = Some(f);
+                        ClusterOutput::Configured(true)
+                    }
+                    Err(_) => ClusterOutput::Configured(false),
+                }
+            }
+            ClusterCommand::Flow {
+                node,
+                incarnation,
+                now_us,
+                cmds,
+            } => {
+                self.now_ms = self.now_ms.max(now_us / 1000);
+                let Some(flow) = self.flow.as_mut() else {
+                    return ClusterOutput::NoFlow;
+                };
+                ClusterOutput::Flow(flow.apply_batch(now_us, node, incarnation, cmds))
+            }
+            ClusterCommand::ObservePool { now_us, endpoints } => {
+                self.now_ms = self.now_ms.max(now_us / 1000);
+                let Some(flow) = self.flow.as_mut() else {
+                    return ClusterOutput::NoFlow;
+                };
+                flow.observe_pool(endpoints);
+                ClusterOutput::Configured(true)
+            }
             ClusterCommand::Heartbeat {
                 node,
                 now_ms,

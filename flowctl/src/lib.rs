@@ -11,7 +11,10 @@
 //!
 //! # Layout
 //!
-//! * [`cluster`] — the replicated cluster state: member liveness leases (heartbeats through Raft).
+//! * [`cluster`] — the replicated cluster state: member liveness leases (heartbeats through Raft)
+//!   and, when configured, the [`global`] flow state.
+//! * [`global`] — cluster-wide flow control: one global queue and in-flight ledger for all
+//!   replicas, local credit for the unsaturated fast path, lease-based reclamation.
 //! * [`config`] — llm-d's `flowControl` YAML section ([`FlowControlConfig`], strict decoding with
 //!   key paths, llm-d's defaults) and its resolution into the plain [`ControllerConfig`].
 //! * [`units`] — Kubernetes quantities (`1Gi`, `1k`) and Go durations (`1m30s`); [`Nanos`].
@@ -42,6 +45,7 @@
 
 pub mod cluster;
 pub mod config;
+pub mod global;
 pub mod machine;
 pub mod outcome;
 pub mod policy;

@@ -87,6 +87,11 @@ pub struct EnqueueRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Command {
     Enqueue(EnqueueRequest),
+    /// A request admitted outside the queue (a replica's local credit in cluster mode): it is
+    /// already forwarded, so it goes straight into the in-flight ledger — whatever the caps,
+    /// saturation or shutdown say — and charges its flow like a dispatch. `Dispatched` (or
+    /// `Ignored` for a duplicate id).
+    Admit(EnqueueRequest),
     /// The client went away. Queued → `Rejected(rejected-context-cancelled)`; in flight → released
     /// like `Complete` with its estimate, no outcome.
     Cancel {
@@ -507,6 +512,7 @@ impl FlowController {
         self.expire(now, out);
         match command {
             Command::Enqueue(req) => self.enqueue(now, req, out),
+            Command::Admit(req) => self.admit(req, out),
             Command::Cancel { id } => {
                 if self.remove_queued(id).is_some() {
                     out.push(Outcome::Rejected {
@@ -585,6 +591,17 @@ impl FlowController {
 
     pub fn is_in_flight(&self, id: RequestId) -> bool {
         self.inflight.contains_key(&id)
+    }
+
+    /// Whether a request of `priority` arriving at `now` would be dispatched at once: nothing
+    /// waits anywhere, the pool has endpoints and its saturation is below the band's ceiling.
+    /// (The cluster's local-credit fast path asks this of the replicated state.)
+    pub fn admits_now(&self, priority: i32, now: Nanos) -> bool {
+        if self.shutting_down || self.totals.queued_requests > 0 || self.pool.is_empty() {
+            return false;
+        }
+        let probe = self.probe(now.max(self.now));
+        probe.eval(&self.totals) < self.ceiling_for(priority)
     }
 
     /// Pool saturation as the dispatcher sees it at `now` (`flow_control_pool_saturation`).
@@ -939,6 +956,27 @@ impl FlowController {
             .ceiling(rank, n, priority, lowest, highest)
     }
 
+    /// The ceiling a band of `priority` has or would have (ranked among the existing bands).
+    fn ceiling_for(&self, priority: i32) -> f64 {
+        let pos = self.band_order.binary_search_by(|&b| {
+            let p = self.bands.get(b as usize).map_or(i32::MIN, |b| b.priority);
+            priority.cmp(&p)
+        });
+        let (rank, n) = match pos {
+            Ok(i) => (i, self.band_order.len()),
+            Err(i) => (i, self.band_order.len() + 1),
+        };
+        let prio = |i: Option<&u32>| {
+            i.and_then(|&x| self.bands.get(x as usize))
+                .map(|b| b.priority)
+        };
+        let highest = prio(self.band_order.first()).map_or(priority, |p| p.max(priority));
+        let lowest = prio(self.band_order.last()).map_or(priority, |p| p.min(priority));
+        self.config
+            .usage_limit
+            .ceiling(rank, n, priority, lowest, highest)
+    }
+
     /// Whether the highest waiting band is gated at the current saturation (`None`: nothing waits).
     fn top_band_gated(&self, probe: &Probe) -> Option<(u32, bool)> {
         let b = self.top_waiting_band()?;
@@ -977,22 +1015,34 @@ impl FlowController {
         band.sched.charge(flow, fi, q.tokens);
         flow.queue.remove(&key);
         flow.queued_bytes -= q.bytes;
-        flow.inflight += 1;
         let new = flow.head();
         band.sched.head_changed(flow, fi, Some(key), new);
         band.queued -= 1;
         band.queued_bytes -= q.bytes;
-        band.inflight += 1;
-        band.inflight_tokens += q.tokens;
-        let priority = band.priority;
         if q.deadline != NO_DEADLINE {
             self.deadlines.remove(&(q.deadline, id));
         }
         self.arrivals.remove(&(q.enqueued_at, id));
         self.totals.queued_requests -= 1;
         self.totals.queued_bytes -= q.bytes;
+        self.start_inflight(b, fi, id, q.tokens);
+        out.push(Outcome::Dispatched { id });
+        true
+    }
+
+    /// Count `id` in flight on flow `fi` of band `b` (the flow was charged by the caller).
+    fn start_inflight(&mut self, b: u32, fi: u32, id: RequestId, tokens: u64) {
+        let Some(band) = self.bands.get_mut(b as usize) else {
+            return;
+        };
+        if let Some(flow) = self.flows.get_mut(fi as usize).and_then(Option::as_mut) {
+            flow.inflight += 1;
+        }
+        band.inflight += 1;
+        band.inflight_tokens += tokens;
+        let priority = band.priority;
         self.totals.inflight_requests += 1;
-        self.totals.inflight_tokens += q.tokens;
+        self.totals.inflight_tokens += tokens;
         let dispatch_seq = self.next_seq;
         self.next_seq += 1;
         if priority < 0 {
@@ -1004,12 +1054,39 @@ impl FlowController {
             InFlight {
                 flow: fi,
                 priority,
-                tokens: q.tokens,
+                tokens,
                 dispatch_seq,
             },
         );
+    }
+
+    /// [`Command::Admit`]: straight into the ledger, charged to its flow.
+    fn admit(&mut self, req: EnqueueRequest, out: &mut Vec<Outcome>) {
+        let id = req.id;
+        if self.queued.contains_key(&id) || self.inflight.contains_key(&id) {
+            out.push(Outcome::Ignored {
+                id,
+                why: IgnoredReason::DuplicateId,
+            });
+            return;
+        }
+        let b = self.band_index(req.flow.priority);
+        let fi = self.flow_for(req.flow, b);
+        if let Some(band) = self.bands.get_mut(b as usize)
+            && let Some(flow) = self.flows.get_mut(fi as usize).and_then(Option::as_mut)
+        {
+            // An idle flow joins the weighted schedule at the current virtual time first, so a
+            // burst of local admissions is charged from "now", not from its old pass.
+            if flow.queue.is_empty() {
+                band.sched.head_changed(flow, fi, None, Some((0, 0)));
+                band.sched.charge(flow, fi, req.tokens);
+                band.sched.head_changed(flow, fi, Some((0, 0)), None);
+            } else {
+                band.sched.charge(flow, fi, req.tokens);
+            }
+        }
+        self.start_inflight(b, fi, id, req.tokens);
         out.push(Outcome::Dispatched { id });
-        true
     }
 
     /// One eviction decision; true if anything was evicted.

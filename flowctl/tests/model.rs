@@ -36,6 +36,12 @@ enum Op {
         slo: Option<Nanos>,
         reuse: Option<usize>,
     },
+    /// Admitted outside the queue (a replica's local credit).
+    Admit {
+        prio: usize,
+        fairness: usize,
+        tokens: u64,
+    },
     Cancel(usize),
     Complete(usize, Option<u64>),
     Advance(Nanos),
@@ -54,6 +60,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(prio, fairness, bytes, tokens, ttl, slo, reuse)| Op::Enqueue {
                 prio, fairness, bytes, tokens, ttl, slo, reuse
             }),
+        2 => (0..4usize, 0..3usize, 1..2000u64)
+            .prop_map(|(prio, fairness, tokens)| Op::Admit { prio, fairness, tokens }),
         2 => (0..64usize).prop_map(Op::Cancel),
         4 => (0..64usize, prop::option::of(1..3000u64)).prop_map(|(i, t)| Op::Complete(i, t)),
         4 => prop_oneof![
@@ -358,6 +366,18 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     slo_ttft: *slo,
                 })
             }
+            Op::Admit {
+                prio,
+                fairness,
+                tokens,
+            } => Command::Admit(EnqueueRequest {
+                id: ids.len() as u64 + 1,
+                flow: FlowKey::new(FAIRNESS[*fairness], PRIORITIES[*prio]),
+                bytes: 0,
+                tokens: *tokens,
+                ttl: None,
+                slo_ttft: None,
+            }),
             Op::Cancel(i) => Command::Cancel { id: pick(*i) },
             Op::Complete(i, t) => Command::Complete {
                 id: pick(*i),
@@ -384,7 +404,7 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Tick => Command::Tick,
             Op::Shutdown => Command::Shutdown,
         };
-        if let Command::Enqueue(r) = &cmd
+        if let Command::Enqueue(r) | Command::Admit(r) = &cmd
             && !ids.contains(&r.id)
         {
             ids.push(r.id);
@@ -447,6 +467,27 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                             enqueued_at: now,
                         },
                     );
+                }
+            }
+            Command::Admit(r) => {
+                let id = r.id;
+                if m.queued.contains_key(&id) || m.inflight.contains_key(&id) {
+                    expect.push(Outcome::Ignored {
+                        id,
+                        why: IgnoredReason::DuplicateId,
+                    });
+                } else {
+                    // Admitted whatever the caps, saturation or shutdown say.
+                    m.dispatch_counter += 1;
+                    let req = MReq {
+                        priority: r.flow.priority,
+                        bytes: r.bytes,
+                        tokens: r.tokens,
+                        deadline: None,
+                        enqueued_at: now,
+                    };
+                    m.inflight.insert(id, (req, m.dispatch_counter));
+                    expect.push(Outcome::Dispatched { id });
                 }
             }
             Command::Cancel { id } => {

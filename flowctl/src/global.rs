@@ -1,0 +1,677 @@
+//! Cluster-wide flow control: one global queue and in-flight ledger for all replicas.
+//!
+//! [`GlobalFlow`] is replicated through the consensus log (it lives inside
+//! [`crate::cluster::ClusterState`]); every replica applies the same commands and computes the
+//! same dispatches. It wraps one [`FlowController`] — bands, fairness, ordering, caps, TTLs and
+//! the saturation detector work exactly as on a single replica — and adds what a cluster needs:
+//!
+//! * **Owners.** A request is named by its owner replica and the owner's sequence number
+//!   ([`Key`]); the state assigns the controller's id. Sequence numbers of one owner only grow, so
+//!   a retried batch is recognised and ignored.
+//! * **Credit (the fast path).** While the replicated state says a request would be dispatched at
+//!   once ([`FlowController::admits_now`]) a replica may admit up to its credit *locally*, without
+//!   a consensus round trip, and report those admissions later ([`FlowCmd::Admitted`]). The
+//!   cluster's total credit (`credit_slack`) is split between live members in proportion to their
+//!   recent demand, every `rebalance_ms`. In-flight can therefore exceed what the detector allows
+//!   by at most the total credit (invariant I1).
+//! * **The slow path.** Otherwise the owner proposes [`FlowCmd::Enqueue`] and holds the stream;
+//!   the controller dispatches across all owners' entries by band → fairness → ordering as
+//!   capacity frees, and the owner releases the stream when it sees the [`Verdict`] for its key.
+//! * **The ledger.** Every admitted request is in flight until a [`FlowCmd::Settle`] naming its
+//!   `x-request-id` arrives from any replica (the response may be observed elsewhere), with the
+//!   pod it was routed to ([`FlowCmd::Routed`]) so scorers can read per-pod in-flight load.
+//! * **Leases.** A member whose heartbeat lease ends (or that restarts) loses everything it held:
+//!   its queued entries are rejected (`rejected-saturated`, retryable) and its reservations return
+//!   to the pool, at the same log position on every replica (invariant I4).
+//!
+//! Time is the largest proposer wall clock seen (µs precision), clamped monotone.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::machine::{Command, EnqueueRequest, FlowController, FlowKey, Outcome, RequestId};
+use crate::outcome::DropReason;
+use crate::saturation::EndpointSnapshot;
+use crate::units::Nanos;
+use crate::{ConfigError, ControllerConfig, Totals};
+
+/// A replica's id (its Raft node id).
+pub type MemberId = u64;
+
+/// A request's cluster-wide name: (owner replica, owner's sequence number).
+pub type Key = (MemberId, u64);
+
+/// How long a decided verdict stays readable for its owner.
+pub const VERDICT_RETENTION_MS: u64 = 60_000;
+
+/// Cluster parameters of the global flow state (identical on every replica).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GlobalParams {
+    /// A member without a heartbeat for this long loses its credit, queue entries and reservations.
+    pub lease_ms: u64,
+    /// Requests the whole cluster may admit on local credit beyond what the replicated state has
+    /// seen (split between live members by demand). 0 = every admission goes through the log.
+    pub credit_slack: u32,
+    /// How often credit is re-split by demand.
+    pub rebalance_ms: u64,
+}
+
+impl Default for GlobalParams {
+    fn default() -> Self {
+        GlobalParams {
+            lease_ms: 1500,
+            credit_slack: 8,
+            rebalance_ms: 1000,
+        }
+    }
+}
+
+/// What a request asks of flow control (the replicated part of an enqueue).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ask {
+    pub flow: FlowKey,
+    pub bytes: u64,
+    pub tokens: u64,
+    /// Queue TTL: `None` = `defaultRequestTTL`; `Some(0)` = none.
+    pub ttl: Option<Nanos>,
+    pub slo_ttft: Option<Nanos>,
+}
+
+/// One flow-control command of a member (carried in batches through the log).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FlowCmd {
+    /// Queue `seq` in the global queue; the owner waits for its verdict.
+    Enqueue {
+        seq: u64,
+        request_id: String,
+        ask: Ask,
+    },
+    /// `seq` was admitted on local credit and is already forwarded (to `pod`, if known).
+    Admitted {
+        seq: u64,
+        request_id: String,
+        ask: Ask,
+        pod: Option<String>,
+    },
+    /// The pod a dispatched request was routed to.
+    Routed { seq: u64, pod: String },
+    /// The owner gives `seq` up: queued → `rejected-context-cancelled`; in flight → released.
+    Cancel { seq: u64 },
+    /// The response of `request_id` ended (observed by any replica); `actual_tokens` from usage.
+    Settle {
+        request_id: String,
+        actual_tokens: Option<u64>,
+    },
+}
+
+/// The decision about a queued request, as its owner reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Verdict {
+    Dispatched,
+    Rejected(DropReason),
+}
+
+/// What applying a batch did (returned to the proposer; informational).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct BatchResult {
+    pub applied: u32,
+    /// Duplicates (a retried batch), unknown keys, settlements of nothing.
+    pub ignored: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Entry {
+    key: Key,
+    request_id: String,
+    tokens: u64,
+    pod: Option<String>,
+    /// Dispatched or admitted (in the ledger); otherwise queued.
+    inflight: bool,
+}
+
+/// Per-member flow bookkeeping.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct MemberFlow {
+    /// The member's incarnation (its start time); a new one voids the old one's entries.
+    pub incarnation: u64,
+    /// Highest sequence number applied.
+    pub last_seq: u64,
+    /// Admissions + enqueues since the last rebalance (decayed by half each time).
+    pub demand: u64,
+    /// Requests it may admit on local credit.
+    pub credit: u32,
+    /// Its lease ended and its resources were returned.
+    pub expired: bool,
+    pub admitted_local: u64,
+    pub enqueued: u64,
+}
+
+/// Per-pod in-flight load from the ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PodLoad {
+    pub requests: u64,
+    pub tokens: u64,
+}
+
+/// The global queue, credit and in-flight ledger. See the module docs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GlobalFlow {
+    params: GlobalParams,
+    fc: FlowController,
+    now_us: u64,
+    next_id: RequestId,
+    last_rebalance_us: u64,
+    #[serde(with = "pairs")]
+    entries: BTreeMap<RequestId, Entry>,
+    #[serde(with = "pairs")]
+    by_key: BTreeMap<Key, RequestId>,
+    /// In-flight ids by `x-request-id` (a reused id settles the oldest first).
+    by_request: BTreeMap<String, Vec<RequestId>>,
+    #[serde(with = "pairs")]
+    members: BTreeMap<MemberId, MemberFlow>,
+    pods: BTreeMap<String, PodLoad>,
+    #[serde(with = "pairs")]
+    verdicts: BTreeMap<Key, Verdict>,
+    verdict_times: BTreeSet<(u64, MemberId, u64)>,
+    /// Settlements that arrived before the admission they settle (the response was observed on
+    /// another replica before the owner's report committed): `x-request-id` → (time µs, tokens).
+    early: BTreeMap<String, (u64, Option<u64>)>,
+    early_times: BTreeSet<(u64, String)>,
+    dispatched: u64,
+    reclaimed: u64,
+    rebalances: u64,
+}
+
+/// `BTreeMap` as a sequence of pairs, so tuple keys survive JSON.
+mod pairs {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::collections::BTreeMap;
+
+    pub fn serialize<S: Serializer, K: Serialize, V: Serialize>(
+        map: &BTreeMap<K, V>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_seq(map.iter())
+    }
+
+    pub fn deserialize<'de, D, K, V>(d: D) -> Result<BTreeMap<K, V>, D::Error>
+    where
+        D: Deserializer<'de>,
+        K: Deserialize<'de> + Ord,
+        V: Deserialize<'de>,
+    {
+        let v: Vec<(K, V)> = Vec::deserialize(d)?;
+        Ok(v.into_iter().collect())
+    }
+}
+
+impl GlobalFlow {
+    pub fn new(config: ControllerConfig, params: GlobalParams) -> Result<GlobalFlow, ConfigError> {
+        Ok(GlobalFlow {
+            params,
+            fc: FlowController::new(config)?,
+            now_us: 0,
+            next_id: 1,
+            last_rebalance_us: 0,
+            entries: BTreeMap::new(),
+            by_key: BTreeMap::new(),
+            by_request: BTreeMap::new(),
+            members: BTreeMap::new(),
+            pods: BTreeMap::new(),
+            verdicts: BTreeMap::new(),
+            verdict_times: BTreeSet::new(),
+            early: BTreeMap::new(),
+            early_times: BTreeSet::new(),
+            dispatched: 0,
+            reclaimed: 0,
+            rebalances: 0,
+        })
+    }
+
+    pub fn config(&self) -> &ControllerConfig {
+        self.fc.config()
+    }
+
+    pub fn params(&self) -> GlobalParams {
+        self.params
+    }
+
+    fn now_ns(&self) -> Nanos {
+        self.now_us.saturating_mul(1000)
+    }
+
+    /// Advance time to `now_us`: expire queued requests, end the leases of members not in `live`,
+    /// rebalance credit.
+    pub fn advance(&mut self, now_us: u64, live: &BTreeSet<MemberId>) {
+        self.now_us = self.now_us.max(now_us);
+        self.run(Command::Tick);
+        let expired: Vec<MemberId> = self
+            .members
+            .iter()
+            .filter(|(id, m)| !m.expired && !live.contains(id))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            self.reclaim(id);
+            if let Some(m) = self.members.get_mut(&id) {
+                m.expired = true;
+            }
+        }
+        if self.now_us.saturating_sub(self.last_rebalance_us) >= self.params.rebalance_ms * 1000 {
+            self.last_rebalance_us = self.now_us;
+            self.rebalance(live);
+        }
+        self.prune_verdicts();
+    }
+
+    /// A member is alive (heartbeat): it may hold credit again after an expiry.
+    pub fn member_alive(&mut self, member: MemberId, incarnation: u64, live: &BTreeSet<MemberId>) {
+        let fresh = !self.members.contains_key(&member);
+        self.incarnation(member, incarnation);
+        let revived = self.members.get(&member).is_some_and(|m| m.expired);
+        if let Some(m) = self.members.get_mut(&member) {
+            m.expired = false;
+        }
+        if fresh || revived {
+            self.rebalance(live);
+        }
+    }
+
+    /// The pool's latest endpoint metrics (proposed by the leader).
+    pub fn observe_pool(&mut self, endpoints: Vec<EndpointSnapshot>) {
+        self.run(Command::ObservePool { endpoints });
+    }
+
+    /// Apply one member's batch at `now_us`.
+    pub fn apply_batch(
+        &mut self,
+        now_us: u64,
+        member: MemberId,
+        incarnation: u64,
+        cmds: Vec<FlowCmd>,
+    ) -> BatchResult {
+        self.now_us = self.now_us.max(now_us);
+        self.incarnation(member, incarnation);
+        let mut res = BatchResult::default();
+        for cmd in cmds {
+            if self.apply_one(member, cmd) {
+                res.applied += 1;
+            } else {
+                res.ignored += 1;
+            }
+        }
+        res
+    }
+
+    fn incarnation(&mut self, member: MemberId, incarnation: u64) {
+        let m = self.members.entry(member).or_default();
+        if m.incarnation != incarnation {
+            let old = m.incarnation;
+            if old != 0 {
+                self.reclaim(member);
+            }
+            let m = self.members.entry(member).or_default();
+            *m = MemberFlow {
+                incarnation,
+                credit: m.credit,
+                ..MemberFlow::default()
+            };
+        }
+    }
+
+    fn apply_one(&mut self, member: MemberId, cmd: FlowCmd) -> bool {
+        match cmd {
+            FlowCmd::Enqueue {
+                seq,
+                request_id,
+                ask,
+            } => self.add(member, seq, request_id, ask, None, false),
+            FlowCmd::Admitted {
+                seq,
+                request_id,
+                ask,
+                pod,
+            } => self.add(member, seq, request_id, ask, pod, true),
+            FlowCmd::Routed { seq, pod } => {
+                let Some(&id) = self.by_key.get(&(member, seq)) else {
+                    return false;
+                };
+                let Some(e) = self.entries.get_mut(&id) else {
+                    return false;
+                };
+                if !e.inflight || e.pod.is_some() {
+                    return false;
+                }
+                let load = self.pods.entry(pod.clone()).or_default();
+                load.requests += 1;
+                load.tokens += e.tokens;
+                e.pod = Some(pod);
+                true
+            }
+            FlowCmd::Cancel { seq } => {
+                let Some(&id) = self.by_key.get(&(member, seq)) else {
+                    return false;
+                };
+                self.run(Command::Cancel { id });
+                self.forget(id);
+                true
+            }
+            FlowCmd::Settle {
+                request_id,
+                actual_tokens,
+            } => {
+                let Some(id) = self
+                    .by_request
+                    .get(&request_id)
+                    .and_then(|v| v.first())
+                    .copied()
+                else {
+                    // Perhaps its owner has not reported it yet: keep it for a while.
+                    if let Some((at, _)) = self.early.remove(&request_id) {
+                        self.early_times.remove(&(at, request_id.clone()));
+                    }
+                    self.early_times.insert((self.now_us, request_id.clone()));
+                    self.early.insert(request_id, (self.now_us, actual_tokens));
+                    return false;
+                };
+                self.run(Command::Complete { id, actual_tokens });
+                self.forget(id);
+                true
+            }
+        }
+    }
+
+    fn add(
+        &mut self,
+        member: MemberId,
+        seq: u64,
+        request_id: String,
+        ask: Ask,
+        pod: Option<String>,
+        admitted: bool,
+    ) -> bool {
+        let Some(m) = self.members.get_mut(&member) else {
+            return false;
+        };
+        if seq <= m.last_seq {
+            return false;
+        }
+        m.last_seq = seq;
+        m.demand += 1;
+        if admitted {
+            m.admitted_local += 1;
+        } else {
+            m.enqueued += 1;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let req = EnqueueRequest {
+            id,
+            flow: ask.flow,
+            bytes: ask.bytes,
+            tokens: ask.tokens,
+            ttl: ask.ttl,
+            slo_ttft: ask.slo_ttft,
+        };
+        let key = (member, seq);
+        let settled = if admitted {
+            self.early.remove(&request_id).map(|(at, tokens)| {
+                self.early_times.remove(&(at, request_id.clone()));
+                tokens
+            })
+        } else {
+            None
+        };
+        self.entries.insert(
+            id,
+            Entry {
+                key,
+                request_id,
+                tokens: ask.tokens,
+                pod: None,
+                // An admitted request never waits: no verdict for it.
+                inflight: admitted,
+            },
+        );
+        self.by_key.insert(key, id);
+        if admitted {
+            self.run(Command::Admit(req));
+            if let Some(actual_tokens) = settled {
+                // Its settlement came first: admitted and done.
+                self.run(Command::Complete { id, actual_tokens });
+                self.forget(id);
+            } else if let Some(pod) = pod {
+                self.apply_one(member, FlowCmd::Routed { seq, pod });
+            }
+        } else {
+            self.run(Command::Enqueue(req));
+        }
+        true
+    }
+
+    /// Run a controller command and book its outcomes.
+    fn run(&mut self, cmd: Command) {
+        let now = self.now_ns();
+        for o in self.fc.apply(now, cmd) {
+            match o {
+                Outcome::Dispatched { id } => {
+                    let Some(e) = self.entries.get_mut(&id) else {
+                        continue;
+                    };
+                    let waited = !e.inflight;
+                    e.inflight = true;
+                    self.by_request
+                        .entry(e.request_id.clone())
+                        .or_default()
+                        .push(id);
+                    if waited {
+                        self.dispatched += 1;
+                        let key = e.key;
+                        self.decide(key, Verdict::Dispatched);
+                    }
+                }
+                Outcome::Rejected { id, reason } => {
+                    if let Some(key) = self.entries.get(&id).map(|e| e.key) {
+                        self.decide(key, Verdict::Rejected(reason));
+                    }
+                    self.forget(id);
+                }
+                Outcome::Evicted { id, .. } => self.forget(id),
+                Outcome::Ignored { .. } => {}
+            }
+        }
+    }
+
+    /// Record the verdict on a request that waited (its owner reads it).
+    fn decide(&mut self, key: Key, v: Verdict) {
+        self.verdicts.insert(key, v);
+        self.verdict_times.insert((self.now_us, key.0, key.1));
+    }
+
+    fn prune_verdicts(&mut self) {
+        let horizon = self.now_us.saturating_sub(VERDICT_RETENTION_MS * 1000);
+        while let Some((at, _)) = self.early_times.first() {
+            if *at >= horizon {
+                break;
+            }
+            if let Some((_, rid)) = self.early_times.pop_first() {
+                self.early.remove(&rid);
+            }
+        }
+        while let Some(&(at, m, s)) = self.verdict_times.first() {
+            if at >= horizon {
+                break;
+            }
+            self.verdict_times.pop_first();
+            self.verdicts.remove(&(m, s));
+        }
+    }
+
+    /// Drop every index of `id` (after the controller released or rejected it).
+    fn forget(&mut self, id: RequestId) {
+        let Some(e) = self.entries.remove(&id) else {
+            return;
+        };
+        self.by_key.remove(&e.key);
+        if let Some(ids) = self.by_request.get_mut(&e.request_id) {
+            ids.retain(|x| *x != id);
+            if ids.is_empty() {
+                self.by_request.remove(&e.request_id);
+            }
+        }
+        if let Some(pod) = e.pod
+            && let Some(load) = self.pods.get_mut(&pod)
+        {
+            load.requests = load.requests.saturating_sub(1);
+            load.tokens = load.tokens.saturating_sub(e.tokens);
+            if load.requests == 0 {
+                self.pods.remove(&pod);
+            }
+        }
+    }
+
+    /// Return everything `member` holds: queued entries are rejected, reservations released.
+    fn reclaim(&mut self, member: MemberId) {
+        let ids: Vec<(Key, RequestId)> = self
+            .by_key
+            .range((member, 0)..=(member, u64::MAX))
+            .map(|(k, id)| (*k, *id))
+            .collect();
+        // Queued entries first, so that releasing its reservations cannot dispatch them.
+        let (queued, inflight): (Vec<_>, Vec<_>) =
+            ids.into_iter().partition(|(_, id)| self.fc.is_queued(*id));
+        for (key, id) in queued.into_iter().chain(inflight) {
+            let was_queued = self.fc.is_queued(id);
+            // Cancelling may free capacity: `run` books what it dispatches to others.
+            self.run(Command::Cancel { id });
+            if was_queued {
+                self.decide(key, Verdict::Rejected(DropReason::RejectedSaturated));
+            }
+            self.forget(id);
+            self.reclaimed += 1;
+        }
+    }
+
+    /// Re-split `credit_slack` between live members: the target is one each (while it lasts)
+    /// plus the rest by demand (largest remainder), but credit moves in two steps so that the
+    /// credit members may still be using never sums above the slack. A member may have admitted up
+    /// to its old credit before it saw this rebalance, so shrinking takes effect now while growing
+    /// only spends what no member held before: Σ max(old, new) ≤ slack at every epoch. (Members
+    /// report local admissions within milliseconds, far inside one rebalance period.)
+    fn rebalance(&mut self, live: &BTreeSet<MemberId>) {
+        let slack = u64::from(self.params.credit_slack);
+        let ids: Vec<MemberId> = self
+            .members
+            .keys()
+            .copied()
+            .filter(|id| live.contains(id))
+            .collect();
+        let mut target: BTreeMap<MemberId, u64> = BTreeMap::new();
+        if !ids.is_empty() && slack > 0 {
+            let n = ids.len() as u64;
+            let base = (slack / n).min(1);
+            let rest = slack - base * n;
+            let demand: Vec<u64> = ids
+                .iter()
+                .map(|id| self.members.get(id).map_or(0, |m| m.demand) + 1)
+                .collect();
+            let total: u64 = demand.iter().sum();
+            let mut shares: Vec<(u64, u64)> = demand
+                .iter()
+                .map(|d| (rest * d / total, rest * d % total))
+                .collect();
+            let mut left = rest - shares.iter().map(|s| s.0).sum::<u64>();
+            let mut order: Vec<usize> = (0..shares.len()).collect();
+            order.sort_by(|&a, &b| shares[b].1.cmp(&shares[a].1).then(a.cmp(&b)));
+            for i in order {
+                if left == 0 {
+                    break;
+                }
+                shares[i].0 += 1;
+                left -= 1;
+            }
+            for (i, id) in ids.iter().enumerate() {
+                target.insert(*id, base + shares[i].0);
+            }
+        }
+        let held: u64 = self.members.values().map(|m| u64::from(m.credit)).sum();
+        let mut budget = slack.saturating_sub(held);
+        for (id, m) in self.members.iter_mut() {
+            let cur = u64::from(m.credit);
+            let want = target.get(id).copied().unwrap_or(0);
+            let new = if want <= cur {
+                want
+            } else {
+                let grant = (want - cur).min(budget);
+                budget -= grant;
+                cur + grant
+            };
+            m.credit = u32::try_from(new).unwrap_or(u32::MAX);
+            m.demand /= 2;
+        }
+        self.rebalances += 1;
+    }
+
+    // ----- reads -----
+
+    /// The verdict on `key` if it waited in the queue and was decided (kept for a minute).
+    pub fn verdict(&self, key: Key) -> Option<Verdict> {
+        self.verdicts.get(&key).copied()
+    }
+
+    /// Whether `key` is queued or in flight.
+    pub fn holds(&self, key: Key) -> bool {
+        self.by_key.contains_key(&key)
+    }
+
+    /// Whether `member` may admit a request of `priority` on local credit now (its credit is
+    /// [`GlobalFlow::member`]`.credit`): a live member and a state that would dispatch at once.
+    pub fn fast_path_open(&self, member: MemberId, priority: i32) -> bool {
+        self.members
+            .get(&member)
+            .is_some_and(|m| !m.expired && m.credit > 0)
+            && self.fc.admits_now(priority, self.now_ns())
+    }
+
+    pub fn member(&self, member: MemberId) -> Option<&MemberFlow> {
+        self.members.get(&member)
+    }
+
+    pub fn members(&self) -> &BTreeMap<MemberId, MemberFlow> {
+        &self.members
+    }
+
+    /// Per-pod in-flight requests/tokens (routed entries only).
+    pub fn pods(&self) -> &BTreeMap<String, PodLoad> {
+        &self.pods
+    }
+
+    pub fn controller(&self) -> &FlowController {
+        &self.fc
+    }
+
+    pub fn totals(&self) -> Totals {
+        self.fc.totals()
+    }
+
+    /// State time (µs).
+    pub fn now_us(&self) -> u64 {
+        self.now_us
+    }
+
+    /// Requests dispatched from the global queue so far.
+    pub fn dispatched(&self) -> u64 {
+        self.dispatched
+    }
+
+    /// Credit re-splits so far.
+    pub fn rebalances(&self) -> u64 {
+        self.rebalances
+    }
+
+    /// Entries returned by lease expiry or restart so far.
+    pub fn reclaimed(&self) -> u64 {
+        self.reclaimed
+    }
+}

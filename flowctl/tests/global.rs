@@ -1,0 +1,497 @@
+//! Cluster-wide flow control (`flowctl::global` inside `flowctl::cluster::ClusterState`): fairness
+//! and strict priority across owners, the local-credit fast path and its bound (I1), lease expiry
+//! and restarts returning everything (I4), settlement from any replica, retried batches,
+//! determinism.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code
+
+mod common;
+
+use common::*;
+use flowctl::cluster::{ClusterCommand, ClusterOutput, ClusterState};
+use flowctl::global::{Ask, FlowCmd, GlobalParams, Verdict};
+use flowctl::{
+    DropReason, EndpointSnapshot, FairnessPolicy, FlowKey, OrderingPolicy, WeightedFairnessParams,
+};
+use proptest::prelude::*;
+use std::collections::{BTreeMap, VecDeque};
+
+const US_PER_MS: u64 = 1000;
+
+struct Cluster {
+    s: ClusterState,
+    now_ms: u64,
+    seq: BTreeMap<u64, u64>,
+}
+
+fn ask(tenant: &str, priority: i32) -> Ask {
+    Ask {
+        flow: FlowKey::new(tenant, priority),
+        bytes: 100,
+        tokens: 10,
+        ttl: Some(0),
+        slo_ttft: None,
+    }
+}
+
+impl Cluster {
+    /// `members` replicas, `endpoints` endpoints of `slots` requests each, the given bands.
+    fn new(
+        members: &[u64],
+        slots: u64,
+        endpoints: usize,
+        bands: Vec<flowctl::BandConfig>,
+        params: GlobalParams,
+    ) -> Cluster {
+        let mut c = Cluster {
+            s: ClusterState::default(),
+            now_ms: 1_000,
+            seq: BTreeMap::new(),
+        };
+        c.heartbeat(members);
+        let out = c.s.apply(ClusterCommand::ConfigureFlow {
+            config: Box::new(slots_config(slots, bands)),
+            params,
+        });
+        assert_eq!(out, ClusterOutput::Configured(true));
+        c.s.apply(ClusterCommand::ObservePool {
+            now_us: c.now_ms * US_PER_MS,
+            endpoints: vec![EndpointSnapshot::default(); endpoints],
+        });
+        c
+    }
+
+    fn heartbeat(&mut self, members: &[u64]) {
+        for &m in members {
+            self.s.apply(ClusterCommand::Heartbeat {
+                node: m,
+                now_ms: self.now_ms,
+                ext_proc: String::new(),
+                admin: String::new(),
+                started_ms: 7,
+            });
+        }
+    }
+
+    fn batch(&mut self, node: u64, cmds: Vec<FlowCmd>) -> ClusterOutput {
+        self.batch_as(node, 7, cmds)
+    }
+
+    fn batch_as(&mut self, node: u64, incarnation: u64, cmds: Vec<FlowCmd>) -> ClusterOutput {
+        self.s.apply(ClusterCommand::Flow {
+            node,
+            incarnation,
+            now_us: self.now_ms * US_PER_MS,
+            cmds,
+        })
+    }
+
+    fn next_seq(&mut self, node: u64) -> u64 {
+        let s = self.seq.entry(node).or_default();
+        *s += 1;
+        *s
+    }
+
+    /// Enqueue one request of `tenant` at `node`; returns its key.
+    fn enqueue(&mut self, node: u64, tenant: &str, priority: i32, rid: &str) -> (u64, u64) {
+        let seq = self.next_seq(node);
+        self.batch(
+            node,
+            vec![FlowCmd::Enqueue {
+                seq,
+                request_id: rid.to_string(),
+                ask: ask(tenant, priority),
+            }],
+        );
+        (node, seq)
+    }
+
+    fn settle(&mut self, node: u64, rid: &str) -> ClusterOutput {
+        self.batch(
+            node,
+            vec![FlowCmd::Settle {
+                request_id: rid.to_string(),
+                actual_tokens: None,
+            }],
+        )
+    }
+
+    fn verdict(&self, key: (u64, u64)) -> Option<Verdict> {
+        self.s.flow().unwrap().verdict(key)
+    }
+
+    fn inflight(&self) -> u64 {
+        self.s.flow().unwrap().totals().inflight_requests
+    }
+}
+
+/// Tenant A's requests reach only replica 1, B's only replica 2, both backlogged; one slot frees
+/// per step (settled by replica 3, which saw the response). Returns A's dispatch share.
+fn skewed_share(fairness: FairnessPolicy) -> f64 {
+    let mut c = Cluster::new(
+        &[1, 2, 3],
+        4,
+        1,
+        vec![band(0, fairness, OrderingPolicy::Fcfs)],
+        GlobalParams {
+            credit_slack: 0,
+            ..GlobalParams::default()
+        },
+    );
+    let mut waiting: BTreeMap<(u64, u64), (&str, String)> = BTreeMap::new();
+    let mut running: VecDeque<(String, &str)> = VecDeque::new();
+    let mut count: BTreeMap<&str, u32> = BTreeMap::new();
+    let mut rid = 0;
+    for step in 0..1200 {
+        c.now_ms += 1;
+        if step % 100 == 0 {
+            c.heartbeat(&[1, 2, 3]);
+        }
+        for (node, tenant) in [(1, "a"), (2, "b")] {
+            // Replica 1 sees four times B's arrival rate: both stay backlogged.
+            let backlog = if node == 1 { 40 } else { 10 };
+            while waiting.values().filter(|(t, _)| *t == tenant).count() < backlog {
+                rid += 1;
+                let r = format!("r{rid}");
+                let key = c.enqueue(node, tenant, 0, &r);
+                waiting.insert(key, (tenant, r));
+            }
+        }
+        if let Some((r, _)) = running.pop_front() {
+            c.settle(3, &r);
+        }
+        let decided: Vec<(u64, u64)> = waiting
+            .keys()
+            .copied()
+            .filter(|k| c.verdict(*k).is_some())
+            .collect();
+        for k in decided {
+            assert_eq!(c.verdict(k), Some(Verdict::Dispatched));
+            let (tenant, r) = waiting.remove(&k).unwrap();
+            running.push_back((r, tenant));
+            if step >= 200 {
+                *count.entry(tenant).or_default() += 1;
+            }
+        }
+        assert!(c.inflight() <= 4, "capacity 4, credit 0");
+    }
+    let a = f64::from(count["a"]);
+    let b = f64::from(count["b"]);
+    a / (a + b)
+}
+
+#[test]
+fn round_robin_shares_hold_across_replicas() {
+    let share = skewed_share(FairnessPolicy::RoundRobin);
+    assert!(
+        (share - 0.5).abs() <= 0.05,
+        "A's share {share:.3}, want 0.50 ± 0.05"
+    );
+}
+
+#[test]
+fn weighted_shares_hold_across_replicas() {
+    let share = skewed_share(FairnessPolicy::Weighted(WeightedFairnessParams {
+        weights: [("a".to_string(), 1.0), ("b".to_string(), 3.0)].into(),
+        default_weight: 1.0,
+        charge: flowctl::Charge::Requests,
+    }));
+    assert!(
+        (share - 0.25).abs() <= 0.05,
+        "A's share {share:.3}, want 0.25 ± 0.05 (weights 1:3)"
+    );
+}
+
+#[test]
+fn strict_priority_across_replicas() {
+    let mut c = Cluster::new(
+        &[1, 2],
+        1,
+        1,
+        vec![
+            band(10, FairnessPolicy::RoundRobin, OrderingPolicy::Fcfs),
+            band(0, FairnessPolicy::RoundRobin, OrderingPolicy::Fcfs),
+        ],
+        GlobalParams {
+            credit_slack: 0,
+            ..GlobalParams::default()
+        },
+    );
+    let first = c.enqueue(1, "low", 0, "l0");
+    assert_eq!(c.verdict(first), Some(Verdict::Dispatched), "pool idle");
+    let lows: Vec<_> = (1..4)
+        .map(|i| c.enqueue(1, "low", 0, &format!("l{i}")))
+        .collect();
+    let high = c.enqueue(2, "high", 10, "h0");
+    assert_eq!(c.verdict(high), None, "the one slot is taken");
+    c.settle(2, "l0");
+    assert_eq!(c.verdict(high), Some(Verdict::Dispatched), "high first");
+    assert!(lows.iter().all(|k| c.verdict(*k).is_none()));
+    c.settle(1, "h0");
+    assert_eq!(c.verdict(lows[0]), Some(Verdict::Dispatched));
+}
+
+#[test]
+fn fast_path_admits_within_credit_then_queues() {
+    let mut c = Cluster::new(
+        &[1, 2],
+        2,
+        2,
+        vec![],
+        GlobalParams {
+            credit_slack: 4,
+            ..GlobalParams::default()
+        },
+    );
+    let f = c.s.flow().unwrap();
+    assert_eq!(f.member(1).unwrap().credit + f.member(2).unwrap().credit, 4);
+    assert!(f.fast_path_open(1, 0));
+    // Replica 1 admits three on credit and reports them with their pods.
+    let cmds = (1..=3)
+        .map(|seq| FlowCmd::Admitted {
+            seq,
+            request_id: format!("f{seq}"),
+            ask: ask("t", 0),
+            pod: Some("10.0.0.1:8000".into()),
+        })
+        .collect();
+    c.seq.insert(1, 3);
+    assert!(matches!(c.batch(1, cmds), ClusterOutput::Flow(r) if r.applied == 3));
+    let f = c.s.flow().unwrap();
+    assert_eq!(f.totals().inflight_requests, 3);
+    assert_eq!(f.pods()["10.0.0.1:8000"].requests, 3);
+    assert!(f.fast_path_open(2, 0), "3 of 4 slots used");
+    c.enqueue(2, "t", 0, "q1");
+    let f = c.s.flow().unwrap();
+    assert!(!f.fast_path_open(1, 0), "saturated: fast path closed");
+    let queued = c.enqueue(2, "t", 0, "q2");
+    assert_eq!(c.verdict(queued), None);
+    c.settle(2, "f1");
+    assert_eq!(c.verdict(queued), Some(Verdict::Dispatched));
+    assert_eq!(c.s.flow().unwrap().pods()["10.0.0.1:8000"].requests, 2);
+}
+
+#[test]
+fn expired_lease_returns_reservations_and_queue_entries() {
+    let mut c = Cluster::new(
+        &[1, 2],
+        1,
+        2,
+        vec![],
+        GlobalParams {
+            credit_slack: 0,
+            lease_ms: 300,
+            ..GlobalParams::default()
+        },
+    );
+    let a = c.enqueue(1, "t", 0, "a");
+    let b = c.enqueue(1, "t", 0, "b");
+    let waiting1 = c.enqueue(1, "t", 0, "c");
+    let waiting2 = c.enqueue(2, "t", 0, "d");
+    assert_eq!(c.verdict(a), Some(Verdict::Dispatched));
+    assert_eq!(c.verdict(b), Some(Verdict::Dispatched));
+    assert_eq!(c.inflight(), 2);
+    // Replica 1 goes silent; replica 2 keeps heartbeating past the lease.
+    for _ in 0..4 {
+        c.now_ms += 100;
+        c.heartbeat(&[2]);
+    }
+    assert_eq!(
+        c.verdict(waiting1),
+        Some(Verdict::Rejected(DropReason::RejectedSaturated))
+    );
+    assert_eq!(
+        c.verdict(waiting2),
+        Some(Verdict::Dispatched),
+        "replica 1's slots returned to the pool"
+    );
+    assert_eq!(c.inflight(), 1);
+    assert_eq!(c.s.flow().unwrap().reclaimed(), 3);
+    // A late settlement of a reclaimed request is ignored, not double-counted.
+    assert!(matches!(c.settle(2, "a"), ClusterOutput::Flow(r) if r.ignored == 1));
+    assert_eq!(c.inflight(), 1);
+}
+
+#[test]
+fn restart_voids_the_old_incarnation_and_retried_batches_are_ignored() {
+    let mut c = Cluster::new(
+        &[1, 2],
+        4,
+        1,
+        vec![],
+        GlobalParams {
+            credit_slack: 0,
+            ..GlobalParams::default()
+        },
+    );
+    let cmd = vec![FlowCmd::Enqueue {
+        seq: 1,
+        request_id: "x".into(),
+        ask: ask("t", 0),
+    }];
+    assert!(matches!(c.batch(1, cmd.clone()), ClusterOutput::Flow(r) if r.applied == 1));
+    assert!(matches!(c.batch(1, cmd.clone()), ClusterOutput::Flow(r) if r.ignored == 1));
+    assert_eq!(c.inflight(), 1);
+    // Replica 1 restarts (new incarnation) and reuses sequence 1.
+    assert!(matches!(c.batch_as(1, 8, cmd), ClusterOutput::Flow(r) if r.applied == 1));
+    assert_eq!(c.inflight(), 1, "the old incarnation's reservation is gone");
+    assert_eq!(c.s.flow().unwrap().reclaimed(), 1);
+}
+
+#[test]
+fn same_commands_same_state_and_snapshots_round_trip() {
+    let run = || {
+        let mut c = Cluster::new(
+            &[1, 2, 3],
+            2,
+            1,
+            vec![],
+            GlobalParams {
+                credit_slack: 3,
+                ..GlobalParams::default()
+            },
+        );
+        for i in 0..20 {
+            c.now_ms += 7;
+            c.enqueue(
+                1 + i % 3,
+                &format!("t{}", i % 4),
+                i as i32 % 2,
+                &format!("r{i}"),
+            );
+            if i % 3 == 0 {
+                c.settle(2, &format!("r{}", i / 2));
+            }
+        }
+        c.s
+    };
+    let a = serde_json::to_string(&run()).unwrap();
+    let b = serde_json::to_string(&run()).unwrap();
+    assert_eq!(a, b);
+    let restored: ClusterState = serde_json::from_str(&a).unwrap();
+    assert_eq!(serde_json::to_string(&restored).unwrap(), a);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A request arrives at a member.
+    Arrive(u8, u8),
+    /// A member flushes its unreported local admissions.
+    Flush(u8),
+    /// The oldest running request completes (settled by some member).
+    Complete(u8),
+    /// Time passes (heartbeats, rebalancing).
+    Tick(u16),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..3, 0u8..3).prop_map(|(m, t)| Op::Arrive(m, t)),
+        2 => (0u8..3).prop_map(Op::Flush),
+        3 => (0u8..3).prop_map(Op::Complete),
+        1 => (1u16..400).prop_map(Op::Tick),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// I1 with the real protocol: members admit locally only while the replicated state says
+    /// "would dispatch now" and their unreported admissions are below their credit; everything
+    /// else queues. Whatever the interleaving, the requests actually running never exceed
+    /// capacity + the credit slack, and nothing is dispatched twice.
+    #[test]
+    fn admission_is_bounded_by_capacity_plus_slack(ops in proptest::collection::vec(op(), 1..400)) {
+        const CAPACITY: u64 = 6;
+        const SLACK: u32 = 5;
+        let mut c = Cluster::new(
+            &[1, 2, 3],
+            3,
+            2,
+            vec![],
+            GlobalParams { credit_slack: SLACK, rebalance_ms: 200, ..GlobalParams::default() },
+        );
+        let mut unreported: BTreeMap<u64, Vec<FlowCmd>> = BTreeMap::new();
+        let mut waiting: BTreeMap<(u64, u64), String> = BTreeMap::new();
+        let mut running: VecDeque<String> = VecDeque::new();
+        let mut seen = std::collections::BTreeSet::new();
+        let mut rid = 0u64;
+        for op in ops {
+            match op {
+                Op::Arrive(m, t) => {
+                    let m = u64::from(m) + 1;
+                    rid += 1;
+                    let r = format!("r{rid}");
+                    let f = c.s.flow().unwrap();
+                    let credit = f.member(m).map_or(0, |x| x.credit) as usize;
+                    let pending = unreported.get(&m).map_or(0, Vec::len);
+                    if f.fast_path_open(m, 0) && pending < credit {
+                        let seq = c.next_seq(m);
+                        unreported.entry(m).or_default().push(FlowCmd::Admitted {
+                            seq,
+                            request_id: r.clone(),
+                            ask: ask(&format!("t{t}"), 0),
+                            pod: None,
+                        });
+                        running.push_back(r);
+                    } else {
+                        // A member's earlier local admissions are reported before its enqueue.
+                        let mut cmds = unreported.remove(&m).unwrap_or_default();
+                        let seq = c.next_seq(m);
+                        cmds.push(FlowCmd::Enqueue { seq, request_id: r.clone(), ask: ask(&format!("t{t}"), 0) });
+                        c.batch(m, cmds);
+                        waiting.insert((m, seq), r);
+                    }
+                }
+                Op::Flush(m) => {
+                    let m = u64::from(m) + 1;
+                    if let Some(cmds) = unreported.remove(&m) {
+                        c.batch(m, cmds);
+                    }
+                }
+                Op::Complete(m) => {
+                    if let Some(r) = running.pop_front() {
+                        // The settlement may overtake the owner's report of the admission.
+                        c.settle(u64::from(m) + 1, &r);
+                    }
+                }
+                Op::Tick(ms) => {
+                    // Members report well within a rebalance period.
+                    for (node, cmds) in std::mem::take(&mut unreported) {
+                        c.batch(node, cmds);
+                    }
+                    c.now_ms += u64::from(ms);
+                    c.heartbeat(&[1, 2, 3]);
+                }
+            }
+            let decided: Vec<(u64, u64)> =
+                waiting.keys().copied().filter(|k| c.verdict(*k).is_some()).collect();
+            for k in decided {
+                prop_assert_eq!(c.verdict(k), Some(Verdict::Dispatched), "no TTL, no caps");
+                let r = waiting.remove(&k).unwrap();
+                prop_assert!(seen.insert(r.clone()), "dispatched twice: {}", r);
+                running.push_back(r);
+            }
+            prop_assert!(
+                running.len() as u64 <= CAPACITY + u64::from(SLACK),
+                "{} running > capacity {} + slack {}", running.len(), CAPACITY, SLACK
+            );
+            let credit: u32 = c.s.flow().unwrap().members().values().map(|m| m.credit).sum();
+            prop_assert!(credit <= SLACK);
+        }
+        // Drain: everything that waited is eventually dispatched.
+        for (node, cmds) in std::mem::take(&mut unreported) {
+            c.batch(node, cmds);
+        }
+        while let Some(r) = running.pop_front() {
+            c.settle(1, &r);
+            let decided: Vec<(u64, u64)> =
+                waiting.keys().copied().filter(|k| c.verdict(*k).is_some()).collect();
+            for k in decided {
+                running.push_back(waiting.remove(&k).unwrap());
+            }
+        }
+        prop_assert!(waiting.is_empty(), "{} never dispatched", waiting.len());
+        prop_assert_eq!(c.inflight(), 0);
+    }
+}
