@@ -131,6 +131,11 @@ impl EppProcess {
         self.admin_json("/debug/prefix-index").await
     }
 
+    /// `GET /debug/flow`: flow control (cluster-wide: this replica's side and the global state).
+    pub async fn flow_view(&self) -> anyhow::Result<serde_json::Value> {
+        self.admin_json("/debug/flow").await
+    }
+
     async fn admin_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
         let resp = reqwest::Client::new()
             .get(format!("http://{}{path}", self.addrs.admin))

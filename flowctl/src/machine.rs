@@ -581,6 +581,14 @@ impl FlowController {
         self.totals
     }
 
+    /// Endpoints in the pool as last observed (0 = none: everything waits, then 503).
+    pub fn pool_endpoints(&self) -> u64 {
+        match &self.pool {
+            Pool::Endpoints(v) => v.len() as u64,
+            Pool::Fixed { endpoints, .. } => u64::from(*endpoints),
+        }
+    }
+
     pub fn is_shutting_down(&self) -> bool {
         self.shutting_down
     }

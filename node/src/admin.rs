@@ -28,6 +28,7 @@ pub async fn run(
         .route("/debug/cluster/{op}", post(cluster_op))
         .route("/debug/prefix-index", get(prefix_index))
         .route("/debug/scrape", get(scrape_view))
+        .route("/debug/flow", get(flow_view))
         .with_state(ctx);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
@@ -120,6 +121,29 @@ async fn cluster_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::
         None => (
             StatusCode::NOT_FOUND,
             "not in cluster mode (start with --peers or --join)",
+        )
+            .into_response(),
+    }
+}
+
+/// `GET /debug/flow`: flow control — cluster-wide (this replica's side and the replicated global
+/// queue, credit and ledger) or this replica's own queue.
+async fn flow_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
+    use crate::admission::Admission;
+    match &ctx.admission {
+        Admission::Global(g) => axum::Json(g.view().await).into_response(),
+        Admission::Flow(g) => {
+            let (queued, inflight) = g.counts();
+            axum::Json(serde_json::json!({
+                "scope": "replica",
+                "queued": queued,
+                "inflight": inflight,
+            }))
+            .into_response()
+        }
+        Admission::Legacy(_) => (
+            StatusCode::NOT_FOUND,
+            "flow control is off (the flowControl feature gate is not set)",
         )
             .into_response(),
     }

@@ -204,14 +204,19 @@ fn nanos_since(epoch: Instant, t: Instant) -> Nanos {
     u64::try_from(t.saturating_duration_since(epoch).as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// The detector's view of one endpoint.
+/// The detector's view of one endpoint, sample times relative to `epoch`.
 fn snapshot(epoch: Instant, c: &Candidate) -> EndpointSnapshot {
+    snapshot_with(c, |t| nanos_since(epoch, t))
+}
+
+/// The detector's view of one endpoint; `clock` turns the sample's instant into state time.
+pub(crate) fn snapshot_with(c: &Candidate, clock: impl Fn(Instant) -> Nanos) -> EndpointSnapshot {
     match &c.sample {
         Some(s) => EndpointSnapshot {
             waiting_queue: s.metrics.waiting_queue_size.unwrap_or(0.0).max(0.0) as u64,
             kv_cache_usage: s.metrics.kv_cache_usage.unwrap_or(0.0),
             // Never 0 for a real sample: 0 would read as "just taken" at the epoch.
-            sampled_at: Some(nanos_since(epoch, s.scraped_at).max(1)),
+            sampled_at: Some(clock(s.scraped_at).max(1)),
         },
         None => EndpointSnapshot::default(),
     }
@@ -308,7 +313,7 @@ pub enum Verdict {
 
 /// An admitted request's handle in the in-flight ledger.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ticket(u64);
+pub struct Ticket(pub(crate) u64);
 
 /// A request asking flow control for admission.
 #[derive(Debug, Clone)]
@@ -321,11 +326,58 @@ pub struct AdmitRequest<'a> {
     pub target_model: &'a str,
 }
 
-struct Waiter {
-    tx: oneshot::Sender<Verdict>,
-    request_id: String,
-    enqueued: Instant,
-    labels: QueueLabels,
+pub(crate) struct Waiter {
+    pub(crate) tx: oneshot::Sender<Verdict>,
+    pub(crate) request_id: String,
+    pub(crate) enqueued: Instant,
+    pub(crate) labels: QueueLabels,
+}
+
+impl Waiter {
+    pub(crate) fn new(
+        tx: oneshot::Sender<Verdict>,
+        req: &AdmitRequest<'_>,
+        metrics: &Metrics,
+    ) -> Waiter {
+        Waiter {
+            tx,
+            request_id: req.request_id.to_string(),
+            enqueued: Instant::now(),
+            labels: QueueLabels {
+                fairness_id: metrics.fairness_label(&req.meta.fairness_id),
+                priority: req.meta.priority.to_string(),
+                outcome: String::new(),
+                inference_pool: metrics.pool_name().to_string(),
+                model_name: req.model.to_string(),
+                target_model_name: req.target_model.to_string(),
+            },
+        }
+    }
+
+    /// Record the outcome (queue duration, requests by outcome) and deliver the verdict.
+    pub(crate) fn resolve(self, metrics: &Metrics, verdict: Verdict) -> bool {
+        let outcome = match verdict {
+            Verdict::Dispatched(_) => "dispatched",
+            Verdict::Rejected(r) => r.as_str(),
+        };
+        let mut labels = self.labels;
+        labels.outcome = outcome.to_string();
+        metrics
+            .flow
+            .queue_duration
+            .get_or_create(&labels)
+            .observe(self.enqueued.elapsed().as_secs_f64());
+        metrics
+            .flow
+            .requests
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.to_string(),
+                priority: labels.priority.clone(),
+                inference_pool: labels.inference_pool.clone(),
+            })
+            .inc();
+        self.tx.send(verdict).is_ok()
+    }
 }
 
 struct Running {
@@ -407,23 +459,7 @@ impl FlowGate {
         let mut st = self.lock();
         let id = st.next_id;
         st.next_id += 1;
-        let labels = QueueLabels {
-            fairness_id: self.metrics.fairness_label(&req.meta.fairness_id),
-            priority: req.meta.priority.to_string(),
-            outcome: String::new(),
-            inference_pool: self.metrics.pool_name().to_string(),
-            model_name: req.model.to_string(),
-            target_model_name: req.target_model.to_string(),
-        };
-        st.waiting.insert(
-            id,
-            Waiter {
-                tx,
-                request_id: req.request_id.to_string(),
-                enqueued: Instant::now(),
-                labels,
-            },
-        );
+        st.waiting.insert(id, Waiter::new(tx, &req, &self.metrics));
         let cmd = Command::Enqueue(EnqueueRequest {
             id,
             flow: FlowKey::new(req.meta.fairness_id.clone(), req.meta.priority),
@@ -435,7 +471,7 @@ impl FlowGate {
         self.apply(&mut st, now, cmd);
         drop(st);
         Pending {
-            gate: self.clone(),
+            owner: Some(PendingOwner::Local(self.clone())),
             id,
             rx: Some(rx),
         }
@@ -458,7 +494,7 @@ impl FlowGate {
         self.cancel(ticket.0);
     }
 
-    fn cancel(&self, id: u64) {
+    pub(crate) fn cancel(&self, id: u64) {
         let now = self.now();
         let mut st = self.lock();
         self.forget_running(&mut st, id);
@@ -558,7 +594,6 @@ impl FlowGate {
                     let Some(w) = st.waiting.remove(&id) else {
                         continue;
                     };
-                    self.record(&w, "dispatched");
                     st.by_request_id
                         .entry(w.request_id.clone())
                         .or_default()
@@ -566,19 +601,18 @@ impl FlowGate {
                     st.running.insert(
                         id,
                         Running {
-                            request_id: w.request_id,
+                            request_id: w.request_id.clone(),
                             since: Instant::now(),
                         },
                     );
-                    if w.tx.send(Verdict::Dispatched(Ticket(id))).is_err() {
+                    if !w.resolve(&self.metrics, Verdict::Dispatched(Ticket(id))) {
                         // The stream left between enqueue and now.
                         orphans.push(id);
                     }
                 }
                 Outcome::Rejected { id, reason } => {
                     if let Some(w) = st.waiting.remove(&id) {
-                        self.record(&w, reason.as_str());
-                        let _ = w.tx.send(Verdict::Rejected(reason));
+                        w.resolve(&self.metrics, Verdict::Rejected(reason));
                     }
                 }
                 Outcome::Evicted { id, .. } => {
@@ -597,35 +631,33 @@ impl FlowGate {
             self.apply(st, now, Command::Cancel { id });
         }
     }
+}
 
-    fn record(&self, w: &Waiter, outcome: &str) {
-        let mut labels = w.labels.clone();
-        labels.outcome = outcome.to_string();
-        self.metrics
-            .flow
-            .queue_duration
-            .get_or_create(&labels)
-            .observe(w.enqueued.elapsed().as_secs_f64());
-        self.metrics
-            .flow
-            .requests
-            .get_or_create(&OutcomeLabels {
-                outcome: outcome.to_string(),
-                priority: w.labels.priority.clone(),
-                inference_pool: w.labels.inference_pool.clone(),
-            })
-            .inc();
-    }
+/// Who cancels a pending request that is dropped before its verdict.
+pub(crate) enum PendingOwner {
+    Local(Arc<FlowGate>),
+    Global(Arc<crate::global_gate::GlobalGate>),
 }
 
 /// A queued request's claim on its verdict.
 pub struct Pending {
-    gate: Arc<FlowGate>,
-    id: u64,
-    rx: Option<oneshot::Receiver<Verdict>>,
+    pub(crate) owner: Option<PendingOwner>,
+    pub(crate) id: u64,
+    pub(crate) rx: Option<oneshot::Receiver<Verdict>>,
 }
 
 impl Pending {
+    /// A verdict known at once (nothing to cancel).
+    pub(crate) fn ready(v: Verdict) -> Pending {
+        let (tx, rx) = oneshot::channel();
+        let _ = tx.send(v);
+        Pending {
+            owner: None,
+            id: 0,
+            rx: Some(rx),
+        }
+    }
+
     /// Wait for dispatch or rejection.
     pub async fn wait(mut self) -> Verdict {
         let Some(rx) = self.rx.as_mut() else {
@@ -643,16 +675,58 @@ impl Pending {
 impl Drop for Pending {
     fn drop(&mut self) {
         if self.rx.is_some() {
-            self.gate.cancel(self.id);
+            match &self.owner {
+                Some(PendingOwner::Local(g)) => g.cancel(self.id),
+                Some(PendingOwner::Global(g)) => g.cancel(self.id),
+                None => {}
+            }
         }
     }
 }
 
-/// What a replica admits with: llm-d's legacy controller or flow control.
+/// What a replica admits with: llm-d's legacy controller, flow control on this replica, or
+/// cluster-wide flow control.
 #[derive(Debug)]
 pub enum Admission {
     Legacy(LegacyAdmission),
     Flow(Arc<FlowGate>),
+    Global(Arc<crate::global_gate::GlobalGate>),
+}
+
+impl Admission {
+    /// Ask flow control (either scope) for admission; `None` for the legacy controller.
+    pub async fn enqueue(&self, req: AdmitRequest<'_>) -> Option<Pending> {
+        match self {
+            Admission::Legacy(_) => None,
+            Admission::Flow(g) => Some(g.enqueue(req)),
+            Admission::Global(g) => Some(g.admit(req).await),
+        }
+    }
+
+    /// An admitted request will never reach a model server: give its slot back.
+    pub fn release(&self, ticket: Ticket) {
+        match self {
+            Admission::Legacy(_) => {}
+            Admission::Flow(g) => g.release(ticket),
+            Admission::Global(g) => g.release(ticket),
+        }
+    }
+
+    /// The pod an admitted request was routed to (the cluster ledger's per-pod load).
+    pub fn routed(&self, ticket: Ticket, pod: &str) {
+        if let Admission::Global(g) = self {
+            g.routed(ticket, pod);
+        }
+    }
+
+    /// The response of `request_id` ended (observed here, whichever replica admitted it).
+    pub fn complete(&self, request_id: &str, actual_tokens: Option<u64>) {
+        match self {
+            Admission::Legacy(_) => {}
+            Admission::Flow(g) => g.complete(request_id, actual_tokens),
+            Admission::Global(g) => g.complete(request_id, actual_tokens),
+        }
+    }
 }
 
 /// Resolve the configured saturation detector (`flowControl.saturationDetector`, or the deprecated

@@ -62,6 +62,13 @@ pub struct ClusterOptions {
     pub prefix_replication: bool,
     /// Replicas scraping each pod (rendezvous owners); 0 = every replica scrapes every pod.
     pub scrape_owners: usize,
+    /// Flow control (when the `flowControl` gate is on) for the whole cluster — one global queue
+    /// and ledger — or per replica as llm-d does (`--flow-control-scope replica`).
+    pub global_flow: bool,
+    /// Requests the cluster may admit on local credit beyond the replicated ledger.
+    pub flow_credit_slack: u32,
+    /// What a replica without quorum does with new requests.
+    pub flow_partition: crate::global_gate::PartitionMode,
 }
 
 impl ClusterOptions {
@@ -159,6 +166,25 @@ impl ClusterMember {
         })
     }
 
+    /// This run's incarnation (its start time, ms): heartbeats and flow batches carry it.
+    pub fn incarnation(&self) -> u64 {
+        self.started_ms
+    }
+
+    pub fn node_id(&self) -> u64 {
+        self.opts.node_id
+    }
+
+    /// The lease of cluster members (three heartbeats).
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(self.opts.lease_ms())
+    }
+
+    /// Whether this replica is the Raft leader now.
+    pub async fn is_leader(&self) -> bool {
+        self.node.metrics().await.leader == Some(self.opts.node_id)
+    }
+
     pub fn has_quorum(&self) -> bool {
         self.quorum.load(Ordering::Relaxed)
     }
@@ -216,18 +242,21 @@ impl ClusterMember {
 
     pub async fn view(&self) -> ClusterView {
         let raft = self.node.status().await;
-        let (state, _) = self.node.local_read(|s| s.0.clone()).await;
         let now = wall_ms();
         let lease = self.opts.lease_ms();
-        let members = state
-            .members()
-            .iter()
-            .map(|(id, m)| MemberView {
-                id: *id,
-                live: state.is_live(*id, now, lease),
-                member: m.clone(),
+        let (members, _) = self
+            .node
+            .local_read(|s| {
+                s.0.members()
+                    .iter()
+                    .map(|(id, m)| MemberView {
+                        id: *id,
+                        live: s.0.is_live(*id, now, lease),
+                        member: m.clone(),
+                    })
+                    .collect()
             })
-            .collect();
+            .await;
         ClusterView {
             node_id: self.opts.node_id,
             quorum: self.has_quorum(),

@@ -32,6 +32,7 @@ pub mod cluster;
 pub mod config;
 pub mod datalayer;
 pub mod extproc;
+pub mod global_gate;
 pub mod gossip;
 pub mod metrics;
 pub mod parsers;

@@ -157,6 +157,18 @@ struct ClusterArgs {
     /// over live members); 0 = every replica scrapes every pod.
     #[arg(long, default_value_t = 2)]
     scrape_owners: usize,
+    /// Flow control (`flowControl` feature gate) for the whole cluster (one global queue and
+    /// in-flight ledger through Raft) or per replica, as llm-d does.
+    #[arg(long, default_value = "cluster", value_parser = ["cluster", "replica"])]
+    flow_control_scope: String,
+    /// Requests the cluster may admit on local credit (no consensus round trip) beyond what the
+    /// replicated ledger has seen; split between replicas by demand. 0 = every admission commits.
+    #[arg(long, default_value_t = 8)]
+    flow_credit_slack: u32,
+    /// A replica that cannot reach a quorum: `local-share` admits within its last credit (at
+    /// least one request at a time), `fail-closed` answers 429.
+    #[arg(long, default_value = "local-share")]
+    flow_partition: node::global_gate::PartitionMode,
 }
 
 fn on_off(s: &str) -> Result<bool, String> {
@@ -199,6 +211,9 @@ impl ClusterArgs {
             },
             prefix_replication: self.prefix_replication,
             scrape_owners: self.scrape_owners,
+            global_flow: self.flow_control_scope == "cluster",
+            flow_credit_slack: self.flow_credit_slack,
+            flow_partition: self.flow_partition,
         })
     }
 }

@@ -325,6 +325,20 @@ pub struct ClusterMetrics {
     apply_lag: Gauge,
     quorum: Gauge,
     proposal_seconds: Histogram,
+    flow_admissions: Family<PathLabels, Counter>,
+    flow_batch_commands: Histogram,
+    flow_batch_seconds: Histogram,
+    flow_credit: Gauge,
+    flow_unreported: Gauge,
+    flow_waiting: Gauge,
+    flow_degraded: Gauge,
+}
+
+/// How cluster flow control admitted a request: `fast` (local credit), `slow` (global queue),
+/// `degraded-admit` / `degraded-reject` (no quorum).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PathLabels {
+    pub path: &'static str,
 }
 
 impl ClusterMetrics {
@@ -340,7 +354,54 @@ impl ClusterMetrics {
             proposal_seconds: Histogram::new(
                 scheduler_buckets().into_iter().chain([0.2, 0.5, 1.0, 2.0]),
             ),
+            flow_admissions: Family::default(),
+            flow_batch_commands: Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(1.0, 2.0, 14),
+            ),
+            flow_batch_seconds: Histogram::new(
+                scheduler_buckets().into_iter().chain([0.2, 0.5, 1.0, 2.0]),
+            ),
+            flow_credit: Gauge::default(),
+            flow_unreported: Gauge::default(),
+            flow_waiting: Gauge::default(),
+            flow_degraded: Gauge::default(),
         };
+        registry.register(
+            "cluster_flow_admissions",
+            "Requests admitted by cluster flow control, by path (fast: local credit, no consensus \
+             round trip; slow: global queue; degraded-admit/-reject: no quorum)",
+            m.flow_admissions.clone(),
+        );
+        registry.register(
+            "cluster_flow_batch_commands",
+            "Flow-control commands per proposed log entry",
+            m.flow_batch_commands.clone(),
+        );
+        registry.register(
+            "cluster_flow_batch_duration_seconds",
+            "Time to commit one flow-control batch",
+            m.flow_batch_seconds.clone(),
+        );
+        registry.register(
+            "cluster_flow_credit",
+            "Requests this replica may admit on local credit (replicated state)",
+            m.flow_credit.clone(),
+        );
+        registry.register(
+            "cluster_flow_unreported",
+            "Local admissions not yet in the replicated ledger",
+            m.flow_unreported.clone(),
+        );
+        registry.register(
+            "cluster_flow_waiting",
+            "Requests held here waiting for a dispatch from the global queue",
+            m.flow_waiting.clone(),
+        );
+        registry.register(
+            "cluster_flow_degraded",
+            "1 while this replica cannot commit and admits on its local share (or fails closed)",
+            m.flow_degraded.clone(),
+        );
         registry.register("cluster_raft_term", "Current Raft term", m.term.clone());
         registry.register(
             "cluster_raft_leader",
@@ -378,6 +439,25 @@ impl ClusterMetrics {
             m.proposal_seconds.clone(),
         );
         m
+    }
+
+    pub fn flow_admission(&self, path: &'static str) {
+        self.flow_admissions
+            .get_or_create(&PathLabels { path })
+            .inc();
+    }
+
+    pub fn flow_batch(&self, commands: usize, took: std::time::Duration) {
+        self.flow_batch_commands.observe(commands as f64);
+        self.flow_batch_seconds.observe(took.as_secs_f64());
+    }
+
+    pub fn flow_local(&self, credit: u32, unreported: usize, waiting: usize, degraded: bool) {
+        let i = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        self.flow_credit.set(i64::from(credit));
+        self.flow_unreported.set(i(unreported));
+        self.flow_waiting.set(i(waiting));
+        self.flow_degraded.set(i64::from(degraded));
     }
 
     pub fn proposal(&self, seconds: f64) {

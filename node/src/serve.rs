@@ -24,6 +24,7 @@ use crate::datalayer::Datastore;
 use crate::datalayer::discovery::FileDiscovery;
 use crate::datalayer::scraper::ScrapeConfig;
 use crate::extproc::{ExtProcService, PickerContext};
+use crate::global_gate::{GlobalGate, GlobalGateOptions};
 use crate::metrics::Metrics;
 use crate::plugins::{self, AdmissionConfig};
 
@@ -151,11 +152,28 @@ pub async fn serve(
             detector.clone(),
             built.inflight.clone(),
         )?),
-        AdmissionConfig::FlowControl(config) => Admission::Flow(Arc::new(FlowGate::new(
-            config.as_ref().clone(),
-            store.clone(),
-            metrics.clone(),
-        )?)),
+        AdmissionConfig::FlowControl(config) => match &opts.cluster {
+            Some(c) if c.global_flow => Admission::Global(Arc::new(GlobalGate::new(
+                c.node_id,
+                config.as_ref().clone(),
+                GlobalGateOptions {
+                    params: flowctl::global::GlobalParams {
+                        lease_ms: c.lease_ms(),
+                        credit_slack: c.flow_credit_slack,
+                        ..flowctl::global::GlobalParams::default()
+                    },
+                    partition: c.flow_partition,
+                    ..GlobalGateOptions::default()
+                },
+                store.clone(),
+                metrics.clone(),
+            )?)),
+            _ => Admission::Flow(Arc::new(FlowGate::new(
+                config.as_ref().clone(),
+                store.clone(),
+                metrics.clone(),
+            )?)),
+        },
     };
 
     let grpc = bind("ext_proc gRPC", opts.grpc_addr).await?;
@@ -308,6 +326,13 @@ pub async fn serve(
             }
         });
     }
+    if let (Admission::Global(gate), Some(member)) = (&ctx.admission, cluster.clone()) {
+        let (gate, stop) = (gate.clone(), stop.clone());
+        tasks.spawn(async move {
+            gate.run(member, stop).await;
+            Ok(())
+        });
+    }
     if let (Some(g), Some(member)) = (gossip, cluster.clone()) {
         let stop = stop.clone();
         tasks.spawn(async move {
@@ -352,14 +377,24 @@ pub async fn serve(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    if let Admission::Flow(gate) = &ctx.admission {
-        // Whatever still waits in the queue gets 503 rejected-shutting-down; give those streams a
-        // moment to send that answer before the servers stop.
-        let queued = gate.counts().0;
-        gate.shutdown();
-        if queued > 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    // Whatever still waits in the queue gets 503 rejected-shutting-down; give those streams a
+    // moment to send that answer (and the cluster writer a moment to report the cancels) before
+    // the servers stop.
+    let queued = match &ctx.admission {
+        Admission::Flow(gate) => {
+            let queued = gate.counts().0;
+            gate.shutdown();
+            queued
         }
+        Admission::Global(gate) => {
+            let queued = gate.waiting() as u64;
+            gate.shutdown();
+            queued
+        }
+        Admission::Legacy(_) => 0,
+    };
+    if queued > 0 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     stop.cancel();
     while tasks.join_next().await.is_some() {}

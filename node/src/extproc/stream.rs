@@ -343,25 +343,29 @@ impl StreamState {
                 }
             }
             Admission::Legacy(_) => {}
-            Admission::Flow(gate) => {
-                let pending = gate.enqueue(AdmitRequest {
-                    request_id: &self.request_id,
-                    meta: &meta,
-                    bytes: self.body.len() as u64,
-                    tokens: parsed.as_ref().map_or(0, |p| p.prompt.estimated_tokens()),
-                    model,
-                    target_model: model,
-                });
+            admission @ (Admission::Flow(_) | Admission::Global(_)) => {
+                let pending = admission
+                    .enqueue(AdmitRequest {
+                        request_id: &self.request_id,
+                        meta: &meta,
+                        bytes: self.body.len() as u64,
+                        tokens: parsed.as_ref().map_or(0, |p| p.prompt.estimated_tokens()),
+                        model,
+                        target_model: model,
+                    })
+                    .await;
                 // Hold the stream until the verdict; if Envoy goes away meanwhile (the client
                 // disconnected) dropping `pending` cancels the queued request.
-                let verdict = tokio::select! {
-                    v = pending.wait() => v,
-                    _ = self.tx.closed() => return Err(()),
-                };
-                match verdict {
-                    Verdict::Dispatched(t) => ticket = Some((gate.clone(), t)),
-                    Verdict::Rejected(reason) => {
-                        return self.reject(Rejection::dropped(reason)).await;
+                if let Some(pending) = pending {
+                    let verdict = tokio::select! {
+                        v = pending.wait() => v,
+                        _ = self.tx.closed() => return Err(()),
+                    };
+                    match verdict {
+                        Verdict::Dispatched(t) => ticket = Some(t),
+                        Verdict::Rejected(reason) => {
+                            return self.reject(Rejection::dropped(reason)).await;
+                        }
                     }
                 }
             }
@@ -392,9 +396,9 @@ impl StreamState {
         let decision = match decision {
             Ok(d) => d,
             Err(e) => {
-                if let Some((gate, t)) = ticket {
+                if let Some(t) = ticket {
                     // Admitted but going nowhere: give the slot back.
-                    gate.release(t);
+                    self.ctx.admission.release(t);
                 }
                 return match e {
                     SchedError::NoCandidates => self.reject(Rejection::no_endpoints()).await,
@@ -412,6 +416,11 @@ impl StreamState {
             .collect::<Vec<_>>()
             .join(",");
         tracing::debug!(request_id = %self.request_id, %destination, model, "routed");
+        if let (Some(t), Some(&primary)) = (ticket, decision.picked.first()) {
+            self.ctx
+                .admission
+                .routed(t, candidates[primary].endpoint.hostport.as_str());
+        }
         if let (Some(p), Some(&primary)) = (&decision.data.prefix, decision.picked.first()) {
             let matched = p.matched.get(primary).copied().unwrap_or(0);
             self.ctx
@@ -576,9 +585,9 @@ impl StreamState {
             if let Some(t) = &self.ctx.inflight {
                 t.finish(&self.request_id);
             }
-            if let Admission::Flow(gate) = &self.ctx.admission {
-                gate.complete(&self.request_id, usage.map(|u| u.input + u.output));
-            }
+            self.ctx
+                .admission
+                .complete(&self.request_id, usage.map(|u| u.input + u.output));
         }
     }
 

@@ -1,0 +1,818 @@
+//! Cluster-wide flow control on one replica: the shell around [`flowctl::global`].
+//!
+//! The replicated state (inside [`crate::cluster::Replicated`]) holds one global queue and
+//! in-flight ledger for every replica. This gate turns a request into one of three paths:
+//!
+//! * **Fast path** — the applied state says the request would be dispatched at once and this
+//!   replica's unreported local admissions are below its credit: admit now, report later
+//!   ([`FlowCmd::Admitted`], batched). No consensus round trip (invariant I7).
+//! * **Slow path** — otherwise propose [`FlowCmd::Enqueue`] and hold the stream until the applied
+//!   state carries the verdict for this replica's key (the leader-independent, deterministic
+//!   dispatch of the global queue).
+//! * **Degraded** — the replica cannot commit (no quorum, or the applied state stopped moving for a
+//!   lease): `local-share` admits while fewer than its last credit (at least one) of its own
+//!   degraded admissions run, else 429; `fail-closed` answers 429 at once. Never unbounded.
+//!
+//! Everything this replica says (admissions, enqueues, cancels, routed pods, settlements of
+//! responses it observed — for any replica's request) goes through one outbox, proposed as one
+//! log entry per batch by a single writer (a failed proposal is retried; the state ignores
+//! sequence numbers it has already seen). A watcher follows the applied index: it delivers
+//! verdicts, forgets reported admissions, tracks credit and degradation, and — on the leader —
+//! proposes the pool's metrics and the flow configuration.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use flowctl::cluster::{ClusterCommand, ClusterOutput};
+use flowctl::global::{Ask, FlowCmd, GlobalParams, Verdict as GVerdict};
+use flowctl::{ControllerConfig, DropReason, FlowKey, Nanos};
+use serde::Serialize;
+use tokio::sync::{Notify, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::{
+    AdmitRequest, Pending, PendingOwner, Ticket, Verdict, Waiter, snapshot_with,
+};
+use crate::cluster::ClusterMember;
+use crate::config::ConfigError;
+use crate::datalayer::Datastore;
+use crate::metrics::{BandLabels, Metrics, SaturationLabels};
+
+/// What a replica cut off from the quorum does with new requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PartitionMode {
+    /// Admit while fewer than its last credit (≥ 1) of its own degraded admissions run.
+    LocalShare,
+    /// 429 `rejected-saturated` for every new request.
+    FailClosed,
+}
+
+impl std::str::FromStr for PartitionMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "local-share" => Ok(PartitionMode::LocalShare),
+            "fail-closed" => Ok(PartitionMode::FailClosed),
+            other => Err(format!(
+                "expected local-share or fail-closed, got `{other}`"
+            )),
+        }
+    }
+}
+
+/// Settings of cluster-wide flow control.
+#[derive(Debug, Clone)]
+pub struct GlobalGateOptions {
+    pub params: GlobalParams,
+    pub partition: PartitionMode,
+    /// Linger before proposing a batch of reports only (enqueues go at once).
+    pub report_linger: Duration,
+    /// How often the leader proposes the pool's metrics.
+    pub pool_interval: Duration,
+}
+
+impl Default for GlobalGateOptions {
+    fn default() -> Self {
+        GlobalGateOptions {
+            params: GlobalParams::default(),
+            partition: PartitionMode::LocalShare,
+            report_linger: Duration::from_millis(2),
+            pool_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+/// Most commands kept while proposals fail (then the oldest are dropped and counted).
+const OUTBOX_LIMIT: usize = 100_000;
+
+/// An admission whose response was never observed anywhere is released after this long.
+const ADMITTED_MAX_AGE: Duration = Duration::from_secs(3600);
+
+struct GWaiter {
+    waiter: Waiter,
+    /// Local backstop: reject if no verdict arrives by then (TTL + two leases).
+    deadline: Option<Instant>,
+}
+
+#[derive(Default)]
+struct State {
+    next_seq: u64,
+    outbox: Vec<FlowCmd>,
+    waiting: HashMap<u64, GWaiter>,
+    /// Local admissions not yet in the applied state (sequence numbers, ascending).
+    unreported: VecDeque<u64>,
+    /// This replica's credit in the applied state.
+    credit: u32,
+    /// The applied state has cluster flow control configured.
+    configured: bool,
+    /// Admitted requests of this replica (fast, slow or degraded) → when; pruned of those the
+    /// state no longer holds, and given up after [`ADMITTED_MAX_AGE`] (response never observed).
+    admitted: BTreeMap<u64, Instant>,
+    /// Degraded-mode admissions still running here, by `x-request-id`.
+    degraded_running: HashMap<String, u32>,
+    degraded: bool,
+    shutting_down: bool,
+    fast: u64,
+    slow: u64,
+    degraded_admits: u64,
+    degraded_rejects: u64,
+    dropped_cmds: u64,
+}
+
+/// The cluster-wide flow gate of one replica. See the module docs.
+pub struct GlobalGate {
+    node_id: u64,
+    config: ControllerConfig,
+    opts: GlobalGateOptions,
+    metrics: Arc<Metrics>,
+    store: Arc<Datastore>,
+    member: OnceLock<Arc<ClusterMember>>,
+    state: Mutex<State>,
+    wake: Notify,
+}
+
+impl std::fmt::Debug for GlobalGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GlobalGate")
+            .field("node_id", &self.node_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn wall_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+impl GlobalGate {
+    pub fn new(
+        node_id: u64,
+        config: ControllerConfig,
+        opts: GlobalGateOptions,
+        store: Arc<Datastore>,
+        metrics: Arc<Metrics>,
+    ) -> Result<GlobalGate, ConfigError> {
+        if config.eviction.enabled {
+            return Err(ConfigError::invalid(
+                "flowControl.enableEviction: evicting in-flight requests is not supported by this \
+                 build (the split data plane cannot abort a response the EPP no longer sees)",
+            ));
+        }
+        config.validate()?;
+        Ok(GlobalGate {
+            node_id,
+            config,
+            opts,
+            metrics,
+            store,
+            member: OnceLock::new(),
+            state: Mutex::new(State {
+                next_seq: 1,
+                ..State::default()
+            }),
+            wake: Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        match self.state.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn push(&self, st: &mut State, cmd: FlowCmd) {
+        if st.outbox.len() >= OUTBOX_LIMIT {
+            st.outbox.remove(0);
+            st.dropped_cmds += 1;
+        }
+        st.outbox.push(cmd);
+    }
+
+    /// Admission for one request (fast path, slow path or degraded; see the module docs).
+    pub async fn admit(self: &Arc<Self>, req: AdmitRequest<'_>) -> Pending {
+        let priority = req.meta.priority;
+        let me = self.node_id;
+        // The replicated view: may this replica admit on credit, and what has it reported?
+        let view = match self.member.get() {
+            Some(m) => {
+                m.node
+                    .local_read(|s| {
+                        s.0.flow().map(|f| {
+                            let mf = f.member(me);
+                            (f.fast_path_open(me, priority), mf.map_or(0, |m| m.last_seq))
+                        })
+                    })
+                    .await
+                    .0
+            }
+            None => None,
+        };
+        let ask = Ask {
+            flow: FlowKey::new(req.meta.fairness_id.clone(), priority),
+            bytes: req.bytes,
+            tokens: req.tokens,
+            ttl: None,
+            slo_ttft: req.meta.slo_ttft_ms.map(|ms| ms.saturating_mul(1_000_000)),
+        };
+        let mut st = self.lock();
+        if st.shutting_down {
+            return Pending::ready(Verdict::Rejected(DropReason::RejectedShuttingDown));
+        }
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        if st.degraded || view.is_none() {
+            return self.admit_degraded(&mut st, seq, req.request_id, ask);
+        }
+        let (open, last_seq) = view.unwrap_or_default();
+        while st.unreported.front().is_some_and(|s| *s <= last_seq) {
+            st.unreported.pop_front();
+        }
+        if open && st.unreported.len() < st.credit as usize {
+            st.unreported.push_back(seq);
+            st.admitted.insert(seq, Instant::now());
+            st.fast += 1;
+            self.metrics.cluster.flow_admission("fast");
+            self.push(
+                &mut st,
+                FlowCmd::Admitted {
+                    seq,
+                    request_id: req.request_id.to_string(),
+                    ask,
+                    pod: None,
+                },
+            );
+            drop(st);
+            self.wake.notify_one();
+            return Pending::ready(Verdict::Dispatched(Ticket(seq)));
+        }
+        st.slow += 1;
+        self.metrics.cluster.flow_admission("slow");
+        let (tx, rx) = oneshot::channel();
+        let ttl: Nanos = self.config.default_request_ttl;
+        let deadline = (ttl > 0).then(|| {
+            Instant::now()
+                + Duration::from_nanos(ttl)
+                + 2 * Duration::from_millis(self.opts.params.lease_ms)
+        });
+        st.waiting.insert(
+            seq,
+            GWaiter {
+                waiter: Waiter::new(tx, &req, &self.metrics),
+                deadline,
+            },
+        );
+        self.push(
+            &mut st,
+            FlowCmd::Enqueue {
+                seq,
+                request_id: req.request_id.to_string(),
+                ask,
+            },
+        );
+        drop(st);
+        self.wake.notify_one();
+        Pending {
+            owner: Some(PendingOwner::Global(self.clone())),
+            id: seq,
+            rx: Some(rx),
+        }
+    }
+
+    fn admit_degraded(&self, st: &mut State, seq: u64, request_id: &str, ask: Ask) -> Pending {
+        let share = st.credit.max(1) as usize;
+        let running: u32 = st.degraded_running.values().sum();
+        let admit = self.opts.partition == PartitionMode::LocalShare && (running as usize) < share;
+        if !admit {
+            st.degraded_rejects += 1;
+            self.metrics.cluster.flow_admission("degraded-reject");
+            return Pending::ready(Verdict::Rejected(DropReason::RejectedSaturated));
+        }
+        st.degraded_admits += 1;
+        self.metrics.cluster.flow_admission("degraded-admit");
+        *st.degraded_running
+            .entry(request_id.to_string())
+            .or_default() += 1;
+        // Reported once the replica can commit again, so the ledger learns of it.
+        st.unreported.push_back(seq);
+        st.admitted.insert(seq, Instant::now());
+        self.push(
+            st,
+            FlowCmd::Admitted {
+                seq,
+                request_id: request_id.to_string(),
+                ask,
+                pod: None,
+            },
+        );
+        Pending::ready(Verdict::Dispatched(Ticket(seq)))
+    }
+
+    /// A pending request was dropped (client gone) or an admitted one goes nowhere.
+    pub(crate) fn cancel(&self, seq: u64) {
+        let mut st = self.lock();
+        if let Some(w) = st.waiting.remove(&seq) {
+            w.waiter.resolve(
+                &self.metrics,
+                Verdict::Rejected(DropReason::RejectedContextCancelled),
+            );
+        }
+        self.push(&mut st, FlowCmd::Cancel { seq });
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    pub fn release(&self, ticket: Ticket) {
+        self.cancel(ticket.0);
+    }
+
+    /// The pod `ticket` was routed to: folded into its unsent admission report when possible.
+    pub fn routed(&self, ticket: Ticket, pod: &str) {
+        let mut st = self.lock();
+        let seq = ticket.0;
+        let unsent = st.outbox.iter_mut().rev().find_map(|c| match c {
+            FlowCmd::Admitted { seq: s, pod, .. } if *s == seq => Some(pod),
+            _ => None,
+        });
+        match unsent {
+            Some(p) => *p = Some(pod.to_string()),
+            None => self.push(
+                &mut st,
+                FlowCmd::Routed {
+                    seq,
+                    pod: pod.to_string(),
+                },
+            ),
+        }
+    }
+
+    /// The response of `request_id` ended here (whichever replica admitted it).
+    pub fn complete(&self, request_id: &str, actual_tokens: Option<u64>) {
+        let mut st = self.lock();
+        if let Some(n) = st.degraded_running.get_mut(request_id) {
+            *n -= 1;
+            if *n == 0 {
+                st.degraded_running.remove(request_id);
+            }
+        }
+        self.push(
+            &mut st,
+            FlowCmd::Settle {
+                request_id: request_id.to_string(),
+                actual_tokens,
+            },
+        );
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    /// Reject everything waiting here and every later request with `rejected-shutting-down`.
+    pub fn shutdown(&self) {
+        let mut st = self.lock();
+        st.shutting_down = true;
+        let waiting: Vec<(u64, GWaiter)> = st.waiting.drain().collect();
+        for (seq, w) in waiting {
+            w.waiter.resolve(
+                &self.metrics,
+                Verdict::Rejected(DropReason::RejectedShuttingDown),
+            );
+            self.push(&mut st, FlowCmd::Cancel { seq });
+        }
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    /// Requests waiting here for a verdict.
+    pub fn waiting(&self) -> usize {
+        self.lock().waiting.len()
+    }
+
+    /// Start the writer and the watcher (cluster mode, once the consensus node runs).
+    pub async fn run(self: Arc<Self>, member: Arc<ClusterMember>, stop: CancellationToken) {
+        let _ = self.member.set(member.clone());
+        let writer = tokio::spawn(self.clone().writer(member.clone(), stop.clone()));
+        self.watcher(member, stop).await;
+        let _ = writer.await;
+    }
+
+    /// Propose the outbox, one batch (one log entry) at a time.
+    async fn writer(self: Arc<Self>, member: Arc<ClusterMember>, stop: CancellationToken) {
+        let lease = Duration::from_millis(self.opts.params.lease_ms);
+        let incarnation = member.incarnation();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+            let urgent = {
+                let st = self.lock();
+                if st.outbox.is_empty() {
+                    continue;
+                }
+                st.outbox
+                    .iter()
+                    .any(|c| matches!(c, FlowCmd::Enqueue { .. } | FlowCmd::Cancel { .. }))
+            };
+            if !urgent {
+                tokio::time::sleep(self.opts.report_linger).await;
+            }
+            let cmds = std::mem::take(&mut self.lock().outbox);
+            let t0 = Instant::now();
+            let res = tokio::time::timeout(
+                lease,
+                member.node.propose(ClusterCommand::Flow {
+                    node: self.node_id,
+                    incarnation,
+                    now_us: wall_us(),
+                    cmds: cmds.clone(),
+                }),
+            )
+            .await;
+            match res {
+                Ok(Ok(_)) => {
+                    self.metrics.cluster.flow_batch(cmds.len(), t0.elapsed());
+                }
+                _ => {
+                    // Retry (the state ignores what it has already applied), oldest first.
+                    {
+                        let mut st = self.lock();
+                        let newer = std::mem::take(&mut st.outbox);
+                        st.outbox = cmds;
+                        for c in newer {
+                            self.push(&mut st, c);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    self.wake.notify_one();
+                }
+            }
+        }
+    }
+
+    /// Follow the applied state: verdicts, credit, degradation, leader duties, gauges.
+    async fn watcher(self: Arc<Self>, member: Arc<ClusterMember>, stop: CancellationToken) {
+        let me = self.node_id;
+        let lease = Duration::from_millis(self.opts.params.lease_ms);
+        let mut applied = member.node.watch();
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_progress = Instant::now();
+        let mut last_pool = Instant::now() - self.opts.pool_interval;
+        let mut last_config = Instant::now() - Duration::from_secs(1);
+        let mut last_gauges = Instant::now();
+        let mut warned_config = false;
+        let mut last_prune = Instant::now();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                r = applied.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                    last_progress = Instant::now();
+                }
+                _ = tick.tick() => {}
+            }
+            let keys: Vec<u64> = self.lock().waiting.keys().copied().collect();
+            let (view, _) = member
+                .node
+                .local_read(|s| {
+                    let f = s.0.flow()?;
+                    let verdicts: Vec<(u64, GVerdict)> = keys
+                        .iter()
+                        .filter_map(|k| f.verdict((me, *k)).map(|v| (*k, v)))
+                        .collect();
+                    let mf = f.member(me);
+                    let same_config = f.config() == &self.config && f.params() == self.opts.params;
+                    Some((
+                        verdicts,
+                        mf.map_or(0, |m| m.credit),
+                        mf.map_or(0, |m| m.last_seq),
+                        same_config,
+                    ))
+                })
+                .await;
+            let degraded = !member.has_quorum() || last_progress.elapsed() > lease;
+            let reconfigure;
+            {
+                let mut st = self.lock();
+                if st.degraded != degraded {
+                    tracing::warn!(degraded, "cluster flow control: degraded mode changed");
+                    if !degraded {
+                        st.degraded_running.clear();
+                    }
+                    st.degraded = degraded;
+                }
+                match view {
+                    Some((verdicts, credit, last_seq, same_config)) => {
+                        st.configured = true;
+                        st.credit = credit;
+                        while st.unreported.front().is_some_and(|s| *s <= last_seq) {
+                            st.unreported.pop_front();
+                        }
+                        for (seq, v) in verdicts {
+                            if let Some(w) = st.waiting.remove(&seq) {
+                                let verdict = match v {
+                                    GVerdict::Dispatched => {
+                                        st.admitted.insert(seq, Instant::now());
+                                        Verdict::Dispatched(Ticket(seq))
+                                    }
+                                    GVerdict::Rejected(r) => Verdict::Rejected(r),
+                                };
+                                if !w.waiter.resolve(&self.metrics, verdict)
+                                    && matches!(v, GVerdict::Dispatched)
+                                {
+                                    // The stream left just before its dispatch.
+                                    self.push(&mut st, FlowCmd::Cancel { seq });
+                                }
+                            }
+                        }
+                        reconfigure = !same_config;
+                    }
+                    None => {
+                        st.configured = false;
+                        reconfigure = true;
+                    }
+                }
+                // Backstop: nobody waits past its TTL (plus two leases) for a verdict.
+                let now = Instant::now();
+                let late: Vec<u64> = st
+                    .waiting
+                    .iter()
+                    .filter(|(_, w)| w.deadline.is_some_and(|d| d <= now))
+                    .map(|(s, _)| *s)
+                    .collect();
+                for seq in late {
+                    if let Some(w) = st.waiting.remove(&seq) {
+                        w.waiter.resolve(
+                            &self.metrics,
+                            Verdict::Rejected(DropReason::RejectedTtlExpired),
+                        );
+                        self.push(&mut st, FlowCmd::Cancel { seq });
+                    }
+                }
+            }
+            if degraded {
+                continue;
+            }
+            if last_prune.elapsed() >= Duration::from_secs(30) {
+                last_prune = Instant::now();
+                self.prune_admitted(&member).await;
+            }
+            if reconfigure && last_config.elapsed() >= Duration::from_secs(1) {
+                last_config = Instant::now();
+                let out = member
+                    .node
+                    .propose(ClusterCommand::ConfigureFlow {
+                        config: Box::new(self.config.clone()),
+                        params: self.opts.params,
+                    })
+                    .await;
+                if matches!(out, Ok(ClusterOutput::Configured(false))) && !warned_config {
+                    warned_config = true;
+                    tracing::warn!(
+                        "cluster flow control runs another replica's flowControl configuration \
+                         (it is busy); every replica should run the same one"
+                    );
+                }
+            }
+            if last_pool.elapsed() >= self.opts.pool_interval && member.is_leader().await {
+                last_pool = Instant::now();
+                self.propose_pool(&member).await;
+            }
+            if last_gauges.elapsed() >= Duration::from_millis(100) {
+                last_gauges = Instant::now();
+                self.gauges(&member).await;
+            }
+        }
+    }
+
+    /// Forget admissions the state no longer holds (settled anywhere, reclaimed); release those
+    /// whose response nobody observed for [`ADMITTED_MAX_AGE`].
+    async fn prune_admitted(&self, member: &ClusterMember) {
+        let me = self.node_id;
+        let seqs: Vec<u64> = self.lock().admitted.keys().copied().collect();
+        let (held, _) = member
+            .node
+            .local_read(|s| {
+                s.0.flow().map(|f| {
+                    seqs.iter()
+                        .map(|seq| f.holds((me, *seq)))
+                        .collect::<Vec<bool>>()
+                })
+            })
+            .await;
+        let Some(held) = held else {
+            return;
+        };
+        let mut st = self.lock();
+        let unreported_from = st.unreported.front().copied().unwrap_or(u64::MAX);
+        let mut expired = Vec::new();
+        for (seq, held) in seqs.into_iter().zip(held) {
+            if seq >= unreported_from {
+                continue;
+            }
+            match st.admitted.get(&seq) {
+                _ if !held => {
+                    st.admitted.remove(&seq);
+                }
+                Some(at) if at.elapsed() > ADMITTED_MAX_AGE => {
+                    st.admitted.remove(&seq);
+                    expired.push(seq);
+                }
+                _ => {}
+            }
+        }
+        if !expired.is_empty() {
+            tracing::warn!(
+                expired = expired.len(),
+                "cluster flow-control admissions released without an observed response"
+            );
+        }
+        for seq in expired {
+            self.push(&mut st, FlowCmd::Cancel { seq });
+        }
+    }
+
+    /// The leader proposes the pool's endpoint metrics (sample times on the wall clock).
+    async fn propose_pool(&self, member: &ClusterMember) {
+        let now = Instant::now();
+        let wall_ns = wall_us().saturating_mul(1000);
+        let endpoints = self
+            .store
+            .candidates(now)
+            .iter()
+            .map(|c| {
+                snapshot_with(c, |t| {
+                    let age = now.saturating_duration_since(t).as_nanos();
+                    wall_ns.saturating_sub(u64::try_from(age).unwrap_or(u64::MAX))
+                })
+            })
+            .collect();
+        let _ = tokio::time::timeout(
+            Duration::from_millis(self.opts.params.lease_ms),
+            member.node.propose(ClusterCommand::ObservePool {
+                now_us: wall_us(),
+                endpoints,
+            }),
+        )
+        .await;
+    }
+
+    /// Flow-control gauges from the replicated state: cluster-wide queue and in-flight.
+    async fn gauges(&self, member: &ClusterMember) {
+        let now_ns = wall_us().saturating_mul(1000);
+        let (stats, _) = member
+            .node
+            .local_read(|s| {
+                s.0.flow().map(|f| {
+                    (
+                        f.controller().band_stats(),
+                        f.controller().saturation(now_ns),
+                    )
+                })
+            })
+            .await;
+        let Some((bands, saturation)) = stats else {
+            return;
+        };
+        let pool = self.metrics.pool_name().to_string();
+        let f = &self.metrics.flow;
+        for b in bands {
+            let l = BandLabels {
+                priority: b.priority.to_string(),
+                inference_pool: pool.clone(),
+            };
+            let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            f.queue_size.get_or_create(&l).set(i(b.queued_requests));
+            f.queue_bytes.get_or_create(&l).set(i(b.queued_bytes));
+            f.inflight.get_or_create(&l).set(i(b.inflight_requests));
+        }
+        f.saturation
+            .get_or_create(&SaturationLabels {
+                inference_pool: pool,
+                stage: "effective".to_string(),
+            })
+            .set(saturation);
+        let st = self.lock();
+        self.metrics.cluster.flow_local(
+            st.credit,
+            st.unreported.len(),
+            st.waiting.len(),
+            st.degraded,
+        );
+    }
+
+    /// `/debug/flow`: this replica's side and the replicated global state.
+    pub async fn view(&self) -> FlowView {
+        let local = {
+            let st = self.lock();
+            LocalView {
+                node_id: self.node_id,
+                configured: st.configured,
+                degraded: st.degraded,
+                partition: self.opts.partition,
+                credit: st.credit,
+                unreported: st.unreported.len(),
+                waiting: st.waiting.len(),
+                outbox: st.outbox.len(),
+                fast_path: st.fast,
+                slow_path: st.slow,
+                degraded_admits: st.degraded_admits,
+                degraded_rejects: st.degraded_rejects,
+                dropped_commands: st.dropped_cmds,
+            }
+        };
+        let global = match self.member.get() {
+            Some(m) => {
+                m.node
+                    .local_read(|s| s.0.flow().map(GlobalView::of))
+                    .await
+                    .0
+            }
+            None => None,
+        };
+        FlowView { local, global }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct FlowView {
+    pub local: LocalView,
+    /// `None` until the first replica's configuration is committed.
+    pub global: Option<GlobalView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LocalView {
+    pub node_id: u64,
+    pub configured: bool,
+    pub degraded: bool,
+    pub partition: PartitionMode,
+    pub credit: u32,
+    pub unreported: usize,
+    pub waiting: usize,
+    pub outbox: usize,
+    pub fast_path: u64,
+    pub slow_path: u64,
+    pub degraded_admits: u64,
+    pub degraded_rejects: u64,
+    pub dropped_commands: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct GlobalView {
+    pub now_us: u64,
+    pub params: GlobalParams,
+    pub pool_endpoints: u64,
+    pub saturation: f64,
+    pub totals: flowctl::Totals,
+    pub dispatched: u64,
+    pub reclaimed: u64,
+    pub rebalances: u64,
+    pub members: BTreeMap<u64, flowctl::global::MemberFlow>,
+    pub bands: Vec<flowctl::BandStats>,
+    pub flows: Vec<FlowRow>,
+    /// Per-pod in-flight load from the ledger.
+    pub pods: BTreeMap<String, flowctl::global::PodLoad>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FlowRow {
+    pub fairness_id: String,
+    pub priority: i32,
+    pub queued: usize,
+    pub inflight: u32,
+}
+
+impl GlobalView {
+    fn of(f: &flowctl::global::GlobalFlow) -> GlobalView {
+        GlobalView {
+            now_us: f.now_us(),
+            params: f.params(),
+            pool_endpoints: f.controller().pool_endpoints(),
+            saturation: f.controller().saturation(f.now_us().saturating_mul(1000)),
+            totals: f.totals(),
+            dispatched: f.dispatched(),
+            reclaimed: f.reclaimed(),
+            rebalances: f.rebalances(),
+            members: f.members().clone(),
+            bands: f.controller().band_stats(),
+            flows: f
+                .controller()
+                .flow_stats()
+                .map(|s| FlowRow {
+                    fairness_id: s.fairness_id.to_string(),
+                    priority: s.priority,
+                    queued: s.queued_requests,
+                    inflight: s.inflight_requests,
+                })
+                .collect(),
+            pods: f.pods().clone(),
+        }
+    }
+}
