@@ -17,7 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
@@ -64,13 +64,31 @@ const CLIENTS: usize = 24;
 const RUN: Duration = Duration::from_secs(12);
 const WARMUP: Duration = Duration::from_secs(4);
 
+/// The tests of this file measure shares and latencies: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 struct Cluster {
     c: LocalCluster,
     /// Envoy in front of replica 1 only, and of replica 2 only.
     envoys: [EnvoyProcess; 2],
 }
 
+/// An Envoy whose ext_proc cluster is replica `i` (0-based) alone.
+async fn envoy_for(c: &LocalCluster, i: usize) -> EnvoyProcess {
+    let pods: Vec<_> = c.sim.pods().iter().map(|p| p.addr).collect();
+    let ext_proc = c.epp(i).unwrap().addrs.ext_proc;
+    EnvoyProcess::start(vec![ext_proc], pods, false, true)
+        .await
+        .unwrap()
+}
+
 async fn start(dir: &std::path::Path, scope: &str) -> Cluster {
+    let c = start_replicas(dir, scope).await;
+    let envoys = [envoy_for(&c, 0).await, envoy_for(&c, 1).await];
+    Cluster { c, envoys }
+}
+
+async fn start_replicas(dir: &std::path::Path, scope: &str) -> LocalCluster {
     let objectives = dir.join("objectives.yaml");
     std::fs::write(&objectives, OBJECTIVES).unwrap();
     let c = LocalCluster::start(ClusterSpec {
@@ -101,48 +119,150 @@ async fn start(dir: &std::path::Path, scope: &str) -> Cluster {
     .await
     .unwrap();
     c.wait_for_pods().await.unwrap();
-    let pods: Vec<_> = c.sim.pods().iter().map(|p| p.addr).collect();
-    let mut envoys = Vec::new();
-    for i in 0..2 {
-        let ext_proc = c.epp(i).unwrap().addrs.ext_proc;
-        envoys.push(
-            EnvoyProcess::start(vec![ext_proc], pods.clone(), false, true)
-                .await
-                .unwrap(),
-        );
-    }
     if scope == "cluster" {
-        // Every replica sees the replicated configuration, the pool and its credit.
-        chaos::wait::until(
-            "cluster flow control ready",
-            Duration::from_secs(20),
-            || async {
-                let mut ok = true;
-                for i in 0..3 {
-                    let v = c.epp(i).unwrap().flow_view().await;
-                    ok &= v.is_ok_and(|v| {
-                        v["local"]["configured"] == true
-                            && v["local"]["degraded"] == false
-                            && v["global"]["pool_endpoints"] == 4
-                            && v["local"]["credit"].as_u64().unwrap_or(0) > 0
-                    });
-                }
-                ok
-            },
-        )
-        .await
-        .unwrap();
+        flow_ready(&c, &[0, 1, 2]).await;
     }
-    let [e1, e2]: [EnvoyProcess; 2] = envoys.try_into().unwrap();
-    Cluster {
-        c,
-        envoys: [e1, e2],
+    c
+}
+
+/// Every replica in `idx` sees the replicated configuration, the pool and its credit.
+async fn flow_ready(c: &LocalCluster, idx: &[usize]) {
+    chaos::wait::until(
+        "cluster flow control ready",
+        Duration::from_secs(20),
+        || async {
+            let mut ok = true;
+            for &i in idx {
+                let v = c.epp(i).unwrap().flow_view().await;
+                ok &= v.is_ok_and(|v| {
+                    v["local"]["configured"] == true
+                        && v["local"]["degraded"] == false
+                        && v["global"]["pool_endpoints"] == 4
+                        && v["local"]["credit"].as_u64().unwrap_or(0) > 0
+                });
+            }
+            ok
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// One finished request, times since the load started.
+#[derive(Debug, Clone)]
+struct Record {
+    id: String,
+    status: u16,
+    tenant: &'static str,
+    start: Duration,
+    end: Duration,
+    ok: bool,
+}
+
+/// Closed loops of [`CLIENTS`] per tenant, each tenant through its own gateway URL; meanwhile
+/// the requests running or waiting in the pods are sampled every 20 ms.
+struct Load {
+    t0: Instant,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Record>>>,
+    sampler: tokio::task::JoinHandle<u64>,
+}
+
+impl Load {
+    fn start(sim: &sim::Sim, tenants: &[(&'static str, String)], objective: &str) -> Load {
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()
+            .unwrap();
+        let t0 = Instant::now();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for (tenant, base) in tenants {
+            for k in 0..CLIENTS {
+                let url = format!("{base}/v1/chat/completions");
+                let (client, stop, tenant) = (client.clone(), stop.clone(), *tenant);
+                let objective = objective.to_string();
+                tasks.push(tokio::spawn(async move {
+                    let mut records = Vec::new();
+                    let mut i = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        i += 1;
+                        let body = serde_json::json!({
+                            "model": "sim-model",
+                            "messages": [{"role": "user", "content": format!("{tenant} {k} {i} hello there")}],
+                            "max_tokens": 40,
+                        });
+                        let start = t0.elapsed();
+                        let r = client
+                            .post(&url)
+                            .header("x-llm-d-inference-fairness-id", tenant)
+                            .header("x-llm-d-inference-objective", &objective)
+                            .header("x-request-id", format!("{tenant}-{k}-{i}"))
+                            .json(&body)
+                            .timeout(Duration::from_secs(30))
+                            .send()
+                            .await;
+                        let status = r.as_ref().map_or(0, |r| r.status().as_u16());
+                        let ok = match r {
+                            Ok(r) if r.status().is_success() => r.bytes().await.is_ok(),
+                            _ => false,
+                        };
+                        records.push(Record {
+                            id: format!("{tenant}-{k}-{i}"),
+                            status,
+                            tenant,
+                            start,
+                            end: t0.elapsed(),
+                            ok,
+                        });
+                        if !ok {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    }
+                    records
+                }));
+            }
+        }
+        let sampler = {
+            let (stop, stats) = (stop.clone(), sim.stats_sampler());
+            tokio::spawn(async move {
+                let mut peak = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let n: u64 = stats().iter().map(|s| s.running + s.waiting).sum();
+                    peak = peak.max(n);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                peak
+            })
+        };
+        Load {
+            t0,
+            stop,
+            tasks,
+            sampler,
+        }
+    }
+
+    fn elapsed(&self) -> Duration {
+        self.t0.elapsed()
+    }
+
+    async fn finish(self) -> (Vec<Record>, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut records = Vec::new();
+        for t in self.tasks {
+            records.extend(t.await.unwrap());
+        }
+        let peak = self.sampler.await.unwrap();
+        // Let the last responses settle before anything else runs.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        (records, peak)
     }
 }
 
 #[derive(Debug)]
 struct Outcome {
-    /// Completions per tenant in the steady window.
+    /// Successful completions per tenant in the steady window.
     done: BTreeMap<&'static str, u64>,
     errors: u64,
     /// Most requests running + waiting in the pods at once (sampled every 20 ms).
@@ -156,88 +276,41 @@ impl Outcome {
     }
 }
 
-/// Closed loops of [`CLIENTS`] per tenant: `a` through Envoy 1, `b` through Envoy 2.
+/// `a` through Envoy 1, `b` through Envoy 2, for [`RUN`]; shares after [`WARMUP`].
 async fn drive(cl: &Cluster, objective: &str) -> Outcome {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(64)
-        .build()
-        .unwrap();
-    let t0 = Instant::now();
-    let stop = Arc::new(AtomicBool::new(false));
-    let errors = Arc::new(AtomicU64::new(0));
-    let mut tasks = Vec::new();
-    for (tenant, envoy) in [("a", &cl.envoys[0]), ("b", &cl.envoys[1])] {
-        for k in 0..CLIENTS {
-            let url = format!("{}/v1/chat/completions", envoy.url());
-            let (client, stop, errors) = (client.clone(), stop.clone(), errors.clone());
-            let objective = objective.to_string();
-            tasks.push(tokio::spawn(async move {
-                let mut done = 0u64;
-                let mut i = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    i += 1;
-                    let body = serde_json::json!({
-                        "model": "sim-model",
-                        "messages": [{"role": "user", "content": format!("{tenant} {k} {i} hello there")}],
-                        "max_tokens": 40,
-                    });
-                    let r = client
-                        .post(&url)
-                        .header("x-llm-d-inference-fairness-id", tenant)
-                        .header("x-llm-d-inference-objective", &objective)
-                        .json(&body)
-                        .timeout(Duration::from_secs(30))
-                        .send()
-                        .await;
-                    let ok = match r {
-                        Ok(r) if r.status().is_success() => r.bytes().await.is_ok(),
-                        _ => false,
-                    };
-                    if !ok {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    } else if t0.elapsed() >= WARMUP && t0.elapsed() < RUN {
-                        done += 1;
-                    }
-                }
-                (tenant, done)
-            }));
-        }
-    }
-    let mut peak = 0;
-    while t0.elapsed() < RUN {
-        let n: u64 = (0..4)
-            .map(|p| {
-                let s = cl.c.sim.stats(p);
-                s.running + s.waiting
-            })
-            .sum();
-        peak = peak.max(n);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    stop.store(true, Ordering::Relaxed);
+    let load = Load::start(
+        &cl.c.sim,
+        &[("a", cl.envoys[0].url()), ("b", cl.envoys[1].url())],
+        objective,
+    );
+    tokio::time::sleep(RUN).await;
+    let (records, peak) = load.finish().await;
     let mut done: BTreeMap<&'static str, u64> = BTreeMap::new();
-    for t in tasks {
-        let (tenant, n) = t.await.unwrap();
-        *done.entry(tenant).or_default() += n;
+    for r in records
+        .iter()
+        .filter(|r| r.ok && r.end >= WARMUP && r.end < RUN)
+    {
+        *done.entry(r.tenant).or_default() += 1;
     }
-    // Let the last responses settle before the next run.
-    tokio::time::sleep(Duration::from_millis(500)).await;
     Outcome {
         done,
-        errors: errors.load(Ordering::Relaxed),
+        errors: records.iter().filter(|r| !r.ok).count() as u64,
         peak_in_pods: peak,
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn skewed_arrival_shares_hold_cluster_wide_and_not_per_replica() {
+    let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
 
     let cl = start(dir.path(), "cluster").await;
     let fair = drive(&cl, "fair").await;
     let weighted = drive(&cl, "weighted").await;
-    let flow: Vec<serde_json::Value> = futures_join(&cl).await;
+    let mut flow = Vec::new();
+    for i in 0..3 {
+        flow.push(cl.c.epp(i).unwrap().flow_view().await.unwrap());
+    }
     cl.c.shutdown().await;
 
     let base = start(dir.path(), "replica").await;
@@ -304,10 +377,175 @@ async fn skewed_arrival_shares_hold_cluster_wide_and_not_per_replica() {
     }
 }
 
-async fn futures_join(cl: &Cluster) -> Vec<serde_json::Value> {
-    let mut out = Vec::new();
-    for i in 0..3 {
-        out.push(cl.c.epp(i).unwrap().flow_view().await.unwrap());
+/// Failover under saturation. Tenant `a` goes through an Envoy over all three replicas, tenant `b`
+/// through an Envoy over one follower (N) only. A second follower (M) is drained (SIGTERM) and
+/// restarted: that costs no request. Then the leader (L), holding queued and in-flight requests,
+/// is killed with SIGKILL: `b` loses nothing, dispatch resumes within the failover bound, L's
+/// reservations return within its lease, `a` loses only the requests L held plus new ones until
+/// Envoy ejects L (window and count reported), and no request hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_kill_under_saturation_loses_only_what_it_held() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = start_replicas(dir.path(), "cluster").await;
+    let raft = c.raft.as_ref().unwrap();
+    let leader = raft.agreed_leader(&[1, 2, 3]).await.expect("a leader");
+    let followers: Vec<u64> = (1..=3).filter(|id| *id != leader).collect();
+    let (n, m) = (followers[0], followers[1]);
+    let envoy_n = envoy_for(&c, n as usize - 1).await;
+    eprintln!("leader {leader}; b through replica {n}; replica {m} is drained and restarted");
+
+    let load = Load::start(
+        &c.sim,
+        &[("a", c.envoy.url()), ("b", envoy_n.url())],
+        "fair",
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    // Graceful restart of M: drain (NOT_SERVING, finish its streams), exit, come back.
+    let drain_from = load.elapsed();
+    c.raft
+        .as_ref()
+        .unwrap()
+        .replica(m)
+        .unwrap()
+        .terminate()
+        .unwrap();
+    let status = c
+        .raft
+        .as_mut()
+        .unwrap()
+        .replicas
+        .get_mut(&m)
+        .and_then(Option::as_mut)
+        .unwrap()
+        .wait_exit(Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert!(status.success(), "drained replica exited with {status}");
+    let drain_to = load.elapsed();
+    c.raft.as_mut().unwrap().replicas.insert(m, None);
+    c.raft.as_mut().unwrap().restart(m).await.unwrap();
+    flow_ready(&c, &[m as usize - 1]).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // Kill the leader while it holds queued and in-flight requests.
+    let before = c
+        .epp(leader as usize - 1)
+        .unwrap()
+        .flow_view()
+        .await
+        .unwrap();
+    let held_waiting = before["local"]["waiting"].as_u64().unwrap_or(0);
+    let reclaimed_before = before["global"]["reclaimed"].as_u64().unwrap_or(0);
+    let killed_at = load.elapsed();
+    let kill_instant = Instant::now();
+    c.raft.as_mut().unwrap().kill9(leader).await.unwrap();
+
+    // Watch N: dispatches resume, L's lease ends and its entries are reclaimed.
+    let n_epp = c.epp(n as usize - 1).unwrap();
+    let d0 = n_epp.flow_view().await.unwrap()["global"]["dispatched"]
+        .as_u64()
+        .unwrap_or(0);
+    let mut last_dispatch = (Duration::ZERO, d0);
+    let mut longest_stall = Duration::ZERO;
+    let mut reclaimed_after = None;
+    while kill_instant.elapsed() < Duration::from_secs(6) {
+        let v = n_epp.flow_view().await.unwrap();
+        let t = kill_instant.elapsed();
+        let d = v["global"]["dispatched"].as_u64().unwrap_or(0);
+        if d > last_dispatch.1 {
+            longest_stall = longest_stall.max(t - last_dispatch.0);
+            last_dispatch = (t, d);
+        }
+        let expired = v["global"]["members"][leader.to_string()]["expired"] == true;
+        if expired && reclaimed_after.is_none() {
+            let r = v["global"]["reclaimed"].as_u64().unwrap_or(0);
+            reclaimed_after = Some((t, r));
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    out
+    let (records, peak) = load.finish().await;
+    let errors = |tenant: &str, from: Duration, to: Duration| -> Vec<&Record> {
+        records
+            .iter()
+            .filter(|r| r.tenant == tenant && !r.ok && r.end >= from && r.end <= to)
+            .collect()
+    };
+    let a_drain = errors("a", drain_from, drain_to + Duration::from_secs(1));
+    let a_drain_errors = a_drain.len();
+    let a_kill_errors = errors("a", killed_at, Duration::MAX);
+    let window = match (a_kill_errors.first(), a_kill_errors.last()) {
+        (Some(_), Some(_)) => {
+            let first = a_kill_errors.iter().map(|r| r.end).min().unwrap();
+            let last = a_kill_errors.iter().map(|r| r.end).max().unwrap();
+            last - first
+        }
+        _ => Duration::ZERO,
+    };
+    let b_failed = errors("b", Duration::ZERO, Duration::MAX);
+    let b_errors = b_failed.len();
+    let show = |v: &[&Record]| -> Vec<(String, u16)> {
+        v.iter().take(5).map(|r| (r.id.clone(), r.status)).collect()
+    };
+    let longest_request = records.iter().map(|r| r.end - r.start).max().unwrap();
+    let ok_after_kill = records
+        .iter()
+        .filter(|r| r.ok && r.start > killed_at + Duration::from_secs(2))
+        .count();
+    let lease = Duration::from_millis(3 * chaos::raft::CLUSTER_HEARTBEAT_MS);
+    eprintln!(
+        "drain of {m}: {a_drain_errors} errors for a; leader {leader} killed holding {held_waiting} \
+         queued: a lost {} requests over {window:?}, b lost {b_errors}; longest dispatch stall \
+         {longest_stall:?} (target {:?}); lease end seen after {:?} (lease {lease:?}); longest \
+         request {longest_request:?}; peak in pods {peak}; {ok_after_kill} ok after the failover",
+        a_kill_errors.len(),
+        chaos::raft::failover_target(),
+        reclaimed_after.map(|r| r.0),
+    );
+    assert_eq!(
+        a_drain_errors,
+        0,
+        "a graceful drain must cost nothing: {:?}",
+        show(&a_drain)
+    );
+    assert_eq!(
+        b_errors,
+        0,
+        "requests on the surviving replica must not fail: {:?}",
+        show(&b_failed)
+    );
+    assert!(
+        held_waiting > 0,
+        "the leader held no queued request: {before}"
+    );
+    assert!(
+        longest_stall <= chaos::raft::failover_hard_limit(),
+        "dispatch stalled {longest_stall:?} after the leader died"
+    );
+    let (seen, reclaimed) = reclaimed_after.expect("the dead leader's lease never ended");
+    // Leases are extended by the election's stall, so the dead leader expires one lease after
+    // the log resumes.
+    assert!(
+        seen <= chaos::raft::failover_hard_limit() + lease,
+        "its lease ended {seen:?} after the kill (lease {lease:?})"
+    );
+    assert!(
+        reclaimed > reclaimed_before,
+        "nothing of the dead leader's was reclaimed"
+    );
+    assert!(
+        window <= Duration::from_secs(5),
+        "a's requests failed for {window:?} after the kill"
+    );
+    assert!(
+        longest_request < Duration::from_secs(10),
+        "a request hung for {longest_request:?}"
+    );
+    assert!(ok_after_kill > 100, "too little traffic after the failover");
+    assert!(
+        peak <= CAPACITY + SLACK,
+        "bounded admission through the failover: peak {peak}"
+    );
+    c.shutdown().await;
 }

@@ -56,10 +56,13 @@ pub enum ClusterCommand {
         now_us: u64,
         cmds: Vec<FlowCmd>,
     },
-    /// The pool's endpoint metrics (sample times in wall-clock ns), proposed by the leader.
+    /// The pool's endpoint metrics (sample times in wall-clock ns), proposed by the leader, and
+    /// the requests each pod reports running or waiting (for [`GlobalFlow::reconcile`]).
     ObservePool {
         now_us: u64,
         endpoints: Vec<EndpointSnapshot>,
+        #[serde(default)]
+        observed: Vec<(String, u64)>,
     },
 }
 
@@ -96,6 +99,7 @@ impl ClusterState {
             } => Some((*node, *started_ms)),
             _ => None,
         };
+        self.compensate_stall(&cmd);
         let out = self.apply_inner(cmd);
         if let Some(lease) = self.flow.as_ref().map(|f| f.params().lease_ms) {
             let live = self.live_set_with(lease);
@@ -110,6 +114,30 @@ impl ClusterState {
             }
         }
         out
+    }
+
+    /// A member cannot be blamed for heartbeats the log could not take: when the log was stalled
+    /// (no command for longer than a heartbeat period — an election), every lease is extended by
+    /// the stall, so an election does not expire the survivors (and reclaim their requests) the
+    /// moment the log resumes. A dead member still expires one lease after the log resumes.
+    fn compensate_stall(&mut self, cmd: &ClusterCommand) {
+        let Some(lease) = self.flow.as_ref().map(|f| f.params().lease_ms) else {
+            return;
+        };
+        let now = match cmd {
+            ClusterCommand::Heartbeat { now_ms, .. } => *now_ms,
+            ClusterCommand::Flow { now_us, .. } | ClusterCommand::ObservePool { now_us, .. } => {
+                now_us / 1000
+            }
+            _ => return,
+        };
+        let period = lease / 3;
+        let gap = now.saturating_sub(self.now_ms);
+        if self.now_ms > 0 && gap > period {
+            for m in self.members.values_mut() {
+                m.last_seen_ms = m.last_seen_ms.saturating_add(gap - period);
+            }
+        }
     }
 
     fn live_set_with(&self, lease_ms: u64) -> BTreeSet<MemberId> {
@@ -163,12 +191,17 @@ impl ClusterState {
                 };
                 ClusterOutput::Flow(flow.apply_batch(now_us, node, incarnation, cmds))
             }
-            ClusterCommand::ObservePool { now_us, endpoints } => {
+            ClusterCommand::ObservePool {
+                now_us,
+                endpoints,
+                observed,
+            } => {
                 self.now_ms = self.now_ms.max(now_us / 1000);
                 let Some(flow) = self.flow.as_mut() else {
                     return ClusterOutput::NoFlow;
                 };
                 flow.observe_pool(endpoints);
+                flow.reconcile(now_us, &observed);
                 ClusterOutput::Configured(true)
             }
             ClusterCommand::Heartbeat {

@@ -45,6 +45,13 @@ pub type Key = (MemberId, u64);
 /// How long a decided verdict stays readable for its owner.
 pub const VERDICT_RETENTION_MS: u64 = 60_000;
 
+/// Reconciliation with the pods: a pod must report fewer requests than the ledger holds for it
+/// this long before the difference is released…
+pub const RECONCILE_PERSIST_MS: u64 = 1_000;
+/// …and only entries at least this old are released (younger ones may not have reached the pod
+/// or its latest scrape yet).
+pub const RECONCILE_MIN_AGE_MS: u64 = 2_000;
+
 /// Cluster parameters of the global flow state (identical on every replica).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GlobalParams {
@@ -128,6 +135,8 @@ struct Entry {
     pod: Option<String>,
     /// Dispatched or admitted (in the ledger); otherwise queued.
     inflight: bool,
+    /// When it entered the state (µs).
+    since_us: u64,
 }
 
 /// Per-member flow bookkeeping.
@@ -178,6 +187,9 @@ pub struct GlobalFlow {
     /// another replica before the owner's report committed): `x-request-id` → (time µs, tokens).
     early: BTreeMap<String, (u64, Option<u64>)>,
     early_times: BTreeSet<(u64, String)>,
+    /// Pods reporting fewer requests than the ledger holds for them: since when (µs).
+    excess_since: BTreeMap<String, u64>,
+    reconciled: u64,
     dispatched: u64,
     reclaimed: u64,
     rebalances: u64,
@@ -223,6 +235,8 @@ impl GlobalFlow {
             verdict_times: BTreeSet::new(),
             early: BTreeMap::new(),
             early_times: BTreeSet::new(),
+            excess_since: BTreeMap::new(),
+            reconciled: 0,
             dispatched: 0,
             reclaimed: 0,
             rebalances: 0,
@@ -281,6 +295,49 @@ impl GlobalFlow {
     /// The pool's latest endpoint metrics (proposed by the leader).
     pub fn observe_pool(&mut self, endpoints: Vec<EndpointSnapshot>) {
         self.run(Command::ObservePool { endpoints });
+    }
+
+    /// Reconcile the ledger with what the pods report running or waiting (`observed`: pod →
+    /// requests, from fresh metrics). A settlement can be lost for good — the response-observing
+    /// stream failed, or its replica died mid-response — and such an entry would hold capacity
+    /// forever. When a pod has reported fewer requests than the ledger holds for it for
+    /// [`RECONCILE_PERSIST_MS`], the difference is released, oldest entries first, among those
+    /// older than [`RECONCILE_MIN_AGE_MS`]. Returns how many were released.
+    pub fn reconcile(&mut self, now_us: u64, observed: &[(String, u64)]) -> u64 {
+        self.now_us = self.now_us.max(now_us);
+        let now = self.now_us;
+        let mut release: Vec<RequestId> = Vec::new();
+        for (pod, seen) in observed {
+            let held = self.pods.get(pod).map_or(0, |l| l.requests);
+            if held <= *seen {
+                self.excess_since.remove(pod);
+                continue;
+            }
+            let since = *self.excess_since.entry(pod.clone()).or_insert(now);
+            if now.saturating_sub(since) < RECONCILE_PERSIST_MS * 1000 {
+                continue;
+            }
+            let old_enough = now.saturating_sub(RECONCILE_MIN_AGE_MS * 1000);
+            release.extend(
+                self.entries
+                    .iter()
+                    .filter(|(_, e)| {
+                        e.inflight && e.since_us <= old_enough && e.pod.as_deref() == Some(pod)
+                    })
+                    .map(|(id, _)| *id)
+                    .take((held - seen) as usize),
+            );
+            self.excess_since.remove(pod);
+        }
+        for &id in &release {
+            self.run(Command::Complete {
+                id,
+                actual_tokens: None,
+            });
+            self.forget(id);
+        }
+        self.reconciled += release.len() as u64;
+        release.len() as u64
     }
 
     /// Apply one member's batch at `now_us`.
@@ -432,6 +489,7 @@ impl GlobalFlow {
                 pod: None,
                 // An admitted request never waits: no verdict for it.
                 inflight: admitted,
+                since_us: self.now_us,
             },
         );
         self.by_key.insert(key, id);
@@ -642,6 +700,14 @@ impl GlobalFlow {
         &self.members
     }
 
+    /// Ledger entries in flight: (owner key, `x-request-id`, pod), oldest id first.
+    pub fn inflight_entries(&self) -> impl Iterator<Item = (Key, &str, Option<&str>)> + '_ {
+        self.entries
+            .values()
+            .filter(|e| e.inflight)
+            .map(|e| (e.key, e.request_id.as_str(), e.pod.as_deref()))
+    }
+
     /// Per-pod in-flight requests/tokens (routed entries only).
     pub fn pods(&self) -> &BTreeMap<String, PodLoad> {
         &self.pods
@@ -663,6 +729,11 @@ impl GlobalFlow {
     /// Requests dispatched from the global queue so far.
     pub fn dispatched(&self) -> u64 {
         self.dispatched
+    }
+
+    /// Ledger entries released by reconciliation with the pods so far.
+    pub fn reconciled(&self) -> u64 {
+        self.reconciled
     }
 
     /// Credit re-splits so far.

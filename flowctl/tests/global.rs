@@ -57,6 +57,7 @@ impl Cluster {
         c.s.apply(ClusterCommand::ObservePool {
             now_us: c.now_ms * US_PER_MS,
             endpoints: vec![EndpointSnapshot::default(); endpoints],
+            observed: vec![],
         });
         c
     }
@@ -494,4 +495,143 @@ proptest! {
         prop_assert!(waiting.is_empty(), "{} never dispatched", waiting.len());
         prop_assert_eq!(c.inflight(), 0);
     }
+}
+
+#[test]
+fn a_member_back_from_expiry_leaves_no_stale_entries() {
+    let mut c = Cluster::new(
+        &[1, 2],
+        2,
+        2,
+        vec![],
+        GlobalParams {
+            credit_slack: 2,
+            lease_ms: 300,
+            ..GlobalParams::default()
+        },
+    );
+    let a = c.enqueue(2, "t", 0, "a");
+    let b = c.enqueue(2, "t", 0, "b");
+    assert_eq!(c.verdict(a), Some(Verdict::Dispatched));
+    assert_eq!(c.verdict(b), Some(Verdict::Dispatched));
+    // Replica 2 is cut off for a second while replica 1 heartbeats: its lease ends.
+    for _ in 0..10 {
+        c.now_ms += 100;
+        c.heartbeat(&[1]);
+    }
+    assert!(c.s.flow().unwrap().member(2).unwrap().expired);
+    // Replica 2's retried batch: the settlements of its two requests and a new enqueue.
+    let seq = c.next_seq(2);
+    c.batch(
+        2,
+        vec![
+            FlowCmd::Settle {
+                request_id: "a".into(),
+                actual_tokens: None,
+            },
+            FlowCmd::Settle {
+                request_id: "b".into(),
+                actual_tokens: None,
+            },
+            FlowCmd::Enqueue {
+                seq,
+                request_id: "c".into(),
+                ask: ask("t", 0),
+            },
+        ],
+    );
+    c.heartbeat(&[2]);
+    let f = c.s.flow().unwrap();
+    let live: Vec<_> = f
+        .inflight_entries()
+        .map(|(k, r, _)| (k, r.to_string()))
+        .collect();
+    assert_eq!(live, vec![((2, seq), "c".to_string())], "{live:?}");
+}
+
+#[test]
+fn entries_whose_settlement_is_lost_are_reconciled_with_the_pods() {
+    let mut c = Cluster::new(
+        &[1],
+        4,
+        1,
+        vec![],
+        GlobalParams {
+            credit_slack: 0,
+            ..GlobalParams::default()
+        },
+    );
+    for r in ["a", "b", "c"] {
+        let key = c.enqueue(1, "t", 0, r);
+        assert_eq!(c.verdict(key), Some(Verdict::Dispatched));
+        c.batch(
+            1,
+            vec![FlowCmd::Routed {
+                seq: key.1,
+                pod: "p".into(),
+            }],
+        );
+    }
+    let observe = |c: &mut Cluster, seen: u64| {
+        c.heartbeat(&[1]);
+        c.s.apply(ClusterCommand::ObservePool {
+            now_us: c.now_ms * US_PER_MS,
+            endpoints: vec![EndpointSnapshot::default()],
+            observed: vec![("p".into(), seen)],
+        });
+    };
+    // The pod runs two of them: one settlement was lost. Young entries are never released.
+    observe(&mut c, 2);
+    c.now_ms += 1500;
+    observe(&mut c, 2);
+    assert_eq!(c.inflight(), 3, "entries younger than the minimum age stay");
+    // Still short after the age and the persistence: the oldest one goes.
+    c.now_ms += 1000;
+    observe(&mut c, 2);
+    c.now_ms += 1100;
+    observe(&mut c, 2);
+    assert_eq!(c.inflight(), 2);
+    assert_eq!(c.s.flow().unwrap().reconciled(), 1);
+    let left: Vec<String> =
+        c.s.flow()
+            .unwrap()
+            .inflight_entries()
+            .map(|(_, r, _)| r.to_string())
+            .collect();
+    assert_eq!(left, vec!["b", "c"]);
+    // A pod that reports as many as the ledger holds (or more) is left alone.
+    c.now_ms += 5000;
+    observe(&mut c, 7);
+    c.now_ms += 5000;
+    observe(&mut c, 2);
+    assert_eq!(c.inflight(), 2);
+}
+
+#[test]
+fn a_stalled_log_does_not_expire_the_survivors() {
+    let mut c = Cluster::new(
+        &[1, 2],
+        2,
+        1,
+        vec![],
+        GlobalParams {
+            credit_slack: 0,
+            lease_ms: 300,
+            ..GlobalParams::default()
+        },
+    );
+    let a = c.enqueue(2, "t", 0, "a");
+    assert_eq!(c.verdict(a), Some(Verdict::Dispatched));
+    // No command for 1.2 s (an election), then replica 1 first.
+    c.now_ms += 1200;
+    c.heartbeat(&[1]);
+    assert!(!c.s.flow().unwrap().member(2).unwrap().expired);
+    assert_eq!(c.inflight(), 1, "replica 2's request survives the stall");
+    // A replica that stays silent after the log resumes expires one lease later.
+    for _ in 0..4 {
+        c.now_ms += 100;
+        c.heartbeat(&[1]);
+    }
+    assert!(c.s.flow().unwrap().member(2).unwrap().expired);
+    assert_eq!(c.inflight(), 0);
 }

@@ -60,6 +60,11 @@ async fn readyz(State(ctx): State<Arc<PickerContext>>) -> impl IntoResponse {
         (StatusCode::SERVICE_UNAVAILABLE, "draining")
     } else if !ctx.store.synced() {
         (StatusCode::SERVICE_UNAVAILABLE, "endpoints not loaded")
+    } else if matches!(&ctx.admission, crate::admission::Admission::Global(g) if !g.is_ready()) {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "cluster flow control not ready (no quorum or configuration not applied)",
+        )
     } else {
         (StatusCode::OK, "ready")
     }

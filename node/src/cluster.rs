@@ -69,6 +69,8 @@ pub struct ClusterOptions {
     pub flow_credit_slack: u32,
     /// What a replica without quorum does with new requests.
     pub flow_partition: crate::global_gate::PartitionMode,
+    /// Without quorum, how long a request beyond the local share waits before 429.
+    pub flow_degraded_wait: Duration,
 }
 
 impl ClusterOptions {
@@ -105,6 +107,9 @@ pub struct ClusterMember {
     opts: ClusterOptions,
     quorum: AtomicBool,
     started_ms: u64,
+    /// When the last committed heartbeat was proposed: the rest of the cluster holds this
+    /// replica's lease until at most that instant + the lease.
+    lease_from: std::sync::Mutex<Option<Instant>>,
 }
 
 impl std::fmt::Debug for ClusterMember {
@@ -163,6 +168,7 @@ impl ClusterMember {
             opts,
             quorum: AtomicBool::new(false),
             started_ms: wall_ms(),
+            lease_from: std::sync::Mutex::new(None),
         })
     }
 
@@ -183,6 +189,18 @@ impl ClusterMember {
     /// Whether this replica is the Raft leader now.
     pub async fn is_leader(&self) -> bool {
         self.node.metrics().await.leader == Some(self.opts.node_id)
+    }
+
+    /// Whether the cluster still counts this replica as live (its last committed heartbeat is
+    /// younger than the lease, measured from when it was proposed — never later than the others'
+    /// view).
+    pub fn lease_valid(&self) -> bool {
+        let lease = self.lease();
+        self.lease_from
+            .lock()
+            .ok()
+            .and_then(|l| *l)
+            .is_some_and(|t| t.elapsed() < lease)
     }
 
     pub fn has_quorum(&self) -> bool {
@@ -221,6 +239,9 @@ impl ClusterMember {
             .await;
             let ok = matches!(res, Ok(Ok(_)));
             if ok {
+                if let Ok(mut l) = self.lease_from.lock() {
+                    *l = Some(t0);
+                }
                 metrics.cluster.proposal(t0.elapsed().as_secs_f64());
                 if warned {
                     tracing::info!("cluster quorum regained");

@@ -11,7 +11,11 @@
 //!   dispatch of the global queue).
 //! * **Degraded** — the replica cannot commit (no quorum, or the applied state stopped moving for a
 //!   lease): `local-share` admits while fewer than its last credit (at least one) of its own
-//!   degraded admissions run, else 429; `fail-closed` answers 429 at once. Never unbounded.
+//!   degraded admissions run *and* the others still hold its lease (so nobody has re-granted that
+//!   credit); beyond that a request waits like a queued one (its enqueue is retried) for at most
+//!   `--flow-degraded-wait` (3 s: an election ends well within it), then gets 429
+//!   `rejected-saturated`.
+//!   `fail-closed` answers 429 at once. Admission is never unbounded.
 //!
 //! Everything this replica says (admissions, enqueues, cancels, routed pods, settlements of
 //! responses it observed — for any replica's request) goes through one outbox, proposed as one
@@ -71,6 +75,9 @@ pub struct GlobalGateOptions {
     pub report_linger: Duration,
     /// How often the leader proposes the pool's metrics.
     pub pool_interval: Duration,
+    /// Without quorum, how long a request beyond the local share waits for the cluster to
+    /// recover (an election) before 429.
+    pub degraded_wait: Duration,
 }
 
 impl Default for GlobalGateOptions {
@@ -80,6 +87,7 @@ impl Default for GlobalGateOptions {
             partition: PartitionMode::LocalShare,
             report_linger: Duration::from_millis(2),
             pool_interval: Duration::from_millis(100),
+            degraded_wait: Duration::from_secs(3),
         }
     }
 }
@@ -94,6 +102,9 @@ struct GWaiter {
     waiter: Waiter,
     /// Local backstop: reject if no verdict arrives by then (TTL + two leases).
     deadline: Option<Instant>,
+    /// Arrived while the replica could not commit: rejected (`rejected-saturated`) at this
+    /// instant if it still cannot.
+    degraded_deadline: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -224,14 +235,15 @@ impl GlobalGate {
         }
         let seq = st.next_seq;
         st.next_seq += 1;
-        if st.degraded || view.is_none() {
-            return self.admit_degraded(&mut st, seq, req.request_id, ask);
+        let degraded = st.degraded || view.is_none();
+        if degraded && let Some(p) = self.admit_degraded(&mut st, seq, req.request_id, &ask) {
+            return p;
         }
         let (open, last_seq) = view.unwrap_or_default();
         while st.unreported.front().is_some_and(|s| *s <= last_seq) {
             st.unreported.pop_front();
         }
-        if open && st.unreported.len() < st.credit as usize {
+        if !degraded && open && st.unreported.len() < st.credit as usize {
             st.unreported.push_back(seq);
             st.admitted.insert(seq, Instant::now());
             st.fast += 1;
@@ -258,11 +270,14 @@ impl GlobalGate {
                 + Duration::from_nanos(ttl)
                 + 2 * Duration::from_millis(self.opts.params.lease_ms)
         });
+        // Without quorum it waits (the enqueue is retried until it commits), but not for long.
+        let degraded_deadline = degraded.then(|| Instant::now() + self.opts.degraded_wait);
         st.waiting.insert(
             seq,
             GWaiter {
                 waiter: Waiter::new(tx, &req, &self.metrics),
                 deadline,
+                degraded_deadline,
             },
         );
         self.push(
@@ -282,14 +297,29 @@ impl GlobalGate {
         }
     }
 
-    fn admit_degraded(&self, st: &mut State, seq: u64, request_id: &str, ask: Ask) -> Pending {
-        let share = st.credit.max(1) as usize;
-        let running: u32 = st.degraded_running.values().sum();
-        let admit = self.opts.partition == PartitionMode::LocalShare && (running as usize) < share;
-        if !admit {
+    /// Admission without quorum: `Some` = decided here (admitted on the local share, or 429 when
+    /// failing closed); `None` = wait like a queued request, for at most a lease.
+    fn admit_degraded(
+        &self,
+        st: &mut State,
+        seq: u64,
+        request_id: &str,
+        ask: &Ask,
+    ) -> Option<Pending> {
+        if self.opts.partition == PartitionMode::FailClosed {
             st.degraded_rejects += 1;
             self.metrics.cluster.flow_admission("degraded-reject");
-            return Pending::ready(Verdict::Rejected(DropReason::RejectedSaturated));
+            return Some(Pending::ready(Verdict::Rejected(
+                DropReason::RejectedSaturated,
+            )));
+        }
+        // The local share is this replica's credit, usable only while the others still hold its
+        // lease (so they cannot have re-granted that credit).
+        let share = st.credit.max(1) as usize;
+        let running: u32 = st.degraded_running.values().sum();
+        let leased = self.member.get().is_some_and(|m| m.lease_valid());
+        if !leased || running as usize >= share {
+            return None;
         }
         st.degraded_admits += 1;
         self.metrics.cluster.flow_admission("degraded-admit");
@@ -304,11 +334,11 @@ impl GlobalGate {
             FlowCmd::Admitted {
                 seq,
                 request_id: request_id.to_string(),
-                ask,
+                ask: ask.clone(),
                 pod: None,
             },
         );
-        Pending::ready(Verdict::Dispatched(Ticket(seq)))
+        Some(Pending::ready(Verdict::Dispatched(Ticket(seq))))
     }
 
     /// A pending request was dropped (client gone) or an admitted one goes nowhere.
@@ -383,6 +413,13 @@ impl GlobalGate {
         }
         drop(st);
         self.wake.notify_one();
+    }
+
+    /// Whether this replica can admit normally: the replicated configuration is applied and it
+    /// can commit. (`epp serve` reports NOT_SERVING to Envoy until the first time.)
+    pub fn is_ready(&self) -> bool {
+        let st = self.lock();
+        st.configured && !st.degraded
     }
 
     /// Requests waiting here for a verdict.
@@ -538,20 +575,29 @@ impl GlobalGate {
                         reconfigure = true;
                     }
                 }
-                // Backstop: nobody waits past its TTL (plus two leases) for a verdict.
+                // Backstops: nobody waits past its TTL (plus two leases) for a verdict, nor more
+                // than a lease while this replica cannot commit.
                 let now = Instant::now();
-                let late: Vec<u64> = st
+                let late: Vec<(u64, DropReason)> = st
                     .waiting
                     .iter()
-                    .filter(|(_, w)| w.deadline.is_some_and(|d| d <= now))
-                    .map(|(s, _)| *s)
+                    .filter_map(|(s, w)| {
+                        if w.deadline.is_some_and(|d| d <= now) {
+                            Some((*s, DropReason::RejectedTtlExpired))
+                        } else if degraded && w.degraded_deadline.is_some_and(|d| d <= now) {
+                            Some((*s, DropReason::RejectedSaturated))
+                        } else {
+                            None
+                        }
+                    })
                     .collect();
-                for seq in late {
+                for (seq, reason) in late {
                     if let Some(w) = st.waiting.remove(&seq) {
-                        w.waiter.resolve(
-                            &self.metrics,
-                            Verdict::Rejected(DropReason::RejectedTtlExpired),
-                        );
+                        if reason == DropReason::RejectedSaturated {
+                            st.degraded_rejects += 1;
+                            self.metrics.cluster.flow_admission("degraded-reject");
+                        }
+                        w.waiter.resolve(&self.metrics, Verdict::Rejected(reason));
                         self.push(&mut st, FlowCmd::Cancel { seq });
                     }
                 }
@@ -638,13 +684,21 @@ impl GlobalGate {
         }
     }
 
-    /// The leader proposes the pool's endpoint metrics (sample times on the wall clock).
+    /// The leader proposes the pool's endpoint metrics (sample times on the wall clock) and what
+    /// each pod with fresh metrics reports running + waiting (the ledger's reconciliation).
     async fn propose_pool(&self, member: &ClusterMember) {
         let now = Instant::now();
         let wall_ns = wall_us().saturating_mul(1000);
-        let endpoints = self
-            .store
-            .candidates(now)
+        let candidates = self.store.candidates(now);
+        let observed = candidates
+            .iter()
+            .filter_map(|c| {
+                let m = c.metrics()?;
+                let n = m.running_requests? + m.waiting_queue_size.unwrap_or(0.0);
+                Some((c.endpoint.hostport.clone(), n.max(0.0) as u64))
+            })
+            .collect();
+        let endpoints = candidates
             .iter()
             .map(|c| {
                 snapshot_with(c, |t| {
@@ -658,6 +712,7 @@ impl GlobalGate {
             member.node.propose(ClusterCommand::ObservePool {
                 now_us: wall_us(),
                 endpoints,
+                observed,
             }),
         )
         .await;
@@ -773,12 +828,16 @@ pub struct GlobalView {
     pub totals: flowctl::Totals,
     pub dispatched: u64,
     pub reclaimed: u64,
+    /// Entries released because their pod reported fewer requests (settlement lost).
+    pub reconciled: u64,
     pub rebalances: u64,
     pub members: BTreeMap<u64, flowctl::global::MemberFlow>,
     pub bands: Vec<flowctl::BandStats>,
     pub flows: Vec<FlowRow>,
     /// Per-pod in-flight load from the ledger.
     pub pods: BTreeMap<String, flowctl::global::PodLoad>,
+    /// The oldest ledger entries in flight (at most 100): `[owner, seq, x-request-id, pod]`.
+    pub oldest_inflight: Vec<(u64, u64, String, Option<String>)>,
 }
 
 #[derive(Debug, Serialize)]
@@ -799,6 +858,7 @@ impl GlobalView {
             totals: f.totals(),
             dispatched: f.dispatched(),
             reclaimed: f.reclaimed(),
+            reconciled: f.reconciled(),
             rebalances: f.rebalances(),
             members: f.members().clone(),
             bands: f.controller().band_stats(),
@@ -813,6 +873,11 @@ impl GlobalView {
                 })
                 .collect(),
             pods: f.pods().clone(),
+            oldest_inflight: f
+                .inflight_entries()
+                .take(100)
+                .map(|((m, seq), rid, pod)| (m, seq, rid.to_string(), pod.map(str::to_string)))
+                .collect(),
         }
     }
 }

@@ -169,6 +169,10 @@ struct ClusterArgs {
     /// least one request at a time), `fail-closed` answers 429.
     #[arg(long, default_value = "local-share")]
     flow_partition: node::global_gate::PartitionMode,
+    /// Without quorum (`local-share`), how long a request beyond the local share waits for the
+    /// cluster to recover (e.g. a leader election) before 429 `rejected-saturated`.
+    #[arg(long, default_value = "3s", value_parser = duration)]
+    flow_degraded_wait: Duration,
 }
 
 fn on_off(s: &str) -> Result<bool, String> {
@@ -214,6 +218,7 @@ impl ClusterArgs {
             global_flow: self.flow_control_scope == "cluster",
             flow_credit_slack: self.flow_credit_slack,
             flow_partition: self.flow_partition,
+            flow_degraded_wait: self.flow_degraded_wait,
         })
     }
 }

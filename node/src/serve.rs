@@ -163,6 +163,7 @@ pub async fn serve(
                         ..flowctl::global::GlobalParams::default()
                     },
                     partition: c.flow_partition,
+                    degraded_wait: c.flow_degraded_wait,
                     ..GlobalGateOptions::default()
                 },
                 store.clone(),
@@ -241,10 +242,15 @@ pub async fn serve(
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();
+    // Cluster-wide flow control: not ready for Envoy until the replicated configuration applies.
+    let gated = matches!(ctx.admission, Admission::Global(_));
     for svc in ["", "liveness", "readiness", EXT_PROC_SERVICE] {
-        reporter
-            .set_service_status(svc, ServingStatus::Serving)
-            .await;
+        let status = if gated && (svc == "readiness" || svc == EXT_PROC_SERVICE) {
+            ServingStatus::NotServing
+        } else {
+            ServingStatus::Serving
+        };
+        reporter.set_service_status(svc, status).await;
     }
 
     let stop = CancellationToken::new();
@@ -327,9 +333,27 @@ pub async fn serve(
         });
     }
     if let (Admission::Global(gate), Some(member)) = (&ctx.admission, cluster.clone()) {
-        let (gate, stop) = (gate.clone(), stop.clone());
+        let (g, s) = (gate.clone(), stop.clone());
         tasks.spawn(async move {
-            gate.run(member, stop).await;
+            g.run(member, s).await;
+            Ok(())
+        });
+        let (gate, stop, reporter) = (gate.clone(), stop.clone(), reporter.clone());
+        tasks.spawn(async move {
+            while !gate.is_ready() {
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
+            }
+            tracing::info!("cluster flow control ready: serving");
+            for svc in ["readiness", EXT_PROC_SERVICE] {
+                reporter
+                    .set_service_status(svc, ServingStatus::Serving)
+                    .await;
+            }
+            // Keep the task set's "a server stopped" check quiet: idle until shutdown.
+            stop.cancelled().await;
             Ok(())
         });
     }

@@ -298,6 +298,13 @@ impl Sim {
         self.pod(pod).map(|p| p.stats()).unwrap_or_default()
     }
 
+    /// Every pod's live counters, as a handle that outlives this borrow (for samplers running in
+    /// their own task).
+    pub fn stats_sampler(&self) -> impl Fn() -> Vec<PodStats> + Send + Sync + 'static {
+        let pods = self.pods.clone();
+        move || pods.iter().map(|p| p.stats()).collect()
+    }
+
     pub fn try_stats(&self, pod: usize) -> Result<PodStats, SimError> {
         self.pod(pod).map(|p| p.stats())
     }
