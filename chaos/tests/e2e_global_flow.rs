@@ -165,7 +165,8 @@ struct Load {
     t0: Instant,
     stop: Arc<AtomicBool>,
     tasks: Vec<tokio::task::JoinHandle<Vec<Record>>>,
-    sampler: tokio::task::JoinHandle<u64>,
+    /// (peak running + waiting over all pods, peak waiting in any one pod)
+    sampler: tokio::task::JoinHandle<(u64, u64)>,
 }
 
 impl Load {
@@ -226,13 +227,14 @@ impl Load {
         let sampler = {
             let (stop, stats) = (stop.clone(), sim.stats_sampler());
             tokio::spawn(async move {
-                let mut peak = 0;
+                let (mut peak, mut waiting) = (0, 0);
                 while !stop.load(Ordering::Relaxed) {
-                    let n: u64 = stats().iter().map(|s| s.running + s.waiting).sum();
-                    peak = peak.max(n);
+                    let s = stats();
+                    peak = peak.max(s.iter().map(|s| s.running + s.waiting).sum());
+                    waiting = waiting.max(s.iter().map(|s| s.waiting).max().unwrap_or(0));
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
-                peak
+                (peak, waiting)
             })
         };
         Load {
@@ -247,7 +249,7 @@ impl Load {
         self.t0.elapsed()
     }
 
-    async fn finish(self) -> (Vec<Record>, u64) {
+    async fn finish(self) -> (Vec<Record>, (u64, u64)) {
         self.stop.store(true, Ordering::Relaxed);
         let mut records = Vec::new();
         for t in self.tasks {
@@ -267,6 +269,8 @@ struct Outcome {
     errors: u64,
     /// Most requests running + waiting in the pods at once (sampled every 20 ms).
     peak_in_pods: u64,
+    /// Most requests waiting in one pod's queue at once.
+    peak_pod_waiting: u64,
 }
 
 impl Outcome {
@@ -284,7 +288,7 @@ async fn drive(cl: &Cluster, objective: &str) -> Outcome {
         objective,
     );
     tokio::time::sleep(RUN).await;
-    let (records, peak) = load.finish().await;
+    let (records, (peak, pod_waiting)) = load.finish().await;
     let mut done: BTreeMap<&'static str, u64> = BTreeMap::new();
     for r in records
         .iter()
@@ -296,6 +300,7 @@ async fn drive(cl: &Cluster, objective: &str) -> Outcome {
         done,
         errors: records.iter().filter(|r| !r.ok).count() as u64,
         peak_in_pods: peak,
+        peak_pod_waiting: pod_waiting,
     }
 }
 
@@ -318,19 +323,22 @@ async fn skewed_arrival_shares_hold_cluster_wide_and_not_per_replica() {
     base.c.shutdown().await;
 
     eprintln!(
-        "cluster scope: round-robin a={:.3} ({:?}), weighted 3:1 a={:.3} ({:?}), peak in pods {} / {}",
+        "cluster scope: round-robin a={:.3} ({:?}), weighted 3:1 a={:.3} ({:?}), peak in pods {} / {}, \
+         peak waiting in one pod {}",
         fair.share("a"),
         fair.done,
         weighted.share("a"),
         weighted.done,
         fair.peak_in_pods.max(weighted.peak_in_pods),
         CAPACITY + SLACK,
+        fair.peak_pod_waiting.max(weighted.peak_pod_waiting),
     );
     eprintln!(
-        "replica scope: weighted 3:1 a={:.3} ({:?}), peak in pods {}",
+        "replica scope: weighted 3:1 a={:.3} ({:?}), peak in pods {}, peak waiting in one pod {}",
         base_weighted.share("a"),
         base_weighted.done,
-        base_weighted.peak_in_pods
+        base_weighted.peak_in_pods,
+        base_weighted.peak_pod_waiting,
     );
     for (i, v) in flow.iter().enumerate() {
         eprintln!("replica {} /debug/flow local: {}", i + 1, v["local"]);
@@ -465,7 +473,7 @@ async fn leader_kill_under_saturation_loses_only_what_it_held() {
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    let (records, peak) = load.finish().await;
+    let (records, (peak, _)) = load.finish().await;
     let errors = |tenant: &str, from: Duration, to: Duration| -> Vec<&Record> {
         records
             .iter()

@@ -180,6 +180,9 @@ pub struct GlobalFlow {
     #[serde(with = "pairs")]
     members: BTreeMap<MemberId, MemberFlow>,
     pods: BTreeMap<String, PodLoad>,
+    /// The same per (pod, owner), so a replica can tell the others' load from its own.
+    #[serde(with = "pairs")]
+    pod_owner: BTreeMap<(String, MemberId), PodLoad>,
     #[serde(with = "pairs")]
     verdicts: BTreeMap<Key, Verdict>,
     verdict_times: BTreeSet<(u64, MemberId, u64)>,
@@ -231,6 +234,7 @@ impl GlobalFlow {
             by_request: BTreeMap::new(),
             members: BTreeMap::new(),
             pods: BTreeMap::new(),
+            pod_owner: BTreeMap::new(),
             verdicts: BTreeMap::new(),
             verdict_times: BTreeSet::new(),
             early: BTreeMap::new(),
@@ -400,9 +404,13 @@ impl GlobalFlow {
                 if !e.inflight || e.pod.is_some() {
                     return false;
                 }
-                let load = self.pods.entry(pod.clone()).or_default();
-                load.requests += 1;
-                load.tokens += e.tokens;
+                for load in [
+                    self.pods.entry(pod.clone()).or_default(),
+                    self.pod_owner.entry((pod.clone(), member)).or_default(),
+                ] {
+                    load.requests += 1;
+                    load.tokens += e.tokens;
+                }
                 e.pod = Some(pod);
                 true
             }
@@ -578,13 +586,21 @@ impl GlobalFlow {
                 self.by_request.remove(&e.request_id);
             }
         }
-        if let Some(pod) = e.pod
-            && let Some(load) = self.pods.get_mut(&pod)
-        {
-            load.requests = load.requests.saturating_sub(1);
-            load.tokens = load.tokens.saturating_sub(e.tokens);
-            if load.requests == 0 {
-                self.pods.remove(&pod);
+        if let Some(pod) = e.pod {
+            if let Some(load) = self.pods.get_mut(&pod) {
+                load.requests = load.requests.saturating_sub(1);
+                load.tokens = load.tokens.saturating_sub(e.tokens);
+                if load.requests == 0 {
+                    self.pods.remove(&pod);
+                }
+            }
+            let k = (pod, e.key.0);
+            if let Some(load) = self.pod_owner.get_mut(&k) {
+                load.requests = load.requests.saturating_sub(1);
+                load.tokens = load.tokens.saturating_sub(e.tokens);
+                if load.requests == 0 {
+                    self.pod_owner.remove(&k);
+                }
             }
         }
     }
@@ -711,6 +727,19 @@ impl GlobalFlow {
     /// Per-pod in-flight requests/tokens (routed entries only).
     pub fn pods(&self) -> &BTreeMap<String, PodLoad> {
         &self.pods
+    }
+
+    /// Per-pod in-flight load of every replica but `me` (what `me` cannot see locally).
+    pub fn others_load(&self, me: MemberId) -> BTreeMap<&str, PodLoad> {
+        let mut out: BTreeMap<&str, PodLoad> = BTreeMap::new();
+        for ((pod, owner), load) in &self.pod_owner {
+            if *owner != me {
+                let o = out.entry(pod.as_str()).or_default();
+                o.requests += load.requests;
+                o.tokens += load.tokens;
+            }
+        }
+        out
     }
 
     pub fn controller(&self) -> &FlowController {

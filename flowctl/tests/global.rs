@@ -261,6 +261,11 @@ fn fast_path_admits_within_credit_then_queues() {
     let f = c.s.flow().unwrap();
     assert_eq!(f.totals().inflight_requests, 3);
     assert_eq!(f.pods()["10.0.0.1:8000"].requests, 3);
+    assert_eq!(f.others_load(2)["10.0.0.1:8000"].requests, 3);
+    assert!(
+        f.others_load(1).is_empty(),
+        "replica 1's own load is not 'others'"
+    );
     assert!(f.fast_path_open(2, 0), "3 of 4 slots used");
     c.enqueue(2, "t", 0, "q1");
     let f = c.s.flow().unwrap();

@@ -42,6 +42,8 @@ use crate::cluster::ClusterMember;
 use crate::config::ConfigError;
 use crate::datalayer::Datastore;
 use crate::metrics::{BandLabels, Metrics, SaturationLabels};
+use crate::plugins::InflightLoad;
+use crate::plugins::inflight::InflightTracker;
 
 /// What a replica cut off from the quorum does with new requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -120,7 +122,7 @@ struct State {
     configured: bool,
     /// Admitted requests of this replica (fast, slow or degraded) → when; pruned of those the
     /// state no longer holds, and given up after [`ADMITTED_MAX_AGE`] (response never observed).
-    admitted: BTreeMap<u64, Instant>,
+    admitted: BTreeMap<u64, (Instant, String)>,
     /// Degraded-mode admissions still running here, by `x-request-id`.
     degraded_running: HashMap<String, u32>,
     degraded: bool,
@@ -139,6 +141,9 @@ pub struct GlobalGate {
     opts: GlobalGateOptions,
     metrics: Arc<Metrics>,
     store: Arc<Datastore>,
+    /// The scorers' in-flight ledger: fed the other replicas' load, and told when this replica's
+    /// requests were settled elsewhere.
+    tracker: Option<Arc<InflightTracker>>,
     member: OnceLock<Arc<ClusterMember>>,
     state: Mutex<State>,
     wake: Notify,
@@ -165,6 +170,7 @@ impl GlobalGate {
         opts: GlobalGateOptions,
         store: Arc<Datastore>,
         metrics: Arc<Metrics>,
+        tracker: Option<Arc<InflightTracker>>,
     ) -> Result<GlobalGate, ConfigError> {
         if config.eviction.enabled {
             return Err(ConfigError::invalid(
@@ -179,6 +185,7 @@ impl GlobalGate {
             opts,
             metrics,
             store,
+            tracker,
             member: OnceLock::new(),
             state: Mutex::new(State {
                 next_seq: 1,
@@ -245,7 +252,8 @@ impl GlobalGate {
         }
         if !degraded && open && st.unreported.len() < st.credit as usize {
             st.unreported.push_back(seq);
-            st.admitted.insert(seq, Instant::now());
+            st.admitted
+                .insert(seq, (Instant::now(), req.request_id.to_string()));
             st.fast += 1;
             self.metrics.cluster.flow_admission("fast");
             self.push(
@@ -328,7 +336,8 @@ impl GlobalGate {
             .or_default() += 1;
         // Reported once the replica can commit again, so the ledger learns of it.
         st.unreported.push_back(seq);
-        st.admitted.insert(seq, Instant::now());
+        st.admitted
+            .insert(seq, (Instant::now(), request_id.to_string()));
         self.push(
             st,
             FlowCmd::Admitted {
@@ -555,7 +564,8 @@ impl GlobalGate {
                             if let Some(w) = st.waiting.remove(&seq) {
                                 let verdict = match v {
                                     GVerdict::Dispatched => {
-                                        st.admitted.insert(seq, Instant::now());
+                                        let rid = w.waiter.request_id.clone();
+                                        st.admitted.insert(seq, (Instant::now(), rid));
                                         Verdict::Dispatched(Ticket(seq))
                                     }
                                     GVerdict::Rejected(r) => Verdict::Rejected(r),
@@ -605,7 +615,7 @@ impl GlobalGate {
             if degraded {
                 continue;
             }
-            if last_prune.elapsed() >= Duration::from_secs(30) {
+            if last_prune.elapsed() >= Duration::from_secs(1) {
                 last_prune = Instant::now();
                 self.prune_admitted(&member).await;
             }
@@ -664,9 +674,13 @@ impl GlobalGate {
             }
             match st.admitted.get(&seq) {
                 _ if !held => {
-                    st.admitted.remove(&seq);
+                    // Settled (perhaps observed by another replica) or reclaimed: this replica's
+                    // own scoring ledger forgets it too.
+                    if let (Some((_, rid)), Some(t)) = (st.admitted.remove(&seq), &self.tracker) {
+                        t.finish(&rid);
+                    }
                 }
-                Some(at) if at.elapsed() > ADMITTED_MAX_AGE => {
+                Some((at, _)) if at.elapsed() > ADMITTED_MAX_AGE => {
                     st.admitted.remove(&seq);
                     expired.push(seq);
                 }
@@ -718,23 +732,40 @@ impl GlobalGate {
         .await;
     }
 
-    /// Flow-control gauges from the replicated state: cluster-wide queue and in-flight.
+    /// Flow-control gauges from the replicated state (cluster-wide queue and in-flight), and the
+    /// other replicas' per-pod load for the scorers.
     async fn gauges(&self, member: &ClusterMember) {
         let now_ns = wall_us().saturating_mul(1000);
+        let me = self.node_id;
         let (stats, _) = member
             .node
             .local_read(|s| {
                 s.0.flow().map(|f| {
+                    let others: HashMap<String, InflightLoad> = f
+                        .others_load(me)
+                        .into_iter()
+                        .map(|(pod, l)| {
+                            let load = InflightLoad {
+                                requests: l.requests,
+                                tokens: l.tokens,
+                            };
+                            (pod.to_string(), load)
+                        })
+                        .collect();
                     (
                         f.controller().band_stats(),
                         f.controller().saturation(now_ns),
+                        others,
                     )
                 })
             })
             .await;
-        let Some((bands, saturation)) = stats else {
+        let Some((bands, saturation, others)) = stats else {
             return;
         };
+        if let Some(t) = &self.tracker {
+            t.set_remote(others);
+        }
         let pool = self.metrics.pool_name().to_string();
         let f = &self.metrics.flow;
         for b in bands {

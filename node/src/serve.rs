@@ -168,6 +168,7 @@ pub async fn serve(
                 },
                 store.clone(),
                 metrics.clone(),
+                built.inflight.clone(),
             )?)),
             _ => Admission::Flow(Arc::new(FlowGate::new(
                 config.as_ref().clone(),

@@ -5,7 +5,9 @@
 //! response chunk arrives (prefill is over) and the request when the response ends — both keyed by
 //! `x-request-id`, so the response may be observed on a different ext_proc stream than the one
 //! that routed it. Entries whose response is never seen are dropped after `max_age`.
-//! (Replica-local for now; the Active-Active issue moves this ledger into the replicated state.)
+//! In cluster mode with cluster-wide flow control, the other replicas' load comes from the
+//! replicated ledger ([`InflightTracker::set_remote`]), so every replica scores with the
+//! cluster-wide per-endpoint load: its own (including what it has not reported yet) plus theirs.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -55,6 +57,23 @@ struct Entry {
 struct State {
     by_request: HashMap<String, Entry>,
     per_endpoint: HashMap<String, InflightLoad>,
+    /// Cluster mode with cluster-wide flow control: the other replicas' load per endpoint, from
+    /// the replicated ledger (refreshed every 100 ms; their requests count from routing until
+    /// settlement — they do not release tokens at the first response byte as local ones do).
+    remote: HashMap<String, InflightLoad>,
+}
+
+impl State {
+    fn total(&self, endpoint: &str) -> InflightLoad {
+        let local = self.per_endpoint.get(endpoint).copied().unwrap_or_default();
+        match self.remote.get(endpoint) {
+            Some(r) => InflightLoad {
+                requests: local.requests + r.requests,
+                tokens: local.tokens + r.tokens,
+            },
+            None => local,
+        }
+    }
 }
 
 /// The ledger itself; shared by the producer and the response path.
@@ -96,6 +115,7 @@ impl InflightTracker {
         let State {
             by_request,
             per_endpoint,
+            ..
         } = &mut *st;
         if let Some(e) = by_request.get_mut(request_id)
             && !e.tokens_released
@@ -145,12 +165,14 @@ impl InflightTracker {
         old.len()
     }
 
+    /// This replica's in-flight load on `endpoint` plus the other replicas' (when known).
     pub fn load(&self, endpoint: &str) -> InflightLoad {
-        self.lock()
-            .per_endpoint
-            .get(endpoint)
-            .copied()
-            .unwrap_or_default()
+        self.lock().total(endpoint)
+    }
+
+    /// Replace the other replicas' per-endpoint load (cluster-wide flow control's ledger).
+    pub fn set_remote(&self, remote: HashMap<String, InflightLoad>) {
+        self.lock().remote = remote;
     }
 
     pub fn tracked_requests(&self) -> usize {
@@ -173,12 +195,7 @@ impl Producer for InflightProducer {
         let st = self.tracker.lock();
         data.inflight = candidates
             .iter()
-            .map(|c| {
-                st.per_endpoint
-                    .get(&c.endpoint.hostport)
-                    .copied()
-                    .unwrap_or_default()
-            })
+            .map(|c| st.total(&c.endpoint.hostport))
             .collect();
     }
 
@@ -248,6 +265,40 @@ mod tests {
         assert_eq!(t.sweep(Duration::ZERO), 1);
         assert_eq!(t.load("a"), InflightLoad::default());
         assert_eq!(t.tracked_requests(), 0);
+    }
+
+    #[test]
+    fn other_replicas_load_adds_to_the_local_one() {
+        let t = InflightTracker::default();
+        t.reserve("r1", "a", 100);
+        t.set_remote(HashMap::from([
+            (
+                "a".to_string(),
+                InflightLoad {
+                    requests: 3,
+                    tokens: 30,
+                },
+            ),
+            (
+                "b".to_string(),
+                InflightLoad {
+                    requests: 1,
+                    tokens: 5,
+                },
+            ),
+        ]));
+        assert_eq!(
+            t.load("a"),
+            InflightLoad {
+                requests: 4,
+                tokens: 130
+            }
+        );
+        assert_eq!(t.load("b").requests, 1);
+        // The remote view is replaced wholesale; local entries are untouched.
+        t.set_remote(HashMap::new());
+        assert_eq!(t.load("a").requests, 1);
+        assert_eq!(t.load("b"), InflightLoad::default());
     }
 
     #[test]
