@@ -557,3 +557,82 @@ async fn leader_kill_under_saturation_loses_only_what_it_held() {
     );
     c.shutdown().await;
 }
+
+/// A replica cut off from the others under saturation (its peer links partitioned for 4 s):
+/// admission stays bounded throughout (it admits only within its credit while its lease holds,
+/// then holds requests and answers 429 after `--flow-degraded-wait`); the majority keeps serving
+/// `b` without a failure; after the heal and the end of the load, every replica's ledger is empty
+/// again (I4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_replica_stays_bounded_and_the_ledger_heals() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cl = start(dir.path(), "cluster").await;
+    let load = Load::start(
+        &cl.c.sim,
+        &[("a", cl.envoys[0].url()), ("b", cl.envoys[1].url())],
+        "fair",
+    );
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let raft = cl.c.raft.as_ref().unwrap();
+    let cut = load.elapsed();
+    raft.isolate(1);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    raft.heal_all();
+    let healed = load.elapsed();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (records, (peak, _)) = load.finish().await;
+
+    // Once the load is over, every replica's view of the ledger drains to zero.
+    let totals = || async {
+        let mut out = Vec::new();
+        for i in 0..3 {
+            let v = cl.c.epp(i).unwrap().flow_view().await.unwrap();
+            out.push(v["global"]["totals"].clone());
+        }
+        out
+    };
+    let settled = chaos::wait::until("ledgers empty", Duration::from_secs(10), || async {
+        totals()
+            .await
+            .iter()
+            .all(|t| t["inflight_requests"] == 0 && t["queued_requests"] == 0)
+    })
+    .await;
+    let residue = totals().await;
+    let v1 = cl.c.epp(0).unwrap().flow_view().await.unwrap();
+    let count = |tenant: &str, ok: bool, from: Duration, to: Duration| {
+        records
+            .iter()
+            .filter(|r| r.tenant == tenant && r.ok == ok && r.end >= from && r.end <= to)
+            .count()
+    };
+    let a_ok_cut = count("a", true, cut, healed);
+    let a_err_cut = count("a", false, cut, healed);
+    let b_err = count("b", false, Duration::ZERO, Duration::MAX);
+    let b_ok_cut = count("b", true, cut, healed);
+    let a_ok_after = count("a", true, healed + Duration::from_secs(2), Duration::MAX);
+    eprintln!(
+        "partition of replica 1 for 4 s: a {a_ok_cut} ok / {a_err_cut} refused meanwhile, \
+         {a_ok_after} ok after the heal; b {b_ok_cut} ok meanwhile, {b_err} errors; peak in pods \
+         {peak} / {}; replica 1: {}",
+        CAPACITY + SLACK,
+        v1["local"],
+    );
+    assert!(
+        peak <= CAPACITY + SLACK,
+        "bounded admission through the partition: peak {peak}"
+    );
+    assert_eq!(b_err, 0, "the majority's requests must not fail");
+    assert!(b_ok_cut > 50, "the majority kept serving: {b_ok_cut}");
+    assert!(
+        a_err_cut > 0,
+        "the cut-off replica should have refused some requests"
+    );
+    assert!(
+        a_ok_after > 50,
+        "the healed replica serves again: {a_ok_after}"
+    );
+    settled.unwrap_or_else(|e| panic!("ledgers did not drain: {e}: {residue:?}"));
+    cl.c.shutdown().await;
+}

@@ -548,6 +548,11 @@ impl GlobalGate {
                 let mut st = self.lock();
                 if st.degraded != degraded {
                     tracing::warn!(degraded, "cluster flow control: degraded mode changed");
+                    // Whoever waits now waits for the cluster to recover, but not for long.
+                    let until = degraded.then(|| Instant::now() + self.opts.degraded_wait);
+                    for w in st.waiting.values_mut() {
+                        w.degraded_deadline = until;
+                    }
                     if !degraded {
                         st.degraded_running.clear();
                     }
