@@ -26,16 +26,25 @@ pub fn header_value(h: &HeaderValue) -> String {
 /// Request headers of a JSON `POST /v1/chat/completions` (with `metadata` as the request's
 /// metadata context), then the whole body with end of stream.
 pub fn chat_request(body: &[u8], metadata: Option<Metadata>) -> Vec<ProcessingRequest> {
+    chat_request_with(body, &[], metadata)
+}
+
+/// [`chat_request`] with extra request headers (e.g. `x-request-id`, a fairness id).
+pub fn chat_request_with(
+    body: &[u8],
+    extra: &[(&str, &str)],
+    metadata: Option<Metadata>,
+) -> Vec<ProcessingRequest> {
+    let mut headers = vec![
+        header(":method", "POST"),
+        header(":path", "/v1/chat/completions"),
+        header("content-type", "application/json"),
+    ];
+    headers.extend(extra.iter().map(|(k, v)| header(k, v)));
     vec![
         ProcessingRequest {
             request: Some(Req::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![
-                        header(":method", "POST"),
-                        header(":path", "/v1/chat/completions"),
-                        header("content-type", "application/json"),
-                    ],
-                }),
+                headers: Some(HeaderMap { headers }),
                 end_of_stream: false,
                 ..Default::default()
             })),
@@ -50,5 +59,44 @@ pub fn chat_request(body: &[u8], metadata: Option<Metadata>) -> Vec<ProcessingRe
             })),
             ..Default::default()
         },
+    ]
+}
+
+/// What the response-observing filter (observability mode) sends for request `request_id` whose
+/// JSON response `body` ended: its request headers, the response headers, the body with end of
+/// stream. The EPP settles the request when it sees the end.
+pub fn observed_response(request_id: &str, body: &[u8]) -> Vec<ProcessingRequest> {
+    let observe = |request| ProcessingRequest {
+        request: Some(request),
+        observability_mode: true,
+        ..Default::default()
+    };
+    vec![
+        observe(Req::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    header(":method", "POST"),
+                    header(":path", "/v1/chat/completions"),
+                    header("x-request-id", request_id),
+                ],
+            }),
+            end_of_stream: false,
+            ..Default::default()
+        })),
+        observe(Req::ResponseHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    header(":status", "200"),
+                    header("content-type", "application/json"),
+                ],
+            }),
+            end_of_stream: false,
+            ..Default::default()
+        })),
+        observe(Req::ResponseBody(HttpBody {
+            body: body.to_vec(),
+            end_of_stream: true,
+            ..Default::default()
+        })),
     ]
 }

@@ -118,6 +118,11 @@ struct State {
     unreported: VecDeque<u64>,
     /// This replica's credit in the applied state.
     credit: u32,
+    /// The applied state's answer to "would a request of this priority be dispatched now?" for
+    /// every priority seen here, and this replica's last applied sequence number — refreshed by
+    /// the watcher on every apply, so the fast path takes no lock on the state machine.
+    open_by_priority: HashMap<i32, bool>,
+    applied_last_seq: u64,
     /// The applied state has cluster flow control configured.
     configured: bool,
     /// Admitted requests of this replica (fast, slow or degraded) → when; pruned of those the
@@ -212,12 +217,23 @@ impl GlobalGate {
 
     /// Admission for one request (fast path, slow path or degraded; see the module docs).
     pub async fn admit(self: &Arc<Self>, req: AdmitRequest<'_>) -> Pending {
+        let t0 = Instant::now();
         let priority = req.meta.priority;
         let me = self.node_id;
         // The replicated view: may this replica admit on credit, and what has it reported?
-        let view = match self.member.get() {
-            Some(m) => {
-                m.node
+        let cached = {
+            let st = self.lock();
+            st.configured
+                .then(|| st.open_by_priority.get(&priority).copied())
+                .flatten()
+                .map(|open| (open, st.applied_last_seq))
+        };
+        let view = match (cached, self.member.get()) {
+            (Some(v), _) => Some(v),
+            // A priority not seen before: ask the state once (the watcher keeps it fresh after).
+            (None, Some(m)) => {
+                let v = m
+                    .node
                     .local_read(|s| {
                         s.0.flow().map(|f| {
                             let mf = f.member(me);
@@ -225,9 +241,13 @@ impl GlobalGate {
                         })
                     })
                     .await
-                    .0
+                    .0;
+                if let Some((open, _)) = v {
+                    self.lock().open_by_priority.insert(priority, open);
+                }
+                v
             }
-            None => None,
+            (None, None) => None,
         };
         let ask = Ask {
             flow: FlowKey::new(req.meta.fairness_id.clone(), priority),
@@ -267,6 +287,7 @@ impl GlobalGate {
             );
             drop(st);
             self.wake.notify_one();
+            self.metrics.cluster.fast_admit(t0.elapsed());
             return Pending::ready(Verdict::Dispatched(Ticket(seq)));
         }
         st.slow += 1;
@@ -523,7 +544,13 @@ impl GlobalGate {
                 }
                 _ = tick.tick() => {}
             }
-            let keys: Vec<u64> = self.lock().waiting.keys().copied().collect();
+            let (keys, priorities): (Vec<u64>, Vec<i32>) = {
+                let st = self.lock();
+                (
+                    st.waiting.keys().copied().collect(),
+                    st.open_by_priority.keys().copied().collect(),
+                )
+            };
             let (view, _) = member
                 .node
                 .local_read(|s| {
@@ -532,10 +559,15 @@ impl GlobalGate {
                         .iter()
                         .filter_map(|k| f.verdict((me, *k)).map(|v| (*k, v)))
                         .collect();
+                    let open: Vec<(i32, bool)> = priorities
+                        .iter()
+                        .map(|p| (*p, f.fast_path_open(me, *p)))
+                        .collect();
                     let mf = f.member(me);
                     let same_config = f.config() == &self.config && f.params() == self.opts.params;
                     Some((
                         verdicts,
+                        open,
                         mf.map_or(0, |m| m.credit),
                         mf.map_or(0, |m| m.last_seq),
                         same_config,
@@ -559,9 +591,11 @@ impl GlobalGate {
                     st.degraded = degraded;
                 }
                 match view {
-                    Some((verdicts, credit, last_seq, same_config)) => {
+                    Some((verdicts, open, credit, last_seq, same_config)) => {
                         st.configured = true;
                         st.credit = credit;
+                        st.applied_last_seq = last_seq;
+                        st.open_by_priority.extend(open);
                         while st.unreported.front().is_some_and(|s| *s <= last_seq) {
                             st.unreported.pop_front();
                         }

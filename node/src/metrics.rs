@@ -326,6 +326,7 @@ pub struct ClusterMetrics {
     quorum: Gauge,
     proposal_seconds: Histogram,
     flow_admissions: Family<PathLabels, Counter>,
+    flow_admit_seconds: Histogram,
     flow_batch_commands: Histogram,
     flow_batch_seconds: Histogram,
     flow_credit: Gauge,
@@ -355,6 +356,12 @@ impl ClusterMetrics {
                 scheduler_buckets().into_iter().chain([0.2, 0.5, 1.0, 2.0]),
             ),
             flow_admissions: Family::default(),
+            flow_admit_seconds: Histogram::new(
+                [
+                    1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
+                ]
+                .into_iter(),
+            ),
             flow_batch_commands: Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(1.0, 2.0, 14),
             ),
@@ -371,6 +378,11 @@ impl ClusterMetrics {
             "Requests admitted by cluster flow control, by path (fast: local credit, no consensus \
              round trip; slow: global queue; degraded-admit/-reject: no quorum)",
             m.flow_admissions.clone(),
+        );
+        registry.register(
+            "cluster_flow_fast_admit_duration_seconds",
+            "Time to admit a request on local credit (the unsaturated fast path; no consensus)",
+            m.flow_admit_seconds.clone(),
         );
         registry.register(
             "cluster_flow_batch_commands",
@@ -445,6 +457,10 @@ impl ClusterMetrics {
         self.flow_admissions
             .get_or_create(&PathLabels { path })
             .inc();
+    }
+
+    pub fn fast_admit(&self, took: std::time::Duration) {
+        self.flow_admit_seconds.observe(took.as_secs_f64());
     }
 
     pub fn flow_batch(&self, commands: usize, took: std::time::Duration) {

@@ -5,6 +5,12 @@
 //! - `decisions`: EPP routing decisions per second per CPU core, driven by a synthetic ext_proc
 //!   client (no Envoy) sending ~4k-token prompts; CPU is read from `/proc/<pid>/stat` of the epp
 //!   process.
+//! - `global-flow`: cluster-wide flow control on three replicas (synthetic ext_proc clients, each
+//!   request routed on one replica and settled on the next, as the split data plane does): the
+//!   fast-path admission time, decision latency against per-replica flow control, cluster-wide
+//!   admissions per second and Raft entries per admission; then, with one slot and no credit,
+//!   the time from a slot freeing (settlement sent to a third replica) to the waiting request's
+//!   dispatch on another.
 
 use std::time::{Duration, Instant};
 
@@ -49,6 +55,17 @@ enum Cmd {
         #[arg(long, default_value_t = 4096)]
         prompt_tokens: usize,
     },
+    GlobalFlow {
+        #[arg(long, default_value_t = 20000)]
+        requests: usize,
+        #[arg(long, default_value_t = 32)]
+        concurrency: usize,
+        /// Slot hand-offs measured in the saturated phase.
+        #[arg(long, default_value_t = 200)]
+        handoffs: usize,
+        #[arg(long, default_value_t = 32)]
+        credit_slack: u32,
+    },
 }
 
 #[tokio::main]
@@ -65,6 +82,12 @@ async fn main() -> anyhow::Result<()> {
             pods,
             prompt_tokens,
         } => decisions(requests, concurrency, pods, prompt_tokens).await,
+        Cmd::GlobalFlow {
+            requests,
+            concurrency,
+            handoffs,
+            credit_slack,
+        } => global_flow(requests, concurrency, handoffs, credit_slack).await,
     }
 }
 
@@ -250,6 +273,321 @@ async fn decisions(
         net * 1e6 / requests as f64,
     );
     drop(epp);
+    sim.shutdown().await;
+    Ok(())
+}
+
+fn flow_config(max_concurrency: u64) -> String {
+    format!(
+        "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: queue-scorer
+- {{name: slots, type: concurrency-detector, parameters: {{maxConcurrency: {max_concurrency}}}}}
+schedulingProfiles:
+- name: default
+  plugins:
+  - {{pluginRef: queue-scorer, weight: 1}}
+flowControl:
+  saturationDetector: {{pluginRef: slots}}
+"
+    )
+}
+
+async fn flow_cluster(
+    endpoints: &std::path::Path,
+    max_concurrency: u64,
+    extra: &[&str],
+) -> anyhow::Result<(
+    chaos::raft::RaftCluster,
+    Vec<ExternalProcessorClient<tonic::transport::Channel>>,
+)> {
+    let cfg = flow_config(max_concurrency);
+    let mut args = vec!["--config-text", cfg.as_str(), "--log-level", "warn"];
+    args.extend_from_slice(extra);
+    let raft = chaos::raft::RaftCluster::start_with(3, endpoints, &args).await?;
+    let global = extra
+        .windows(2)
+        .all(|w| w != ["--flow-control-scope", "replica"]);
+    if global {
+        chaos::wait::until(
+            "cluster flow control ready",
+            Duration::from_secs(30),
+            || async {
+                let mut ok = true;
+                for id in 1..=3 {
+                    let v = raft.replica(id).unwrap().flow_view().await;
+                    ok &= v.is_ok_and(|v| {
+                        v["local"]["configured"] == true
+                            && v["local"]["degraded"] == false
+                            && v["global"]["pool_endpoints"].as_u64().unwrap_or(0) > 0
+                    });
+                }
+                ok
+            },
+        )
+        .await?;
+    }
+    let mut clients = Vec::new();
+    for id in 1..=3 {
+        let addr = raft.replica(id)?.addrs.ext_proc;
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+            .tcp_nodelay(true)
+            .connect()
+            .await?;
+        clients.push(ExternalProcessorClient::new(channel));
+    }
+    Ok((raft, clients))
+}
+
+/// Route `rid` (a small chat request) and read the answer to its end; the time it took, ms.
+async fn route(
+    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+    body: &[u8],
+    rid: &str,
+) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    let msgs = chaos::extproc::chat_request_with(body, &[("x-request-id", rid)], None);
+    let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
+    let mut routed = false;
+    while let Some(msg) = responses.message().await? {
+        match msg.response {
+            Some(Resp::RequestHeaders(_)) => routed = true,
+            Some(Resp::ImmediateResponse(i)) => bail!("refused: {:?}", i.status),
+            _ => {}
+        }
+    }
+    if !routed {
+        bail!("not routed");
+    }
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// The response of `rid` ended, as the response-observing filter reports it.
+async fn settle(
+    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+    rid: &str,
+) -> anyhow::Result<()> {
+    let msgs = chaos::extproc::observed_response(rid, br#"{"choices":[]}"#);
+    let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
+    while responses.message().await?.is_some() {}
+    Ok(())
+}
+
+/// (bucket upper bound, cumulative count) of a Prometheus histogram summed over replicas.
+fn histogram(texts: &[String], name: &str) -> Vec<(f64, f64)> {
+    let mut buckets: std::collections::BTreeMap<u64, (f64, f64)> = Default::default();
+    for t in texts {
+        for l in t
+            .lines()
+            .filter(|l| l.starts_with(&format!("{name}_bucket{{")))
+        {
+            let le = l.split("le=\"").nth(1).and_then(|r| r.split('"').next());
+            let v = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+            if let (Some(le), Some(v)) = (le, v) {
+                let bound = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().unwrap_or(f64::INFINITY)
+                };
+                let e = buckets.entry(bound.to_bits()).or_insert((bound, 0.0));
+                e.1 += v;
+            }
+        }
+    }
+    let mut v: Vec<(f64, f64)> = buckets.into_values().collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v
+}
+
+fn histogram_quantile(h: &[(f64, f64)], q: f64) -> f64 {
+    let total = h.last().map_or(0.0, |b| b.1);
+    h.iter()
+        .find(|b| b.1 >= q * total)
+        .map_or(f64::NAN, |b| b.0)
+}
+
+fn counter(texts: &[String], needle: &str) -> f64 {
+    texts
+        .iter()
+        .flat_map(|t| t.lines())
+        .filter(|l| l.starts_with(needle))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn leader_commit(raft: &chaos::raft::RaftCluster) -> anyhow::Result<u64> {
+    let leader = raft
+        .agreed_leader(&[1, 2, 3])
+        .await
+        .context("no agreed leader")?;
+    Ok(raft.leader_and_commit(leader).await?.1)
+}
+
+async fn global_flow(
+    requests: usize,
+    concurrency: usize,
+    handoffs: usize,
+    credit_slack: u32,
+) -> anyhow::Result<()> {
+    let sim = Sim::start(SimConfig {
+        pods: 16,
+        ..SimConfig::default()
+    })
+    .await?;
+    let dir = tempfile::tempdir()?;
+    let endpoints = dir.path().join("endpoints.yaml");
+    std::fs::write(&endpoints, sim.pods_yaml())?;
+    let body = serde_json::to_vec(&serde_json::json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "Say hello in one word, please."}],
+        "max_tokens": 4,
+    }))?;
+    let slack = credit_slack.to_string();
+
+    // Unsaturated: cluster scope (fast path on local credit) versus per-replica flow control.
+    println!(
+        "| flow control | requests | concurrency | wall s | admissions/s | decision p50 ms | decision p99 ms | fast / slow path | fast admit p50 | fast admit p99 | Raft entries per admission |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for scope in ["cluster", "replica"] {
+        let (raft, clients) = flow_cluster(
+            &endpoints,
+            100_000,
+            &["--flow-control-scope", scope, "--flow-credit-slack", &slack],
+        )
+        .await?;
+        let run = |n: usize, tag: &'static str| {
+            let clients = clients.clone();
+            let body = body.clone();
+            async move {
+                let results: Vec<anyhow::Result<f64>> = futures::stream::iter(0..n)
+                    .map(|i| {
+                        let mut c = clients[i % 3].clone();
+                        let mut s = clients[(i + 1) % 3].clone();
+                        let body = body.clone();
+                        async move {
+                            let rid = format!("{tag}-{i}");
+                            let ms = route(&mut c, &body, &rid).await?;
+                            settle(&mut s, &rid).await?;
+                            Ok(ms)
+                        }
+                    })
+                    .buffer_unordered(concurrency)
+                    .collect()
+                    .await;
+                results.into_iter().collect::<anyhow::Result<Vec<f64>>>()
+            }
+        };
+        run(500, "warm").await?;
+        let c0 = leader_commit(&raft).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let c1 = leader_commit(&raft).await?;
+        let idle_per_s = (c1 - c0) as f64 / 2.0;
+        let t0 = Instant::now();
+        let mut lat = run(requests, "run").await?;
+        let wall = t0.elapsed().as_secs_f64();
+        let c2 = leader_commit(&raft).await?;
+        lat.sort_by(f64::total_cmp);
+        let mut texts = Vec::new();
+        for id in 1..=3 {
+            texts.push(raft.replica(id)?.metrics().await?);
+        }
+        let (fast_slow, admit50, admit99, per_admission) = if scope == "cluster" {
+            let fast = counter(
+                &texts,
+                "llm_d_epp_cluster_flow_admissions_total{path=\"fast\"}",
+            );
+            let slow = counter(
+                &texts,
+                "llm_d_epp_cluster_flow_admissions_total{path=\"slow\"}",
+            );
+            let h = histogram(&texts, "llm_d_epp_cluster_flow_fast_admit_duration_seconds");
+            let entries = (c2 - c1) as f64 - idle_per_s * wall;
+            (
+                format!("{fast:.0} / {slow:.0}"),
+                format!("≤ {:.0} µs", histogram_quantile(&h, 0.5) * 1e6),
+                format!("≤ {:.0} µs", histogram_quantile(&h, 0.99) * 1e6),
+                format!("{:.3}", entries.max(0.0) / requests as f64),
+            )
+        } else {
+            (
+                "—".into(),
+                "—".into(),
+                "—".into(),
+                "0 (none replicated)".into(),
+            )
+        };
+        println!(
+            "| {scope} | {requests} | {concurrency} | {wall:.2} | {:.0} | {:.3} | {:.3} | {fast_slow} | {admit50} | {admit99} | {per_admission} |",
+            requests as f64 / wall,
+            pct(&lat, 0.5),
+            pct(&lat, 0.99),
+        );
+        raft.shutdown().await;
+    }
+
+    // Saturated: one slot (one pod, one request), no credit. A holder on replica 1, a waiter on
+    // replica 2; the holder's settlement goes to replica 3; measured: settlement sent → the
+    // waiter's dispatch answer received.
+    let one_pod = Sim::start(SimConfig {
+        pods: 1,
+        ..SimConfig::default()
+    })
+    .await?;
+    let one = dir.path().join("one-pod.yaml");
+    std::fs::write(&one, one_pod.pods_yaml())?;
+    let (raft, clients) = flow_cluster(&one, 1, &["--flow-credit-slack", "0"]).await?;
+    let mut lat = Vec::new();
+    for k in 0..handoffs {
+        let (mut c1, mut c2, mut c3) = (clients[0].clone(), clients[1].clone(), clients[2].clone());
+        let holder = format!("h{k}");
+        let waiter = format!("w{k}");
+        route(&mut c1, &body, &holder).await?;
+        let w = {
+            let body = body.clone();
+            let waiter = waiter.clone();
+            tokio::spawn(async move {
+                route(&mut c2, &body, &waiter).await?;
+                Ok::<Instant, anyhow::Error>(Instant::now())
+            })
+        };
+        // Let the waiter's enqueue commit before the slot frees.
+        chaos::wait::until("the waiter queued", Duration::from_secs(5), || async {
+            raft.replica(2)
+                .unwrap()
+                .flow_view()
+                .await
+                .is_ok_and(|v| v["global"]["totals"]["queued_requests"] == 1)
+        })
+        .await?;
+        let t = Instant::now();
+        settle(&mut c3, &holder).await?;
+        let done = w.await??;
+        lat.push(done.duration_since(t).as_secs_f64() * 1e3);
+        settle(&mut c3, &waiter).await?;
+        chaos::wait::until("the slot free", Duration::from_secs(5), || async {
+            raft.replica(1)
+                .unwrap()
+                .flow_view()
+                .await
+                .is_ok_and(|v| v["global"]["totals"]["inflight_requests"] == 0)
+        })
+        .await?;
+    }
+    lat.sort_by(f64::total_cmp);
+    println!();
+    println!("| hand-offs | slot freed → waiter dispatched p50 ms | p99 ms | max ms |");
+    println!("|---|---|---|---|");
+    println!(
+        "| {handoffs} | {:.2} | {:.2} | {:.2} |",
+        pct(&lat, 0.5),
+        pct(&lat, 0.99),
+        lat.last().copied().unwrap_or(f64::NAN)
+    );
+    raft.shutdown().await;
+    one_pod.shutdown().await;
     sim.shutdown().await;
     Ok(())
 }
