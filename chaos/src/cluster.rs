@@ -73,6 +73,35 @@ impl LocalCluster {
                 epps.push(EppProcess::start(&endpoints_file, &args).await?);
             }
         }
+        // Envoy health-checks the replicas: start it once they are ready (cluster flow control,
+        // for one, keeps a replica NOT_SERVING until the replicated configuration applies).
+        let admins: Vec<std::net::SocketAddr> = match &raft {
+            Some(r) => r
+                .replicas
+                .values()
+                .flatten()
+                .map(|e| e.addrs.admin)
+                .collect(),
+            None => epps.iter().map(|e| e.addrs.admin).collect(),
+        };
+        if !spec.no_pods {
+            crate::wait::until(
+                "every replica ready (/readyz)",
+                std::time::Duration::from_secs(30),
+                || async {
+                    for a in &admins {
+                        let ok = reqwest::get(format!("http://{a}/readyz"))
+                            .await
+                            .is_ok_and(|r| r.status().is_success());
+                        if !ok {
+                            return false;
+                        }
+                    }
+                    true
+                },
+            )
+            .await?;
+        }
         let ext_procs: Vec<std::net::SocketAddr> = match &raft {
             Some(r) => r
                 .replicas

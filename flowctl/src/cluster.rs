@@ -67,7 +67,7 @@ pub enum ClusterCommand {
 }
 
 /// What applying a command did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClusterOutput {
     /// The member's heartbeat count after this command (0 after `Leave`).
     Heartbeats(u64),

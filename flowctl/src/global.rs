@@ -68,7 +68,7 @@ impl Default for GlobalParams {
     fn default() -> Self {
         GlobalParams {
             lease_ms: 1500,
-            credit_slack: 8,
+            credit_slack: 16,
             rebalance_ms: 1000,
         }
     }
@@ -119,12 +119,16 @@ pub enum Verdict {
     Rejected(DropReason),
 }
 
-/// What applying a batch did (returned to the proposer; informational).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// What applying a batch did (returned to the proposer).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct BatchResult {
     pub applied: u32,
     /// Duplicates (a retried batch), unknown keys, settlements of nothing.
     pub ignored: u32,
+    /// The proposer's waiting requests decided while this batch applied (typically enqueues
+    /// dispatched at once): it can release them without waiting for its own replica to apply
+    /// the entry.
+    pub decided: Vec<(u64, Verdict)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -196,6 +200,9 @@ pub struct GlobalFlow {
     dispatched: u64,
     reclaimed: u64,
     rebalances: u64,
+    /// Verdicts decided during the current `apply_batch` (not state: rebuilt on every batch).
+    #[serde(skip)]
+    decided_now: Vec<(Key, Verdict)>,
 }
 
 /// `BTreeMap` as a sequence of pairs, so tuple keys survive JSON.
@@ -244,6 +251,7 @@ impl GlobalFlow {
             dispatched: 0,
             reclaimed: 0,
             rebalances: 0,
+            decided_now: Vec::new(),
         })
     }
 
@@ -354,6 +362,7 @@ impl GlobalFlow {
     ) -> BatchResult {
         self.now_us = self.now_us.max(now_us);
         self.incarnation(member, incarnation);
+        self.decided_now.clear();
         let mut res = BatchResult::default();
         for cmd in cmds {
             if self.apply_one(member, cmd) {
@@ -362,6 +371,12 @@ impl GlobalFlow {
                 res.ignored += 1;
             }
         }
+        res.decided = self
+            .decided_now
+            .drain(..)
+            .filter(|(k, _)| k.0 == member)
+            .map(|(k, v)| (k.1, v))
+            .collect();
         res
     }
 
@@ -553,6 +568,7 @@ impl GlobalFlow {
     fn decide(&mut self, key: Key, v: Verdict) {
         self.verdicts.insert(key, v);
         self.verdict_times.insert((self.now_us, key.0, key.1));
+        self.decided_now.push((key, v));
     }
 
     fn prune_verdicts(&mut self) {

@@ -139,6 +139,15 @@ struct State {
     dropped_cmds: u64,
 }
 
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The cluster-wide flow gate of one replica. See the module docs.
 pub struct GlobalGate {
     node_id: u64,
@@ -327,7 +336,7 @@ impl GlobalGate {
     }
 
     /// Admission without quorum: `Some` = decided here (admitted on the local share, or 429 when
-    /// failing closed); `None` = wait like a queued request, for at most a lease.
+    /// failing closed); `None` = wait like a queued request, for at most `degraded_wait`.
     fn admit_degraded(
         &self,
         st: &mut State,
@@ -500,8 +509,16 @@ impl GlobalGate {
             )
             .await;
             match res {
-                Ok(Ok(_)) => {
+                Ok(Ok(out)) => {
                     self.metrics.cluster.flow_batch(cmds.len(), t0.elapsed());
+                    // Enqueues dispatched (or refused) as the batch applied: release them now,
+                    // without waiting for this replica to apply the entry.
+                    if let ClusterOutput::Flow(res) = out
+                        && !res.decided.is_empty()
+                    {
+                        let mut st = self.lock();
+                        self.deliver(&mut st, res.decided);
+                    }
                 }
                 _ => {
                     // Retry (the state ignores what it has already applied), oldest first.
@@ -528,10 +545,17 @@ impl GlobalGate {
         let mut tick = tokio::time::interval(Duration::from_millis(20));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_progress = Instant::now();
-        let mut last_pool = Instant::now() - self.opts.pool_interval;
         let mut last_config = Instant::now() - Duration::from_secs(1);
         let mut last_gauges = Instant::now();
-        let mut warned_config = false;
+        // Proposals of its own (configuration, pool metrics) run beside the watcher, which must
+        // never wait for a commit while verdicts are due.
+        let duties = Arc::new(Notify::new());
+        let duty_task = tokio::spawn(self.clone().duties(
+            member.clone(),
+            duties.clone(),
+            stop.clone(),
+        ));
+        let _abort = AbortOnDrop(duty_task);
         let mut last_prune = Instant::now();
         loop {
             tokio::select! {
@@ -599,24 +623,7 @@ impl GlobalGate {
                         while st.unreported.front().is_some_and(|s| *s <= last_seq) {
                             st.unreported.pop_front();
                         }
-                        for (seq, v) in verdicts {
-                            if let Some(w) = st.waiting.remove(&seq) {
-                                let verdict = match v {
-                                    GVerdict::Dispatched => {
-                                        let rid = w.waiter.request_id.clone();
-                                        st.admitted.insert(seq, (Instant::now(), rid));
-                                        Verdict::Dispatched(Ticket(seq))
-                                    }
-                                    GVerdict::Rejected(r) => Verdict::Rejected(r),
-                                };
-                                if !w.waiter.resolve(&self.metrics, verdict)
-                                    && matches!(v, GVerdict::Dispatched)
-                                {
-                                    // The stream left just before its dispatch.
-                                    self.push(&mut st, FlowCmd::Cancel { seq });
-                                }
-                            }
-                        }
+                        self.deliver(&mut st, verdicts);
                         reconfigure = !same_config;
                     }
                     None => {
@@ -660,28 +667,72 @@ impl GlobalGate {
             }
             if reconfigure && last_config.elapsed() >= Duration::from_secs(1) {
                 last_config = Instant::now();
-                let out = member
-                    .node
-                    .propose(ClusterCommand::ConfigureFlow {
-                        config: Box::new(self.config.clone()),
-                        params: self.opts.params,
-                    })
-                    .await;
-                if matches!(out, Ok(ClusterOutput::Configured(false))) && !warned_config {
-                    warned_config = true;
-                    tracing::warn!(
-                        "cluster flow control runs another replica's flowControl configuration \
-                         (it is busy); every replica should run the same one"
-                    );
-                }
-            }
-            if last_pool.elapsed() >= self.opts.pool_interval && member.is_leader().await {
-                last_pool = Instant::now();
-                self.propose_pool(&member).await;
+                duties.notify_one();
             }
             if last_gauges.elapsed() >= Duration::from_millis(100) {
                 last_gauges = Instant::now();
                 self.gauges(&member).await;
+            }
+        }
+    }
+
+    /// The configuration proposal (when the watcher asks) and, on the leader, the pool metrics
+    /// every `pool_interval`.
+    async fn duties(
+        self: Arc<Self>,
+        member: Arc<ClusterMember>,
+        configure: Arc<Notify>,
+        stop: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(self.opts.pool_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut warned = false;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = configure.notified() => {
+                    let out = member
+                        .node
+                        .propose(ClusterCommand::ConfigureFlow {
+                            config: Box::new(self.config.clone()),
+                            params: self.opts.params,
+                        })
+                        .await;
+                    if matches!(out, Ok(ClusterOutput::Configured(false))) && !warned {
+                        warned = true;
+                        tracing::warn!(
+                            "cluster flow control runs another replica's flowControl \
+                             configuration (it is busy); every replica should run the same one"
+                        );
+                    }
+                }
+                _ = tick.tick() => {
+                    if member.is_leader().await {
+                        self.propose_pool(&member).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Hand verdicts to the requests still waiting for them (the writer's batch result and the
+    /// watcher may both carry one: the first wins).
+    fn deliver(&self, st: &mut State, verdicts: Vec<(u64, GVerdict)>) {
+        for (seq, v) in verdicts {
+            let Some(w) = st.waiting.remove(&seq) else {
+                continue;
+            };
+            let verdict = match v {
+                GVerdict::Dispatched => {
+                    let rid = w.waiter.request_id.clone();
+                    st.admitted.insert(seq, (Instant::now(), rid));
+                    Verdict::Dispatched(Ticket(seq))
+                }
+                GVerdict::Rejected(r) => Verdict::Rejected(r),
+            };
+            if !w.waiter.resolve(&self.metrics, verdict) && matches!(v, GVerdict::Dispatched) {
+                // The stream left just before its dispatch.
+                self.push(st, FlowCmd::Cancel { seq });
             }
         }
     }

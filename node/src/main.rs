@@ -163,7 +163,7 @@ struct ClusterArgs {
     flow_control_scope: String,
     /// Requests the cluster may admit on local credit (no consensus round trip) beyond what the
     /// replicated ledger has seen; split between replicas by demand. 0 = every admission commits.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 16)]
     flow_credit_slack: u32,
     /// A replica that cannot reach a quorum: `local-share` admits within its last credit (at
     /// least one request at a time), `fail-closed` answers 429.

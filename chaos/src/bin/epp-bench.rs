@@ -317,7 +317,10 @@ async fn flow_cluster(
             || async {
                 let mut ok = true;
                 for id in 1..=3 {
-                    let v = raft.replica(id).unwrap().flow_view().await;
+                    let Ok(r) = raft.replica(id) else {
+                        return false;
+                    };
+                    let v = r.flow_view().await;
                     ok &= v.is_ok_and(|v| {
                         v["local"]["configured"] == true
                             && v["local"]["degraded"] == false
@@ -448,9 +451,9 @@ async fn global_flow(
 
     // Unsaturated: cluster scope (fast path on local credit) versus per-replica flow control.
     println!(
-        "| flow control | requests | concurrency | wall s | admissions/s | decision p50 ms | decision p99 ms | fast / slow path | fast admit p50 | fast admit p99 | Raft entries per admission |"
+        "| flow control | credit slack | requests | concurrency | wall s | admissions/s | EPP CPU µs per request (3 replicas) | decision p50 ms | decision p99 ms | fast / slow path | fast admit p50 | fast admit p99 | Raft entries per admission |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for scope in ["cluster", "replica"] {
         let (raft, clients) = flow_cluster(
             &endpoints,
@@ -485,9 +488,19 @@ async fn global_flow(
         tokio::time::sleep(Duration::from_secs(2)).await;
         let c1 = leader_commit(&raft).await?;
         let idle_per_s = (c1 - c0) as f64 / 2.0;
+        let pids: Vec<u32> = (1..=3)
+            .filter_map(|id| raft.replica(id).ok()?.pid_u32())
+            .collect();
+        let cpu = || {
+            pids.iter()
+                .map(|p| proc_cpu_seconds(*p).unwrap_or(0.0))
+                .sum::<f64>()
+        };
+        let cpu0 = cpu();
         let t0 = Instant::now();
         let mut lat = run(requests, "run").await?;
         let wall = t0.elapsed().as_secs_f64();
+        let cpu_us = (cpu() - cpu0) * 1e6 / requests as f64;
         let c2 = leader_commit(&raft).await?;
         lat.sort_by(f64::total_cmp);
         let mut texts = Vec::new();
@@ -520,7 +533,7 @@ async fn global_flow(
             )
         };
         println!(
-            "| {scope} | {requests} | {concurrency} | {wall:.2} | {:.0} | {:.3} | {:.3} | {fast_slow} | {admit50} | {admit99} | {per_admission} |",
+            "| {scope} | {credit_slack} | {requests} | {concurrency} | {wall:.2} | {:.0} | {cpu_us:.0} | {:.3} | {:.3} | {fast_slow} | {admit50} | {admit99} | {per_admission} |",
             requests as f64 / wall,
             pct(&lat, 0.5),
             pct(&lat, 0.99),
@@ -555,11 +568,13 @@ async fn global_flow(
         };
         // Let the waiter's enqueue commit before the slot frees.
         chaos::wait::until("the waiter queued", Duration::from_secs(5), || async {
-            raft.replica(2)
-                .unwrap()
-                .flow_view()
-                .await
-                .is_ok_and(|v| v["global"]["totals"]["queued_requests"] == 1)
+            match raft.replica(2) {
+                Ok(r) => r
+                    .flow_view()
+                    .await
+                    .is_ok_and(|v| v["global"]["totals"]["queued_requests"] == 1),
+                Err(_) => false,
+            }
         })
         .await?;
         let t = Instant::now();
@@ -568,11 +583,13 @@ async fn global_flow(
         lat.push(done.duration_since(t).as_secs_f64() * 1e3);
         settle(&mut c3, &waiter).await?;
         chaos::wait::until("the slot free", Duration::from_secs(5), || async {
-            raft.replica(1)
-                .unwrap()
-                .flow_view()
-                .await
-                .is_ok_and(|v| v["global"]["totals"]["inflight_requests"] == 0)
+            match raft.replica(1) {
+                Ok(r) => r
+                    .flow_view()
+                    .await
+                    .is_ok_and(|v| v["global"]["totals"]["inflight_requests"] == 0),
+                Err(_) => false,
+            }
         })
         .await?;
     }

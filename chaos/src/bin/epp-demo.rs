@@ -39,6 +39,11 @@ struct Args {
     /// Write the reports as JSON here.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Turn llm-d's `flowControl` feature gate on (default settings: utilization detector, one
+    /// band). With several replicas it runs cluster-wide; the demo prints how requests were
+    /// admitted (local credit or the replicated queue).
+    #[arg(long)]
+    flow_control: bool,
 }
 
 #[tokio::main]
@@ -66,7 +71,7 @@ async fn main() -> anyhow::Result<()> {
         },
         replicas: args.replicas,
         raft: args.replicas > 1,
-        epp_args: vec!["--config-file".into(), args.config.display().to_string()],
+        epp_args: epp_config_args(&args)?,
         ..ClusterSpec::default()
     };
     println!(
@@ -125,6 +130,9 @@ async fn main() -> anyhow::Result<()> {
         reports.push((name.to_string(), report));
         if name == "epp" && args.replicas > 1 {
             print_prefix_replication(&cluster, args.replicas).await?;
+            if args.flow_control {
+                print_cluster_flow(&cluster, args.replicas).await?;
+            }
         }
     }
     cluster.shutdown().await;
@@ -149,6 +157,53 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     println!("\nok: every request succeeded on both routes");
+    Ok(())
+}
+
+/// The replicas' config flags: the config file, or its text with the flow-control gate added.
+fn epp_config_args(args: &Args) -> anyhow::Result<Vec<String>> {
+    if !args.flow_control {
+        return Ok(vec![
+            "--config-file".into(),
+            args.config.display().to_string(),
+        ]);
+    }
+    let text = std::fs::read_to_string(&args.config)
+        .with_context(|| format!("reading {}", args.config.display()))?;
+    if text.contains("featureGates") || text.contains("flowControl") {
+        bail!(
+            "--flow-control: {} already configures flow control",
+            args.config.display()
+        );
+    }
+    Ok(vec![
+        "--config-text".into(),
+        format!("{text}\nfeatureGates: [flowControl]\nflowControl: {{}}\n"),
+    ])
+}
+
+/// Cluster mode with flow control: how the replicas admitted the requests.
+async fn print_cluster_flow(cluster: &LocalCluster, replicas: usize) -> anyhow::Result<()> {
+    let mut parts = Vec::new();
+    let mut global = serde_json::Value::Null;
+    for i in 0..replicas {
+        let v = cluster.epp(i)?.flow_view().await?;
+        parts.push(format!(
+            "replica {}: {} on local credit, {} via the replicated queue (credit {})",
+            i + 1,
+            v["local"]["fast_path"],
+            v["local"]["slow_path"],
+            v["local"]["credit"]
+        ));
+        global = v["global"].clone();
+    }
+    println!("cluster flow control: {}", parts.join("; "));
+    println!(
+        "  replicated ledger now: {} in flight, {} queued; {} dispatched from the queue",
+        global["totals"]["inflight_requests"],
+        global["totals"]["queued_requests"],
+        global["dispatched"]
+    );
     Ok(())
 }
 
