@@ -139,10 +139,11 @@ impl RaftCluster {
             format!("{ELECTION_MAX_MS}ms"),
             "--cluster-heartbeat".into(),
             format!("{CLUSTER_HEARTBEAT_MS}ms"),
-            // Compact early so a joining replica catches up from a snapshot.
-            "--raft-snapshot-logs".into(),
-            "20".into(),
         ];
+        if !self.extra.iter().any(|a| a == "--raft-snapshot-logs") {
+            // Compact early so a joining replica catches up from a snapshot.
+            args.extend(["--raft-snapshot-logs".into(), "20".into()]);
+        }
         if join {
             args.push("--join".into());
         } else {

@@ -356,12 +356,9 @@ impl ClusterMetrics {
                 scheduler_buckets().into_iter().chain([0.2, 0.5, 1.0, 2.0]),
             ),
             flow_admissions: Family::default(),
-            flow_admit_seconds: Histogram::new(
-                [
-                    1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
-                ]
-                .into_iter(),
-            ),
+            flow_admit_seconds: Histogram::new([
+                1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
+            ]),
             flow_batch_commands: Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(1.0, 2.0, 14),
             ),

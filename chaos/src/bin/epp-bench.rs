@@ -304,7 +304,15 @@ async fn flow_cluster(
     Vec<ExternalProcessorClient<tonic::transport::Channel>>,
 )> {
     let cfg = flow_config(max_concurrency);
-    let mut args = vec!["--config-text", cfg.as_str(), "--log-level", "warn"];
+    // The default compaction (the chaos harness snapshots every 20 entries to exercise joins).
+    let mut args = vec![
+        "--config-text",
+        cfg.as_str(),
+        "--log-level",
+        "warn",
+        "--raft-snapshot-logs",
+        "10000",
+    ];
     args.extend_from_slice(extra);
     let raft = chaos::raft::RaftCluster::start_with(3, endpoints, &args).await?;
     let global = extra
@@ -506,6 +514,23 @@ async fn global_flow(
         let mut texts = Vec::new();
         for id in 1..=3 {
             texts.push(raft.replica(id)?.metrics().await?);
+        }
+        if scope == "cluster" {
+            let q = histogram(
+                &texts,
+                "llm_d_epp_flow_control_request_queue_duration_seconds",
+            );
+            let b = histogram(&texts, "llm_d_epp_cluster_flow_batch_duration_seconds");
+            let n = histogram(&texts, "llm_d_epp_cluster_flow_batch_commands");
+            eprintln!(
+                "slow path wait (enqueue → verdict) p50 ≤ {:.1} ms, p99 ≤ {:.1} ms; batch commit p50 ≤ {:.1} ms, p99 ≤ {:.1} ms; commands per batch p50 ≤ {:.0}, p99 ≤ {:.0}",
+                histogram_quantile(&q, 0.5) * 1e3,
+                histogram_quantile(&q, 0.99) * 1e3,
+                histogram_quantile(&b, 0.5) * 1e3,
+                histogram_quantile(&b, 0.99) * 1e3,
+                histogram_quantile(&n, 0.5),
+                histogram_quantile(&n, 0.99),
+            );
         }
         let (fast_slow, admit50, admit99, per_admission) = if scope == "cluster" {
             let fast = counter(

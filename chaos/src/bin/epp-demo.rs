@@ -182,8 +182,20 @@ fn epp_config_args(args: &Args) -> anyhow::Result<Vec<String>> {
     ])
 }
 
-/// Cluster mode with flow control: how the replicas admitted the requests.
+/// Cluster mode with flow control: how the replicas admitted the requests, and how soon the
+/// replicated ledger was empty again after the traffic.
 async fn print_cluster_flow(cluster: &LocalCluster, replicas: usize) -> anyhow::Result<()> {
+    let t0 = std::time::Instant::now();
+    let drained = loop {
+        let v = cluster.epp(0)?.flow_view().await?;
+        if v["global"]["totals"]["inflight_requests"] == 0 {
+            break Some(t0.elapsed());
+        }
+        if t0.elapsed() > Duration::from_secs(5) {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
     let mut parts = Vec::new();
     let mut global = serde_json::Value::Null;
     for i in 0..replicas {
@@ -199,10 +211,15 @@ async fn print_cluster_flow(cluster: &LocalCluster, replicas: usize) -> anyhow::
     }
     println!("cluster flow control: {}", parts.join("; "));
     println!(
-        "  replicated ledger now: {} in flight, {} queued; {} dispatched from the queue",
-        global["totals"]["inflight_requests"],
-        global["totals"]["queued_requests"],
-        global["dispatched"]
+        "  replicated ledger: {} dispatched from the queue; {}",
+        global["dispatched"],
+        match drained {
+            Some(t) => format!("empty {t:?} after the traffic"),
+            None => format!(
+                "still {} in flight 5 s after the traffic",
+                global["totals"]["inflight_requests"]
+            ),
+        }
     );
     Ok(())
 }
