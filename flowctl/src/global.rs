@@ -30,7 +30,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::machine::{Command, EnqueueRequest, FlowController, FlowKey, Outcome, RequestId};
+use crate::machine::{Command, EnqueueRequest, FlowController, FlowKey, Outcome, RequestId, pairs};
 use crate::outcome::DropReason;
 use crate::saturation::EndpointSnapshot;
 use crate::units::Nanos;
@@ -203,29 +203,6 @@ pub struct GlobalFlow {
     /// Verdicts decided during the current `apply_batch` (not state: rebuilt on every batch).
     #[serde(skip)]
     decided_now: Vec<(Key, Verdict)>,
-}
-
-/// `BTreeMap` as a sequence of pairs, so tuple keys survive JSON.
-mod pairs {
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-    use std::collections::BTreeMap;
-
-    pub fn serialize<S: Serializer, K: Serialize, V: Serialize>(
-        map: &BTreeMap<K, V>,
-        s: S,
-    ) -> Result<S::Ok, S::Error> {
-        s.collect_seq(map.iter())
-    }
-
-    pub fn deserialize<'de, D, K, V>(d: D) -> Result<BTreeMap<K, V>, D::Error>
-    where
-        D: Deserializer<'de>,
-        K: Deserialize<'de> + Ord,
-        V: Deserialize<'de>,
-    {
-        let v: Vec<(K, V)> = Vec::deserialize(d)?;
-        Ok(v.into_iter().collect())
-    }
 }
 
 impl GlobalFlow {

@@ -197,7 +197,7 @@ impl Ord for Pass {
 }
 
 /// `BTreeMap` as a sequence of pairs, so non-string keys survive JSON.
-mod pairs {
+pub(crate) mod pairs {
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
     use std::collections::BTreeMap;
 
