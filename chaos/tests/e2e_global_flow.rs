@@ -159,6 +159,14 @@ struct Record {
     ok: bool,
 }
 
+/// One tenant's closed loop: `clients` clients through `url` with an objective (priority).
+struct Tenant {
+    name: &'static str,
+    url: String,
+    objective: String,
+    clients: usize,
+}
+
 /// Closed loops of [`CLIENTS`] per tenant, each tenant through its own gateway URL; meanwhile
 /// the requests running or waiting in the pods are sampled every 20 ms.
 struct Load {
@@ -171,6 +179,19 @@ struct Load {
 
 impl Load {
     fn start(sim: &sim::Sim, tenants: &[(&'static str, String)], objective: &str) -> Load {
+        let tenants: Vec<Tenant> = tenants
+            .iter()
+            .map(|(name, url)| Tenant {
+                name,
+                url: url.clone(),
+                objective: objective.to_string(),
+                clients: CLIENTS,
+            })
+            .collect();
+        Load::start_tenants(sim, &tenants)
+    }
+
+    fn start_tenants(sim: &sim::Sim, tenants: &[Tenant]) -> Load {
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(64)
             .build()
@@ -178,11 +199,11 @@ impl Load {
         let t0 = Instant::now();
         let stop = Arc::new(AtomicBool::new(false));
         let mut tasks = Vec::new();
-        for (tenant, base) in tenants {
-            for k in 0..CLIENTS {
-                let url = format!("{base}/v1/chat/completions");
-                let (client, stop, tenant) = (client.clone(), stop.clone(), *tenant);
-                let objective = objective.to_string();
+        for t in tenants {
+            for k in 0..t.clients {
+                let url = format!("{}/v1/chat/completions", t.url);
+                let (client, stop, tenant) = (client.clone(), stop.clone(), t.name);
+                let objective = t.objective.clone();
                 tasks.push(tokio::spawn(async move {
                     let mut records = Vec::new();
                     let mut i = 0;
@@ -312,6 +333,43 @@ async fn skewed_arrival_shares_hold_cluster_wide_and_not_per_replica() {
     let cl = start(dir.path(), "cluster").await;
     let fair = drive(&cl, "fair").await;
     let weighted = drive(&cl, "weighted").await;
+    // Strict priority across replicas: a priority-5 tenant on replica 2 never waits behind the
+    // priority-0 backlog of replica 1. (And nothing runs twice: the pods serve exactly the
+    // requests the clients got answers for.)
+    let served = || -> u64 { (0..4).map(|p| cl.c.sim.stats(p).served).sum() };
+    let served0 = served();
+    let load = Load::start_tenants(
+        &cl.c.sim,
+        &[
+            Tenant {
+                name: "a",
+                url: cl.envoys[0].url(),
+                objective: "fair".into(),
+                clients: 2 * CLIENTS,
+            },
+            Tenant {
+                name: "p",
+                url: cl.envoys[1].url(),
+                objective: "weighted".into(),
+                clients: 4,
+            },
+        ],
+    );
+    tokio::time::sleep(RUN).await;
+    let (records, _) = load.finish().await;
+    let served_by_pods = served() - served0;
+    let prio_errors = records.iter().filter(|r| !r.ok).count();
+    let latencies = |tenant: &str| {
+        let mut v: Vec<f64> = records
+            .iter()
+            .filter(|r| r.tenant == tenant && r.ok && r.end >= WARMUP)
+            .map(|r| (r.end - r.start).as_secs_f64() * 1e3)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let (low, high) = (latencies("a"), latencies("p"));
+    let q = |v: &[f64], p: f64| v[((v.len() - 1) as f64 * p) as usize];
     let mut flow = Vec::new();
     for i in 0..3 {
         flow.push(cl.c.epp(i).unwrap().flow_view().await.unwrap());
@@ -339,6 +397,16 @@ async fn skewed_arrival_shares_hold_cluster_wide_and_not_per_replica() {
         base_weighted.done,
         base_weighted.peak_in_pods,
         base_weighted.peak_pod_waiting,
+    );
+    eprintln!(
+        "strict priority: priority 5 on replica 2 p50 {:.0} ms, p90 {:.0} ms ({} requests); \
+         priority 0 on replica 1 p10 {:.0} ms, p50 {:.0} ms ({} requests)",
+        q(&high, 0.5),
+        q(&high, 0.9),
+        high.len(),
+        q(&low, 0.1),
+        q(&low, 0.5),
+        low.len()
     );
     for (i, v) in flow.iter().enumerate() {
         eprintln!("replica {} /debug/flow local: {}", i + 1, v["local"]);
@@ -379,6 +447,25 @@ async fn skewed_arrival_shares_hold_cluster_wide_and_not_per_replica() {
         "per-replica flow control should overfill the pool: peak {}",
         base_weighted.peak_in_pods
     );
+    assert_eq!(prio_errors, 0, "errors in the priority run");
+    assert_eq!(
+        served_by_pods,
+        records.len() as u64,
+        "the pods served {served_by_pods} requests for {} answered ones (dispatched twice or lost?)",
+        records.len()
+    );
+    assert!(
+        high.len() > 20 && low.len() > 20,
+        "too few samples: {} / {}",
+        high.len(),
+        low.len()
+    );
+    assert!(
+        q(&high, 0.9) < q(&low, 0.1),
+        "priority 5 waited behind priority 0: its p90 {:.0} ms ≥ the low band's p10 {:.0} ms",
+        q(&high, 0.9),
+        q(&low, 0.1)
+    );
     // The slow path really ran: requests waited in the global queue on both replicas.
     for v in &flow[..2] {
         assert!(v["local"]["slow_path"].as_u64().unwrap_or(0) > 0, "{v}");
@@ -403,6 +490,8 @@ async fn leader_kill_under_saturation_loses_only_what_it_held() {
     let envoy_n = envoy_for(&c, n as usize - 1).await;
     eprintln!("leader {leader}; b through replica {n}; replica {m} is drained and restarted");
 
+    let served = |c: &LocalCluster| -> u64 { (0..4).map(|p| c.sim.stats(p).served).sum() };
+    let served0 = served(&c);
     let load = Load::start(
         &c.sim,
         &[("a", c.envoy.url()), ("b", envoy_n.url())],
@@ -474,6 +563,8 @@ async fn leader_kill_under_saturation_loses_only_what_it_held() {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     let (records, (peak, _)) = load.finish().await;
+    let served_by_pods = served(&c) - served0;
+    let answered = records.iter().filter(|r| r.ok).count() as u64;
     let errors = |tenant: &str, from: Duration, to: Duration| -> Vec<&Record> {
         records
             .iter()
@@ -526,6 +617,12 @@ async fn leader_kill_under_saturation_loses_only_what_it_held() {
     assert!(
         held_waiting > 0,
         "the leader held no queued request: {before}"
+    );
+    // Nothing dispatched twice through the failover (nor lost after dispatch): the pods served
+    // exactly the requests that were answered.
+    assert_eq!(
+        served_by_pods, answered,
+        "pods served {served_by_pods}, clients got {answered} answers"
     );
     assert!(
         longest_stall <= chaos::raft::failover_hard_limit(),
