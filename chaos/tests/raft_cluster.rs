@@ -221,14 +221,25 @@ async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
         v4["raft"]["metrics"]["snapshot_index"].as_u64().is_some(),
         "replica 4 should hold a snapshot: {v4:#}"
     );
+    // Both the new replica and the one `epp cluster members` asks below must have applied every
+    // member's heartbeat (followers apply at their own pace).
     if let Err(e) = wait::until("four live members", Duration::from_secs(10), || async {
-        c.view(4)
-            .await
-            .is_ok_and(|v| live_members(&v) == vec![1, 2, 3, 4])
+        let mut ok = true;
+        for id in [4, cut] {
+            ok &= c
+                .view(id)
+                .await
+                .is_ok_and(|v| live_members(&v) == vec![1, 2, 3, 4]);
+        }
+        ok
     })
     .await
     {
-        panic!("{e}: replica 4 sees {:#}", c.view(4).await.unwrap());
+        panic!(
+            "{e}: replica 4 sees {:#}\nreplica {cut} sees {:#}",
+            c.view(4).await.unwrap(),
+            c.view(cut).await.unwrap()
+        );
     }
     let members = run(vec![
         "cluster".into(),
