@@ -1,10 +1,10 @@
-//! The replicated cluster state: which replicas are alive (liveness leases).
+//! The replicated cluster state: which replicas are alive (liveness leases) and, once configured,
+//! the cluster-wide flow state ([`GlobalFlow`]: credit, the global queue, the in-flight ledger).
 //!
 //! Every replica proposes a [`ClusterCommand::Heartbeat`] through the consensus log every few
 //! hundred milliseconds; a replica whose last heartbeat is older than the lease TTL is dead to
-//! everyone, at the same log position. This is the first piece of the Active-Active flow-control
-//! state (credit, the global queue and the in-flight ledger hang off member leases); like the rest
-//! of `flowctl` it is pure: time comes in the commands, and every replica computes the same state.
+//! everyone, at the same log position, and the flow state returns what it held. Like the rest of
+//! `flowctl` it is pure: time comes in the commands, and every replica computes the same state.
 
 use std::collections::{BTreeMap, BTreeSet};
 

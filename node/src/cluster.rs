@@ -1,5 +1,6 @@
 //! Cluster mode: this replica as a member of a Raft group (`consensus`) replicating `flowctl`'s
-//! cluster state — for now the members' liveness leases.
+//! cluster state: the members' liveness leases and, with the `flowControl` gate, the global flow
+//! state that [`crate::global_gate`] drives.
 //!
 //! Every replica proposes a heartbeat every [`ClusterOptions::heartbeat`]; the replicated state
 //! says who is alive. A replica that cannot commit (no quorum reachable) keeps answering ext_proc
