@@ -126,6 +126,11 @@ impl EppProcess {
         self.admin_json("/debug/cluster").await
     }
 
+    /// `GET /debug/cluster/probes` (cluster mode): the probes applied, newest last.
+    pub async fn cluster_probes(&self) -> anyhow::Result<serde_json::Value> {
+        self.admin_json("/debug/cluster/probes").await
+    }
+
     /// `GET /debug/prefix-index`: per pod epoch, entries and digest.
     pub async fn prefix_index(&self) -> anyhow::Result<serde_json::Value> {
         self.admin_json("/debug/prefix-index").await

@@ -3,8 +3,10 @@
 //! (each replica commits one every 200 ms, so a moving commit index is proof of a working quorum);
 //! then we kill the leader, restart it from its data directory, cut a follower off, and add a
 //! fourth replica through `epp cluster add-learner` / `promote`; finally we kill -9 a majority and
-//! restart it from disk. Failover is printed against the
-//! target (two election timeouts) and enforced at twice that, see `chaos::raft::failover_hard_limit`.
+//! restart it from disk. 1000 probes from each replica at once (`epp cluster probe`) are applied
+//! in one order everywhere and survive the failover, the snapshot and the restart. Failover is
+//! printed against the target (two election timeouts) and enforced at twice that, see
+//! `chaos::raft::failover_hard_limit`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::{Duration, Instant};
@@ -40,6 +42,94 @@ fn live_members(v: &serde_json::Value) -> Vec<u64> {
         .collect()
 }
 
+fn applied_probes(v: &serde_json::Value) -> Vec<(u64, u64)> {
+    serde_json::from_value(v["recent"].clone()).unwrap()
+}
+
+/// Runs `epp cluster probe --count n` against every replica in `ids` at once and returns the
+/// probes in the order every replica applied them (checked identical on all of them).
+async fn probe_all(c: &RaftCluster, ids: &[u64], n: u32) -> Vec<(u64, u64)> {
+    let epp = chaos::locate::epp_binary().unwrap();
+    let children: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let admin = format!("http://{}", c.replica(*id).unwrap().addrs.admin);
+            std::process::Command::new(&epp)
+                .args(["cluster", "--admin", &admin, "probe", "--count"])
+                .arg(n.to_string())
+                .args(["--concurrency", "16"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (id, child) in ids.iter().zip(children) {
+        let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+            .await
+            .unwrap()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "probe on {id}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: serde_json::Value = serde_json::from_str(&text).unwrap();
+        eprintln!(
+            "replica {id}: {} probes committed in {:.0} ms ({:.0}/s), latency p50 {:.2} ms p99 {:.2} ms",
+            r["committed"],
+            r["elapsed_ms"].as_f64().unwrap(),
+            r["per_second"].as_f64().unwrap(),
+            r["latency_ms"]["p50"].as_f64().unwrap(),
+            r["latency_ms"]["p99"].as_f64().unwrap()
+        );
+        assert_eq!(r["committed"], n, "replica {id}: {r}");
+    }
+    // Every replica applies them all (the followers may lag the leader a little) …
+    let total = n as usize * ids.len();
+    wait::until(
+        "every replica applied every probe",
+        Duration::from_secs(10),
+        || async {
+            for id in ids {
+                match c.replica(*id).unwrap().cluster_probes().await {
+                    Ok(v) if applied_probes(&v).len() >= total => {}
+                    _ => return false,
+                }
+            }
+            true
+        },
+    )
+    .await
+    .unwrap();
+    // … in the same order, each exactly once.
+    let mut orders = Vec::new();
+    for id in ids {
+        let v = c.replica(*id).unwrap().cluster_probes().await.unwrap();
+        orders.push(applied_probes(&v));
+    }
+    for (id, o) in ids.iter().zip(&orders).skip(1) {
+        assert_eq!(
+            o, &orders[0],
+            "replica {id} applied the probes in another order"
+        );
+    }
+    let mut seen = orders[0].clone();
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen.len(), total, "a probe applied twice");
+    for id in ids {
+        let mine: Vec<u64> = orders[0]
+            .iter()
+            .filter(|(n, _)| n == id)
+            .map(|(_, s)| *s)
+            .collect();
+        assert_eq!(mine.len(), n as usize, "replica {id}'s probes");
+    }
+    orders.swap_remove(0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
     let dir = tempfile::tempdir().unwrap();
@@ -63,6 +153,11 @@ async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
     let leader = c.agreed_leader(&[1, 2, 3]).await.unwrap();
     let before = commit(&c, leader).await;
     all_commit_past(&c, &[1, 2, 3], before, "replication to every replica").await;
+
+    // 1b. 1000 proposals from each replica at once (`epp cluster probe`; the followers' are
+    //     forwarded to the leader): all commit, and every replica applies all 3000 in one order.
+    let probes = probe_all(&c, &[1, 2, 3], 1000).await;
+    assert_eq!(probes.len(), 3000);
 
     // 2. kill -9 the leader: the survivors elect a new one within two election timeouts and
     //    keep committing; nothing committed before is lost.
@@ -98,6 +193,15 @@ async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
         failover_hard_limit()
     );
     all_commit_past(&c, &survivors, committed, "survivors keep committing").await;
+    // Nothing committed before the kill is lost: the survivors still hold every probe, in order.
+    for id in &survivors {
+        let v = c.replica(*id).unwrap().cluster_probes().await.unwrap();
+        assert_eq!(
+            applied_probes(&v)[..probes.len()],
+            probes[..],
+            "replica {id} after the failover"
+        );
+    }
 
     // 3. Restart the old leader from its data directory: it rejoins and catches up.
     c.restart(leader).await.unwrap();
@@ -221,6 +325,12 @@ async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
         v4["raft"]["metrics"]["snapshot_index"].as_u64().is_some(),
         "replica 4 should hold a snapshot: {v4:#}"
     );
+    let v4 = c.replica(4).unwrap().cluster_probes().await.unwrap();
+    assert_eq!(
+        applied_probes(&v4),
+        probes,
+        "the snapshot carries the probes"
+    );
     // Both the new replica and the one `epp cluster members` asks below must have applied every
     // member's heartbeat (followers apply at their own pace).
     if let Err(e) = wait::until("four live members", Duration::from_secs(10), || async {
@@ -269,5 +379,23 @@ async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
         "the restarted majority resumes past every acknowledged entry",
     )
     .await;
+    wait::until(
+        "every probe back on every restarted replica",
+        Duration::from_secs(10),
+        || async {
+            let mut ok = true;
+            for id in [1, 2, 3, 4] {
+                ok &= c
+                    .replica(id)
+                    .unwrap()
+                    .cluster_probes()
+                    .await
+                    .is_ok_and(|v| applied_probes(&v) == probes);
+            }
+            ok
+        },
+    )
+    .await
+    .unwrap();
     c.shutdown().await;
 }

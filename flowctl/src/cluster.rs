@@ -6,7 +6,7 @@
 //! everyone, at the same log position, and the flow state returns what it held. Like the rest of
 //! `flowctl` it is pure: time comes in the commands, and every replica computes the same state.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -64,6 +64,19 @@ pub enum ClusterCommand {
         #[serde(default)]
         observed: Vec<(String, u64)>,
     },
+    /// A no-op write through the log (`epp cluster probe`): proves the cluster commits and lets
+    /// operators and tests compare the order in which every replica applied them.
+    Probe { node: MemberId, seq: u64 },
+}
+
+/// How many applied probes [`ClusterState::probes`] keeps, newest last.
+pub const PROBE_LOG: usize = 4096;
+
+/// The probes applied so far: their count and the most recent ones in apply order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProbeLog {
+    pub applied: u64,
+    pub recent: VecDeque<(MemberId, u64)>,
 }
 
 /// What applying a command did.
@@ -79,6 +92,8 @@ pub enum ClusterOutput {
     Flow(BatchResult),
     /// A flow command while cluster flow control is not configured.
     NoFlow,
+    /// `Probe`: how many probes the cluster has applied, this one included.
+    Probed(u64),
 }
 
 /// Replicated membership with liveness leases, and the global flow state when configured.
@@ -89,6 +104,8 @@ pub struct ClusterState {
     now_ms: u64,
     #[serde(default)]
     flow: Option<GlobalFlow>,
+    #[serde(default)]
+    probes: ProbeLog,
 }
 
 impl ClusterState {
@@ -240,11 +257,25 @@ impl ClusterState {
                     }
                 }
             }
+            ClusterCommand::Probe { node, seq } => {
+                let p = &mut self.probes;
+                p.applied += 1;
+                if p.recent.len() == PROBE_LOG {
+                    p.recent.pop_front();
+                }
+                p.recent.push_back((node, seq));
+                ClusterOutput::Probed(p.applied)
+            }
             ClusterCommand::Leave { node } => match self.members.remove(&node) {
                 Some(_) => ClusterOutput::Heartbeats(0),
                 None => ClusterOutput::UnknownMember,
             },
         }
+    }
+
+    /// The probes applied so far (`epp cluster probe`).
+    pub fn probes(&self) -> &ProbeLog {
+        &self.probes
     }
 
     pub fn members(&self) -> &BTreeMap<MemberId, Member> {
@@ -316,8 +347,10 @@ mod tests {
         let cmds = vec![
             hb(3, 10, 1),
             hb(1, 20, 2),
+            ClusterCommand::Probe { node: 3, seq: 1 },
             hb(3, 30, 1),
             ClusterCommand::Leave { node: 1 },
+            ClusterCommand::Probe { node: 1, seq: 7 },
         ];
         let (mut a, mut b) = (ClusterState::default(), ClusterState::default());
         for c in &cmds {
@@ -328,5 +361,23 @@ mod tests {
             serde_json::to_string(&a).unwrap(),
             serde_json::to_string(&b).unwrap()
         );
+        assert_eq!(a.probes().applied, 2);
+        assert_eq!(a.probes().recent, VecDeque::from(vec![(3, 1), (1, 7)]));
+    }
+
+    #[test]
+    fn probe_log_keeps_the_newest() {
+        let mut s = ClusterState::default();
+        let n = PROBE_LOG as u64 + 10;
+        for seq in 1..=n {
+            assert_eq!(
+                s.apply(ClusterCommand::Probe { node: 2, seq }),
+                ClusterOutput::Probed(seq)
+            );
+        }
+        assert_eq!(s.probes().applied, n);
+        assert_eq!(s.probes().recent.len(), PROBE_LOG);
+        assert_eq!(s.probes().recent.front(), Some(&(2, 11)));
+        assert_eq!(s.probes().recent.back(), Some(&(2, n)));
     }
 }

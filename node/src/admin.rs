@@ -25,6 +25,7 @@ pub async fn run(
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/debug/cluster", get(cluster_view))
+        .route("/debug/cluster/probes", get(cluster_probes))
         .route("/debug/cluster/{op}", post(cluster_op))
         .route("/debug/prefix-index", get(prefix_index))
         .route("/debug/scrape", get(scrape_view))
@@ -131,6 +132,22 @@ async fn cluster_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::
     }
 }
 
+/// `GET /debug/cluster/probes`: the probes this replica applied, in order (newest last).
+async fn cluster_probes(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
+    match &ctx.cluster {
+        Some(c) => {
+            let (log, applied_index) = c.probes().await;
+            axum::Json(serde_json::json!({
+                "applied_index": applied_index,
+                "applied": log.applied,
+                "recent": log.recent,
+            }))
+            .into_response()
+        }
+        None => (StatusCode::NOT_FOUND, "not in cluster mode").into_response(),
+    }
+}
+
 /// `GET /debug/flow`: flow control — cluster-wide (this replica's side and the replicated global
 /// queue, credit and ledger) or this replica's own queue.
 async fn flow_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
@@ -162,6 +179,18 @@ async fn cluster_op(
     let Some(c) = &ctx.cluster else {
         return (StatusCode::NOT_FOUND, "not in cluster mode").into_response();
     };
+    if op == "probe" {
+        let req: crate::cluster::ProbeRequest = match serde_json::from_slice(&body) {
+            Ok(r) => r,
+            Err(e) => {
+                return (StatusCode::BAD_REQUEST, format!("bad request body: {e}")).into_response();
+            }
+        };
+        return match c.probe(req).await {
+            Ok(report) => axum::Json(report).into_response(),
+            Err(e) => (StatusCode::BAD_REQUEST, e).into_response(),
+        };
+    }
     let req: crate::cluster::MembershipRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use consensus::{ConsensusConfig, ConsensusNode, StateMachine};
@@ -111,6 +111,8 @@ pub struct ClusterMember {
     /// When the last committed heartbeat was proposed: the rest of the cluster holds this
     /// replica's lease until at most that instant + the lease.
     lease_from: std::sync::Mutex<Option<Instant>>,
+    /// Sequence number of this replica's last probe (`epp cluster probe`).
+    probe_seq: AtomicU64,
 }
 
 impl std::fmt::Debug for ClusterMember {
@@ -146,6 +148,42 @@ pub struct MemberView {
     pub member: Member,
 }
 
+/// An operator's probe request (`POST /debug/cluster/probe`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeRequest {
+    pub count: u32,
+    /// Probes in flight at once (they coalesce into shared log entries); default 1.
+    #[serde(default)]
+    pub concurrency: Option<u32>,
+}
+
+/// What [`ClusterMember::probe`] measured.
+#[derive(Debug, Serialize)]
+pub struct ProbeReport {
+    pub node_id: u64,
+    pub count: u32,
+    pub committed: u32,
+    pub failed: u32,
+    pub first_error: Option<String>,
+    /// This replica's probe sequence numbers, first and last.
+    pub seqs: (u64, u64),
+    pub elapsed_ms: f64,
+    pub per_second: f64,
+    /// Commit latency of one probe (proposal → applied output), ms.
+    pub latency_ms: ProbeLatency,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ProbeLatency {
+    pub p50: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+/// Largest probe an operator may ask for in one call.
+pub const MAX_PROBES: u32 = 100_000;
+
 /// An operator's membership request (`POST /debug/cluster/<op>`).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -170,6 +208,7 @@ impl ClusterMember {
             quorum: AtomicBool::new(false),
             started_ms: wall_ms(),
             lease_from: std::sync::Mutex::new(None),
+            probe_seq: AtomicU64::new(0),
         })
     }
 
@@ -286,6 +325,76 @@ impl ClusterMember {
             lease_ms: lease,
             members,
         }
+    }
+
+    /// Proposes `count` no-op [`ClusterCommand::Probe`]s through the log (from a follower they
+    /// are forwarded to the leader), `concurrency` at a time, and measures their commit latency.
+    pub async fn probe(&self, req: ProbeRequest) -> Result<ProbeReport, String> {
+        use futures::StreamExt;
+        if req.count == 0 || req.count > MAX_PROBES {
+            return Err(format!("count must be 1..={MAX_PROBES}"));
+        }
+        let concurrency = req.concurrency.unwrap_or(1).clamp(1, 1024) as usize;
+        let first = self
+            .probe_seq
+            .fetch_add(u64::from(req.count), Ordering::Relaxed)
+            + 1;
+        let last = first + u64::from(req.count) - 1;
+        let t0 = Instant::now();
+        let node = self.opts.node_id;
+        let results: Vec<(f64, Result<(), String>)> = futures::stream::iter(first..=last)
+            .map(|seq| async move {
+                let t = Instant::now();
+                let res = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    self.node.propose(ClusterCommand::Probe { node, seq }),
+                )
+                .await;
+                let res = match res {
+                    Ok(Ok(ClusterOutput::Probed(_))) => Ok(()),
+                    Ok(Ok(other)) => Err(format!("unexpected output {other:?}")),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("not committed within 10 s".to_string()),
+                };
+                (t.elapsed().as_secs_f64() * 1000.0, res)
+            })
+            .buffered(concurrency)
+            .collect()
+            .await;
+        let elapsed = t0.elapsed().as_secs_f64();
+        let mut lat: Vec<f64> = results
+            .iter()
+            .filter(|(_, r)| r.is_ok())
+            .map(|(l, _)| *l)
+            .collect();
+        lat.sort_by(f64::total_cmp);
+        let q = |f: f64| {
+            lat.get(((lat.len() as f64 * f).ceil() as usize).saturating_sub(1))
+                .copied()
+                .unwrap_or(0.0)
+        };
+        let committed = lat.len() as u32;
+        Ok(ProbeReport {
+            node_id: node,
+            count: req.count,
+            committed,
+            failed: req.count - committed,
+            first_error: results.into_iter().find_map(|(_, r)| r.err()),
+            seqs: (first, last),
+            elapsed_ms: elapsed * 1000.0,
+            per_second: f64::from(committed) / elapsed.max(1e-9),
+            latency_ms: ProbeLatency {
+                p50: q(0.5),
+                p99: q(0.99),
+                max: lat.last().copied().unwrap_or(0.0),
+            },
+        })
+    }
+
+    /// The probes this replica has applied (`GET /debug/cluster/probes`), with the index of the
+    /// last log entry applied.
+    pub async fn probes(&self) -> (flowctl::cluster::ProbeLog, u64) {
+        self.node.local_read(|s| s.0.probes().clone()).await
     }
 
     /// `add-learner`, `promote` or `remove`.

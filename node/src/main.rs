@@ -247,6 +247,15 @@ enum ClusterCmd {
         #[arg(long)]
         id: u64,
     },
+    /// Commit no-op probes through the log from the replica at --admin (forwarded to the leader
+    /// from a follower) and print their commit latency and rate (JSON).
+    Probe {
+        #[arg(long, default_value_t = 100)]
+        count: u32,
+        /// Probes in flight at once (they coalesce into shared log entries).
+        #[arg(long, default_value_t = 1)]
+        concurrency: u32,
+    },
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
@@ -371,7 +380,7 @@ async fn wait_for_signal() {
 async fn cluster_cmd(admin: &str, op: ClusterCmd) -> anyhow::Result<()> {
     let base = admin.trim_end_matches('/');
     let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
+        .timeout(Duration::from_secs(120))
         .build()?;
     let (path, body) = match &op {
         ClusterCmd::Status | ClusterCmd::Members => ("debug/cluster".to_string(), None),
@@ -386,6 +395,10 @@ async fn cluster_cmd(admin: &str, op: ClusterCmd) -> anyhow::Result<()> {
         ClusterCmd::Remove { id } => (
             "debug/cluster/remove".to_string(),
             Some(serde_json::json!({ "id": id })),
+        ),
+        ClusterCmd::Probe { count, concurrency } => (
+            "debug/cluster/probe".to_string(),
+            Some(serde_json::json!({ "count": count, "concurrency": concurrency })),
         ),
     };
     let url = format!("{base}/{path}");
