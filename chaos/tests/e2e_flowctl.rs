@@ -333,3 +333,199 @@ flowControl:
     assert_eq!(long.await.unwrap().as_u16(), 200);
     c.shutdown().await;
 }
+
+/// Eviction (`enableEviction`) through the eviction filter of the Envoy template: one pod with two
+/// slots holds two long sheddable requests (priority -1), the first streaming. A critical request
+/// (priority 0) arrives: the newest sheddable one — not streaming yet — is evicted with 429
+/// `evicted` (and its upstream request reset, so the pod stops working on it) and the critical one
+/// is served at once. A second critical request evicts the streaming one, whose stream is cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sheddable_requests_are_evicted_for_critical_ones() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let objectives = dir.path().join("objectives.yaml");
+    std::fs::write(
+        &objectives,
+        "\
+apiVersion: llm-d.ai/v1alpha2
+kind: InferenceObjective
+metadata: {name: critical}
+spec: {priority: 0, poolRef: {name: default-pool}}
+---
+apiVersion: llm-d.ai/v1alpha2
+kind: InferenceObjective
+metadata: {name: scavenger}
+spec: {priority: -1, poolRef: {name: default-pool}}
+",
+    )
+    .unwrap();
+    let config = "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: queue-scorer
+- {name: two, type: concurrency-detector, parameters: {maxConcurrency: 2}}
+flowControl:
+  enableEviction: true
+  saturationDetector: {pluginRef: two}
+  priorityBands: [{priority: 0}, {priority: -1}]
+";
+    let c = LocalCluster::start(ClusterSpec {
+        sim: SimConfig {
+            pods: 1,
+            knobs: PodKnobs {
+                max_num_seqs: 2,
+                decode_ms_per_token: 5.0,
+                ..PodKnobs::default()
+            },
+            ..SimConfig::default()
+        },
+        epp_args: vec![
+            "--config-text".into(),
+            config.into(),
+            "--objectives-file".into(),
+            objectives.display().to_string(),
+        ],
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
+    let url = format!("{}/v1/chat/completions", c.envoy.url());
+    let client = reqwest::Client::new();
+    let send = |objective: &'static str, max_tokens: u32, stream: bool| {
+        let body = serde_json::json!({
+            "model": "sim-model",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+        })
+        .to_string();
+        client
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("x-llm-d-inference-objective", objective)
+            .body(body)
+            .send()
+    };
+    let metric = |m: &str, needle: &str| -> Option<f64> {
+        m.lines()
+            .find(|l| l.starts_with(needle))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    };
+    let sheddable_inflight = |n: f64| {
+        let epp = &c.epps[0];
+        async move {
+            epp.metrics().await.is_ok_and(|m| {
+                metric(
+                    &m,
+                    "llm_d_epp_flow_control_inflight_requests{priority=\"-1\"",
+                ) == Some(n)
+            })
+        }
+    };
+
+    // S1 (streaming) then S2 (not streaming), each ~4 s of decode (800 tokens × 5 ms).
+    let s1 = send("scavenger", 800, true).await.unwrap();
+    assert_eq!(s1.status().as_u16(), 200);
+    let mut s1 = s1.bytes_stream();
+    use futures::StreamExt;
+    let first = s1.next().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    let s2 = tokio::spawn(send("scavenger", 800, false));
+    chaos::wait::until(
+        "two sheddable requests in flight",
+        Duration::from_secs(5),
+        || sheddable_inflight(2.0),
+    )
+    .await
+    .unwrap();
+    chaos::wait::until(
+        "both running on the pod",
+        Duration::from_secs(5),
+        || async { c.sim.stats(0).running == 2 },
+    )
+    .await
+    .unwrap();
+
+    // C1: S2 (the newest dispatch) is evicted with 429 `evicted`; C1 runs at once.
+    let t = std::time::Instant::now();
+    let c1 = send("critical", 5, false).await.unwrap();
+    let c1_took = t.elapsed();
+    assert_eq!(c1.status().as_u16(), 200, "{:?}", c1.text().await);
+    let s2 = s2.await.unwrap().unwrap();
+    assert_eq!(s2.status().as_u16(), 429);
+    assert_eq!(s2.headers()["x-llm-d-request-dropped-reason"], "evicted");
+    let text = s2.text().await.unwrap();
+    assert!(text.contains("request evicted by flow control"), "{text}");
+    eprintln!("critical request 1 served in {c1_took:?} (the pool was full of sheddable work)");
+    assert!(
+        c1_took < Duration::from_secs(2),
+        "C1 took {c1_took:?}: it waited for a sheddable request to finish"
+    );
+    // The pod stopped working on S2: only S1 is left running.
+    chaos::wait::until("the pod dropped S2", Duration::from_secs(3), || async {
+        c.sim.stats(0).running == 1
+    })
+    .await
+    .unwrap();
+
+    // S1 and a long critical request (C2) fill the pool; C3 arrives: S1, streaming, is evicted
+    // and its stream cut before its end.
+    let c2 = tokio::spawn(send("critical", 400, false));
+    chaos::wait::until("C2 in flight", Duration::from_secs(5), || async {
+        c.sim.stats(0).running == 2
+    })
+    .await
+    .unwrap();
+    let t = std::time::Instant::now();
+    let c3 = send("critical", 5, false).await.unwrap();
+    let c3_took = t.elapsed();
+    assert_eq!(c3.status().as_u16(), 200);
+    let mut rest = Vec::new();
+    let mut cut = false;
+    while let Some(chunk) = s1.next().await {
+        match chunk {
+            Ok(b) => rest.extend_from_slice(&b),
+            Err(_) => {
+                cut = true;
+                break;
+            }
+        }
+    }
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        cut || !rest.contains("[DONE]"),
+        "the evicted stream ran to its end: {rest}"
+    );
+    eprintln!("critical request 3 served in {c3_took:?}; the streaming sheddable one was cut");
+    assert!(c3_took < Duration::from_secs(3), "C3 took {c3_took:?}");
+    assert_eq!(c2.await.unwrap().unwrap().status().as_u16(), 200);
+
+    let m = c.epps[0].metrics().await.unwrap();
+    assert_eq!(
+        metric(
+            &m,
+            "llm_d_epp_flow_control_requests_total{outcome=\"evicted\",priority=\"-1\""
+        ),
+        Some(2.0),
+        "{m}"
+    );
+    chaos::wait::until("ledger empty", Duration::from_secs(5), || async {
+        c.epps[0].metrics().await.is_ok_and(|m| {
+            metric(
+                &m,
+                "llm_d_epp_flow_control_inflight_requests{priority=\"-1\"",
+            ) == Some(0.0)
+                && metric(
+                    &m,
+                    "llm_d_epp_flow_control_inflight_requests{priority=\"0\"",
+                ) == Some(0.0)
+        })
+    })
+    .await
+    .unwrap();
+    c.shutdown().await;
+}

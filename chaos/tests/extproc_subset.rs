@@ -2,7 +2,8 @@
 //! `metadata_context.filter_metadata["envoy.lb.subset_hint"]["x-gateway-destination-endpoint-subset"]`
 //! restricts the candidates by IP. The simulated pods all listen on 127.0.0.1, so a hint naming it
 //! allows every pod and a hint naming another address allows none (503 `rejected-no-endpoints`);
-//! `--disable-endpoint-subset-filter` ignores the hint.
+//! `--disable-endpoint-subset-filter` ignores the hint. Also: an eviction-filter stream for a
+//! request that is not evictable here is let through and closed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chaos::epp::EppProcess;
@@ -131,4 +132,54 @@ async fn the_subset_hint_restricts_candidates_by_ip() {
     );
     drop(epp);
     sim.shutdown().await;
+}
+
+/// An eviction stream (gRPC metadata `x-llm-d-ext-proc-role: evict`) for a request this replica
+/// does not hold as evictable — here flow control is off — lets the request through and closes
+/// its side, so Envoy proceeds without it; the stream is not held open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eviction_stream_for_an_unknown_request_lets_it_through() {
+    use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingRequest};
+
+    let dir = tempfile::tempdir().unwrap();
+    let endpoints = dir.path().join("endpoints.yaml");
+    std::fs::write(&endpoints, "pods: []\n").unwrap();
+    let epp = EppProcess::start(&endpoints, &[]).await.unwrap();
+    let mut client = ExternalProcessorClient::connect(format!("http://{}", epp.addrs.ext_proc))
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(ProcessingRequest {
+        request: Some(Req::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    chaos::extproc::header(":path", "/v1/chat/completions"),
+                    chaos::extproc::header("x-request-id", "not-here"),
+                ],
+            }),
+            end_of_stream: false,
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    req.metadata_mut()
+        .insert("x-llm-d-ext-proc-role", "evict".parse().unwrap());
+    let mut responses = client.process(req).await.unwrap().into_inner();
+    let first = responses.message().await.unwrap().unwrap();
+    assert!(
+        matches!(first.response, Some(Resp::RequestHeaders(_))),
+        "{first:?}"
+    );
+    // Our side stays open (`tx` alive); the EPP ends the stream by itself.
+    let end = tokio::time::timeout(std::time::Duration::from_secs(5), responses.message())
+        .await
+        .expect("the eviction stream stayed open");
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    drop(tx);
+    drop(epp);
 }

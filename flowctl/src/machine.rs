@@ -13,7 +13,8 @@
 //!   weighted = ordered set of `(pass, flow)`. Picking a flow is O(log F).
 //! * `deadlines: (deadline, id)` and `arrivals: (enqueued_at, id)` make TTL / no-endpoint expiry
 //!   O(expired · log Q).
-//! * `evictable: (priority, newest-first, id)` holds in-flight sheddable requests for eviction.
+//! * `evictable: (priority, newest-first, id)` holds in-flight sheddable requests the data plane
+//!   can abort ([`Command::SetEvictable`]), the candidates for eviction.
 //!
 //! # One `apply`
 //! 1. `now` is clamped to be monotone (an older `now` is treated as the last one seen).
@@ -101,6 +102,13 @@ pub enum Command {
     Complete {
         id: RequestId,
         actual_tokens: Option<u64>,
+    },
+    /// Whether the data plane can abort in-flight request `id` (its eviction stream is attached,
+    /// or no longer): a sheddable (priority < 0) request is a candidate for eviction only while
+    /// `evictable`, so an eviction always ends a real request. `Ignored` if not in flight.
+    SetEvictable {
+        id: RequestId,
+        evictable: bool,
     },
     /// Nothing new; let time pass (expire, dispatch).
     Tick,
@@ -534,6 +542,20 @@ impl FlowController {
                     });
                 }
             }
+            Command::SetEvictable { id, evictable } => match self.inflight.get(&id) {
+                Some(r) => {
+                    let key = (r.priority, u64::MAX - r.dispatch_seq, id);
+                    if !evictable {
+                        self.evictable.remove(&key);
+                    } else if r.priority < 0 {
+                        self.evictable.insert(key);
+                    }
+                }
+                None => out.push(Outcome::Ignored {
+                    id,
+                    why: IgnoredReason::UnknownId,
+                }),
+            },
             Command::Tick => {}
             Command::ObservePool { mut endpoints } => {
                 for e in &mut endpoints {
@@ -1053,10 +1075,6 @@ impl FlowController {
         self.totals.inflight_tokens += tokens;
         let dispatch_seq = self.next_seq;
         self.next_seq += 1;
-        if priority < 0 {
-            self.evictable
-                .insert((priority, u64::MAX - dispatch_seq, id));
-        }
         self.inflight.insert(
             id,
             InFlight {

@@ -44,6 +44,8 @@ enum Op {
     },
     Cancel(usize),
     Complete(usize, Option<u64>),
+    /// The data plane can (or can no longer) abort this request.
+    SetEvictable(usize, bool),
     Advance(Nanos),
     SetSaturation(f64, u32),
     Observe(Vec<(u64, f64)>),
@@ -63,6 +65,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..4usize, 0..3usize, 1..2000u64)
             .prop_map(|(prio, fairness, tokens)| Op::Admit { prio, fairness, tokens }),
         2 => (0..64usize).prop_map(Op::Cancel),
+        3 => (0..64usize, prop::bool::weighted(0.8)).prop_map(|(i, e)| Op::SetEvictable(i, e)),
         4 => (0..64usize, prop::option::of(1..3000u64)).prop_map(|(i, t)| Op::Complete(i, t)),
         4 => prop_oneof![
             (0..20u64).prop_map(|v| v * MS),
@@ -182,6 +185,8 @@ struct Model {
     queued: BTreeMap<u64, MReq>,
     /// id → (request, dispatch order)
     inflight: BTreeMap<u64, (MReq, u64)>,
+    /// In-flight ids the data plane can abort (`Command::Evictable`).
+    abortable: std::collections::BTreeSet<u64>,
     dispatch_counter: u64,
     last_eviction: Option<Nanos>,
 }
@@ -338,6 +343,7 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
         inflight: BTreeMap::new(),
         dispatch_counter: 0,
         last_eviction: None,
+        abortable: Default::default(),
     };
     let mut ids: Vec<u64> = Vec::new();
     let mut now: Nanos = 0;
@@ -379,6 +385,10 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 slo_ttft: None,
             }),
             Op::Cancel(i) => Command::Cancel { id: pick(*i) },
+            Op::SetEvictable(i, e) => Command::SetEvictable {
+                id: pick(*i),
+                evictable: *e,
+            },
             Op::Complete(i, t) => Command::Complete {
                 id: pick(*i),
                 actual_tokens: *t,
@@ -503,6 +513,20 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     });
                 }
             }
+            Command::SetEvictable { id, evictable } => {
+                if m.inflight.contains_key(id) {
+                    if *evictable {
+                        m.abortable.insert(*id);
+                    } else {
+                        m.abortable.remove(id);
+                    }
+                } else {
+                    expect.push(Outcome::Ignored {
+                        id: *id,
+                        why: IgnoredReason::UnknownId,
+                    });
+                }
+            }
             Command::Complete { id, .. } => {
                 if m.inflight.remove(id).is_none() {
                     expect.push(Outcome::Ignored {
@@ -581,11 +605,12 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     );
                     evictions += 1;
                     prop_assert!(evictions <= 2);
-                    // Lowest priority, then newest dispatch, among sheddable in-flight requests.
+                    // Lowest priority, then newest dispatch, among sheddable in-flight requests
+                    // the data plane can abort.
                     let best = m
                         .inflight
                         .iter()
-                        .filter(|(_, (r, _))| r.priority < 0)
+                        .filter(|(i, (r, _))| r.priority < 0 && m.abortable.contains(*i))
                         .min_by_key(|(_, (r, order))| (r.priority, std::cmp::Reverse(*order)))
                         .map(|(i, _)| *i);
                     prop_assert_eq!(best, Some(*id));
@@ -604,7 +629,9 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
         }
 
-        // After the step.
+        // After the step. An id may be reused once it has left: forget what it was.
+        let inflight = &m.inflight;
+        m.abortable.retain(|i| inflight.contains_key(i));
         prop_assert!(
             m.queued.is_empty() || !m.allows_dispatch(),
             "work-conserving: {} queued while saturation {} < {}",

@@ -163,14 +163,32 @@ fn no_endpoints_shutdown_and_eviction() {
         vec![rej(1, DropReason::RejectedNoEndpoints)]
     );
     assert_eq!(DropReason::RejectedNoEndpoints.http().status, 503);
-    // With endpoints: a sheddable request takes the only slot; a critical one arrives; the
-    // sheddable one is evicted and the critical one dispatched in the same decision.
+    // With endpoints: a sheddable request takes the only slot; a critical one arrives. Nothing
+    // is evicted until the data plane can abort the sheddable one; then it is evicted and the
+    // critical one dispatched in the same decision.
     let t = 3 * SEC;
     assert_eq!(fc.apply(t, one_endpoint()), vec![]);
     assert_eq!(fc.apply(t, enq(2, "bg", -1)), vec![d(2)]);
     assert_eq!(fc.apply(t, enq(3, "bg", -2)), vec![]);
+    assert_eq!(fc.apply(t, enq(4, "fg", 0)), vec![]);
+    assert!(matches!(
+        fc.apply(
+            t,
+            Command::SetEvictable {
+                id: 99,
+                evictable: true
+            }
+        )[..],
+        [Outcome::Ignored { id: 99, .. }]
+    ));
     assert_eq!(
-        fc.apply(t, enq(4, "fg", 0)),
+        fc.apply(
+            t,
+            Command::SetEvictable {
+                id: 2,
+                evictable: true
+            }
+        ),
         vec![
             Outcome::Evicted {
                 id: 2,

@@ -383,6 +383,7 @@ impl Waiter {
 struct Running {
     request_id: String,
     since: Instant,
+    priority: String,
 }
 
 struct GateState {
@@ -392,6 +393,8 @@ struct GateState {
     running: HashMap<u64, Running>,
     /// `x-request-id` → in-flight ids (a client may reuse an id; the oldest completes first).
     by_request_id: HashMap<String, Vec<u64>>,
+    /// In-flight ids whose eviction stream is attached: firing the sender aborts the request.
+    evictors: HashMap<u64, oneshot::Sender<()>>,
     out: Vec<Outcome>,
 }
 
@@ -399,6 +402,8 @@ struct GateState {
 /// waiters resolved through oneshot channels.
 pub struct FlowGate {
     epoch: Instant,
+    /// `flowControl.enableEviction`.
+    pub evicts: bool,
     state: Mutex<GateState>,
     metrics: Arc<Metrics>,
     store: Arc<Datastore>,
@@ -419,20 +424,16 @@ impl FlowGate {
         store: Arc<Datastore>,
         metrics: Arc<Metrics>,
     ) -> Result<FlowGate, ConfigError> {
-        if config.eviction.enabled {
-            return Err(ConfigError::invalid(
-                "flowControl.enableEviction: evicting in-flight requests is not supported by this \
-                 build (the split data plane cannot abort a response the EPP no longer sees)",
-            ));
-        }
         Ok(FlowGate {
             epoch: Instant::now(),
+            evicts: config.eviction.enabled,
             state: Mutex::new(GateState {
                 fc: FlowController::new(config)?,
                 next_id: 1,
                 waiting: HashMap::new(),
                 running: HashMap::new(),
                 by_request_id: HashMap::new(),
+                evictors: HashMap::new(),
                 out: Vec::new(),
             }),
             metrics,
@@ -501,7 +502,52 @@ impl FlowGate {
         self.apply(&mut st, now, Command::Cancel { id });
     }
 
+    /// The eviction stream of `request_id` (Envoy's eviction filter) attached: the request can
+    /// now be evicted. The receiver fires when flow control evicts it; it errors (sender dropped)
+    /// when the request ends otherwise. `None` when no sheddable request with that id is in flight
+    /// on this replica.
+    pub fn attach_evictor(&self, request_id: &str) -> Option<oneshot::Receiver<()>> {
+        let now = self.now();
+        let mut st = self.lock();
+        let id = *st.by_request_id.get(request_id)?.last()?;
+        if st.evictors.contains_key(&id) {
+            return None;
+        }
+        let (tx, rx) = oneshot::channel();
+        st.evictors.insert(id, tx);
+        self.apply(
+            &mut st,
+            now,
+            Command::SetEvictable {
+                id,
+                evictable: true,
+            },
+        );
+        Some(rx)
+    }
+
+    /// The eviction stream of `request_id` ended without an eviction: the request can no longer
+    /// be aborted, so flow control must not count on evicting it.
+    pub fn detach_evictor(&self, request_id: &str) {
+        let now = self.now();
+        let mut st = self.lock();
+        let Some(&id) = st.by_request_id.get(request_id).and_then(|ids| ids.last()) else {
+            return;
+        };
+        if st.evictors.remove(&id).is_some() {
+            self.apply(
+                &mut st,
+                now,
+                Command::SetEvictable {
+                    id,
+                    evictable: false,
+                },
+            );
+        }
+    }
+
     fn forget_running(&self, st: &mut GateState, id: u64) {
+        st.evictors.remove(&id);
         if let Some(r) = st.running.remove(&id)
             && let Some(ids) = st.by_request_id.get_mut(&r.request_id)
         {
@@ -603,6 +649,7 @@ impl FlowGate {
                         Running {
                             request_id: w.request_id.clone(),
                             since: Instant::now(),
+                            priority: w.labels.priority.clone(),
                         },
                     );
                     if !w.resolve(&self.metrics, Verdict::Dispatched(Ticket(id))) {
@@ -615,10 +662,24 @@ impl FlowGate {
                         w.resolve(&self.metrics, Verdict::Rejected(reason));
                     }
                 }
-                Outcome::Evicted { id, .. } => {
-                    // Eviction is refused at configuration time; keep the books straight anyway.
-                    tracing::warn!(id, "flow control evicted a request it should not have");
-                    orphans.push(id);
+                Outcome::Evicted { id, reason } => {
+                    // Only requests with an attached eviction stream are evictable: abort it
+                    // there (429 `evicted`). The machine has already freed its slot.
+                    let evictor = st.evictors.remove(&id);
+                    let priority = st.running.get(&id).map(|r| r.priority.clone());
+                    self.forget_running(st, id);
+                    if evictor.is_none_or(|tx| tx.send(()).is_err()) {
+                        tracing::warn!(id, "evicted a request whose eviction stream is gone");
+                    }
+                    self.metrics
+                        .flow
+                        .requests
+                        .get_or_create(&OutcomeLabels {
+                            outcome: reason.as_str().to_string(),
+                            priority: priority.unwrap_or_default(),
+                            inference_pool: self.metrics.pool_name().to_string(),
+                        })
+                        .inc();
                 }
                 Outcome::Ignored { id, why } => {
                     tracing::debug!(id, ?why, "flow-control command ignored");
@@ -694,6 +755,29 @@ pub enum Admission {
 }
 
 impl Admission {
+    /// Whether flow control may evict in-flight sheddable requests (`enableEviction`).
+    pub fn evicts(&self) -> bool {
+        match self {
+            Admission::Flow(g) => g.evicts,
+            _ => false,
+        }
+    }
+
+    /// See [`FlowGate::attach_evictor`].
+    pub fn attach_evictor(&self, request_id: &str) -> Option<oneshot::Receiver<()>> {
+        match self {
+            Admission::Flow(g) => g.attach_evictor(request_id),
+            _ => None,
+        }
+    }
+
+    /// See [`FlowGate::detach_evictor`].
+    pub fn detach_evictor(&self, request_id: &str) {
+        if let Admission::Flow(g) = self {
+            g.detach_evictor(request_id);
+        }
+    }
+
     /// Ask flow control (either scope) for admission; `None` for the legacy controller.
     pub async fn enqueue(&self, req: AdmitRequest<'_>) -> Option<Pending> {
         match self {
@@ -983,6 +1067,52 @@ mod tests {
             g.enqueue(admit("e", &lo)).wait().await,
             Verdict::Rejected(DropReason::RejectedShuttingDown)
         );
+    }
+
+    /// Only a request whose eviction stream is attached is evicted; a detached one is not; the
+    /// evicted one's receiver fires and its slot goes to the waiting higher priority.
+    #[tokio::test]
+    async fn only_attached_sheddable_requests_are_evicted() {
+        let store = Arc::new(Datastore::new(Duration::from_secs(2)));
+        store.replace(vec![Arc::new(crate::datalayer::Endpoint::new(
+            "p".into(),
+            "127.0.0.1:1".parse().unwrap(),
+            Default::default(),
+        ))]);
+        let mut cfg = one_slot();
+        cfg.eviction.enabled = true;
+        cfg.eviction.grace = 0;
+        if let SaturationDetector::Concurrency(d) = &mut cfg.detector {
+            d.max_concurrency = 2;
+        }
+        let g = Arc::new(FlowGate::new(cfg, store, Arc::new(Metrics::new("pool"))).unwrap());
+        assert!(g.evicts);
+        g.observe();
+        let (shed, crit) = (meta(-1), meta(0));
+        for id in ["s1", "s2"] {
+            assert!(matches!(
+                g.enqueue(admit(id, &shed)).wait().await,
+                Verdict::Dispatched(_)
+            ));
+        }
+        assert!(g.attach_evictor("unknown").is_none());
+        let s1 = g.attach_evictor("s1").unwrap();
+        assert!(g.attach_evictor("s1").is_none(), "attached twice");
+        let mut s2 = g.attach_evictor("s2").unwrap();
+        // s2's stream ends without an eviction: it is no longer a candidate.
+        g.detach_evictor("s2");
+        assert!(s2.try_recv().is_err());
+        let c = g.enqueue(admit("c", &crit));
+        assert!(matches!(c.wait().await, Verdict::Dispatched(_)));
+        assert_eq!(s1.await, Ok(()), "s1 is the only evictable request");
+        assert_eq!(g.counts(), (0, 2));
+        // The evicted request's late completion frees nothing twice.
+        g.complete("s1", None);
+        assert_eq!(g.counts(), (0, 2));
+        // Nothing left to evict: the next critical request waits.
+        let d = g.enqueue(admit("d", &crit));
+        assert_eq!(g.counts(), (1, 2));
+        drop(d);
     }
 
     #[tokio::test]

@@ -188,8 +188,8 @@ impl GlobalGate {
     ) -> Result<GlobalGate, ConfigError> {
         if config.eviction.enabled {
             return Err(ConfigError::invalid(
-                "flowControl.enableEviction: evicting in-flight requests is not supported by this \
-                 build (the split data plane cannot abort a response the EPP no longer sees)",
+                "flowControl.enableEviction is supported with `--flow-control-scope replica` (or \
+                 a single replica), not yet with cluster-wide flow control",
             ));
         }
         config.validate()?;

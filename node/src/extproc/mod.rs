@@ -8,6 +8,7 @@
 //! observed when Envoy runs the filter in `observability_mode` (the split data plane of
 //! `deploy/local/envoy.yaml`, which keeps responses alive when a replica dies).
 
+pub mod evict;
 mod reject;
 mod stream;
 pub mod subset;
@@ -70,12 +71,17 @@ impl ExternalProcessor for ExtProcService {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        let evicts = evict::is_eviction_stream(request.metadata());
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(32);
         let ctx = self.ctx.clone();
         // The task lives exactly as long as the stream: it ends when Envoy closes its side or
         // stops reading ours.
-        tokio::spawn(stream::run(ctx, inbound, tx));
+        if evicts {
+            tokio::spawn(evict::run(ctx, inbound, tx));
+        } else {
+            tokio::spawn(stream::run(ctx, inbound, tx));
+        }
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }

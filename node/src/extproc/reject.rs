@@ -1,6 +1,9 @@
 //! Every way the EPP refuses a request, mapped to one HTTP status, llm-d's error-code name and
 //! (where llm-d has one) an `x-llm-d-request-dropped-reason`.
 
+use envoy_types::pb::envoy::service::ext_proc::v3::{HeaderMutation, ImmediateResponse};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+
 pub const DROPPED_REASON_HEADER: &str = "x-llm-d-request-dropped-reason";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,5 +89,28 @@ impl Rejection {
     /// The body llm-d sends: `inference error: <Code> - <message>`.
     pub fn body(&self) -> String {
         format!("inference error: {} - {}", self.code, self.message)
+    }
+
+    /// The ext_proc immediate response that delivers it.
+    pub fn immediate_response(&self) -> ImmediateResponse {
+        let mut set_headers = vec![super::stream::header(
+            "content-type",
+            "text/plain; charset=utf-8",
+        )];
+        if let Some(reason) = self.reason {
+            set_headers.push(super::stream::header(DROPPED_REASON_HEADER, reason));
+        }
+        ImmediateResponse {
+            status: Some(HttpStatus {
+                code: i32::from(self.status),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers,
+                remove_headers: vec![],
+            }),
+            body: self.body().into_bytes(),
+            grpc_status: None,
+            details: format!("llm_d_epp_{}", self.code),
+        }
     }
 }

@@ -11,16 +11,16 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request a
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Resp;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
-    HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
-    TrailersResponse, body_mutation,
+    HttpHeaders, ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+    body_mutation,
 };
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value};
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
 use super::PickerContext;
-use super::reject::{DROPPED_REASON_HEADER, Rejection};
+use super::evict::EVICTABLE_HEADER;
+use super::reject::Rejection;
 use super::usage::{ROUTE_INFO_HEADER, RouteInfo, UsageScanner};
 use crate::admission::{Admission, AdmitRequest, CONTROL_HEADERS, RequestMeta, Verdict};
 use crate::metrics::RequestLabels;
@@ -439,6 +439,11 @@ impl StreamState {
             header(ROUTE_INFO_HEADER, &info.encode()),
         ];
         self.route_info = Some(info);
+        // Flow control may evict it: Envoy's eviction filter opens a stream for it (see `evict`).
+        let evictable = ticket.is_some() && meta.priority < 0 && self.ctx.admission.evicts();
+        if evictable {
+            set_headers.push(header(EVICTABLE_HEADER, "true"));
+        }
         if self.generated_request_id {
             set_headers.push(header(REQUEST_ID_HEADER, &self.request_id));
         }
@@ -460,6 +465,7 @@ impl StreamState {
         let remove_headers = CONTROL_HEADERS
             .iter()
             .chain(prefiller.is_none().then_some(&PREFILLER_HEADER))
+            .chain((!evictable).then_some(&EVICTABLE_HEADER))
             .filter(|h| self.headers.contains_key(**h))
             .map(|h| h.to_string())
             .collect();
@@ -537,23 +543,8 @@ impl StreamState {
         self.labels = Some(labels);
         tracing::debug!(request_id = %self.request_id, status = r.status, message = %r.message, "request refused");
         self.phase = Phase::Done;
-        let mut set_headers = vec![header("content-type", "text/plain; charset=utf-8")];
-        if let Some(reason) = r.reason {
-            set_headers.push(header(DROPPED_REASON_HEADER, reason));
-        }
-        self.send(Resp::ImmediateResponse(ImmediateResponse {
-            status: Some(HttpStatus {
-                code: i32::from(r.status),
-            }),
-            headers: Some(HeaderMutation {
-                set_headers,
-                remove_headers: vec![],
-            }),
-            body: r.body().into_bytes(),
-            grpc_status: None,
-            details: format!("llm_d_epp_{}", r.code),
-        }))
-        .await
+        self.send(Resp::ImmediateResponse(r.immediate_response()))
+            .await
     }
 
     /// The response has ended: record its duration once.
@@ -604,7 +595,7 @@ impl StreamState {
     }
 }
 
-fn header(key: &str, value: &str) -> HeaderValueOption {
+pub(super) fn header(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
             key: key.to_string(),
@@ -616,7 +607,10 @@ fn header(key: &str, value: &str) -> HeaderValueOption {
     }
 }
 
-fn header_value<'a>(map: Option<&'a HeaderMap>, key: &str) -> Option<std::borrow::Cow<'a, str>> {
+pub(super) fn header_value<'a>(
+    map: Option<&'a HeaderMap>,
+    key: &str,
+) -> Option<std::borrow::Cow<'a, str>> {
     map?.headers.iter().find(|h| h.key == key).map(|h| {
         if h.raw_value.is_empty() {
             std::borrow::Cow::Borrowed(h.value.as_str())
