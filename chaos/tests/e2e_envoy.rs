@@ -452,3 +452,121 @@ async fn sigterm_drains_open_streams_then_exits() {
     assert!(status.success(), "{status}");
     c.shutdown().await;
 }
+
+/// Session affinity through Envoy. `session-affinity-filter` (encoded_endpoint_header): the first
+/// response carries `x-session-token` = base64(`default/<pod>`) — written by the route from the
+/// EPP's dynamic metadata — and every request echoing it goes to that pod; a token naming another
+/// pod goes there; an undecodable one is ignored. `session-affinity-scorer` (session_id, weight 10
+/// against a queue scorer): each `x-session-id` sticks to the pod its first request went to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_affinity_pins_sessions_to_their_pod() {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let client = reqwest::Client::new();
+    let send = |c: &LocalCluster, headers: Vec<(&'static str, String)>| {
+        let mut r = client
+            .post(format!("{}/v1/chat/completions", c.envoy.url()))
+            .json(&chat(false, "hello there"));
+        for (k, v) in headers {
+            r = r.header(k, v);
+        }
+        r.send()
+    };
+    let served_by = |r: &reqwest::Response| -> String {
+        r.headers()["x-inference-pod"].to_str().unwrap().to_string()
+    };
+
+    let filter = "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: session-affinity-filter
+- type: queue-scorer
+- type: active-request-scorer
+- type: random-picker
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: session-affinity-filter}, {pluginRef: queue-scorer}, {pluginRef: active-request-scorer}, {pluginRef: random-picker}]
+";
+    let c = start(ClusterSpec {
+        sim: sim_config(4, PodKnobs::default()),
+        epp_args: vec!["--config-text".into(), filter.into()],
+        ..Default::default()
+    })
+    .await;
+    warm(&c).await;
+    let first = send(&c, vec![]).await.unwrap();
+    assert_eq!(first.status(), 200);
+    let pod = served_by(&first);
+    let token = first
+        .headers()
+        .get("x-session-token")
+        .expect("the response carries the session token")
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        String::from_utf8(b64.decode(&token).unwrap()).unwrap(),
+        format!("default/{pod}")
+    );
+    for _ in 0..12 {
+        let r = send(&c, vec![("x-session-token", token.clone())])
+            .await
+            .unwrap();
+        assert_eq!(served_by(&r), pod, "the session left its pod");
+        assert_eq!(r.headers()["x-session-token"], token.as_str());
+    }
+    let other = c
+        .sim
+        .pods()
+        .into_iter()
+        .map(|p| p.name)
+        .find(|n| *n != pod)
+        .unwrap();
+    let r = send(
+        &c,
+        vec![("x-session-token", b64.encode(format!("ns/{other}")))],
+    )
+    .await
+    .unwrap();
+    assert_eq!(served_by(&r), other);
+    let r = send(&c, vec![("x-session-token", "%%%not-base64".into())])
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "an undecodable token is ignored");
+    c.shutdown().await;
+
+    let scorer = "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {type: session-affinity-scorer, parameters: {strategy: session_id}}
+- type: queue-scorer
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: session-affinity-scorer, weight: 10}, {pluginRef: queue-scorer}]
+";
+    let c = start(ClusterSpec {
+        sim: sim_config(4, PodKnobs::default()),
+        epp_args: vec!["--config-text".into(), scorer.into()],
+        ..Default::default()
+    })
+    .await;
+    warm(&c).await;
+    let mut homes = HashMap::new();
+    for round in 0..6 {
+        for s in ["s1", "s2", "s3"] {
+            let r = send(&c, vec![("x-session-id", s.to_string())])
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert!(
+                r.headers().get("x-session-token").is_none(),
+                "session_id writes nothing back"
+            );
+            let home = homes.entry(s).or_insert_with(|| served_by(&r));
+            assert_eq!(*home, served_by(&r), "session {s} moved in round {round}");
+        }
+    }
+    c.shutdown().await;
+}

@@ -478,7 +478,10 @@ impl StreamState {
             clear_route_cache: true,
             ..Default::default()
         };
-        let metadata = destination_metadata(&destination);
+        // Session tokens (session affinity, encoded strategy) ride in the same namespace; the
+        // route writes them on the response (`response_headers_to_add` from this metadata).
+        let tokens = self.ctx.scheduler.session_tokens(&decision, &candidates);
+        let metadata = destination_metadata(&destination, &tokens);
         self.phase = Phase::Routed;
         let mut body = std::mem::take(&mut self.body);
         if self.request_body_mode == FULL_DUPLEX
@@ -637,17 +640,15 @@ fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
     }
 }
 
-/// `{"envoy.lb": {"x-gateway-destination-endpoint": "<ip:port[,ip:port...]>"}}`
-fn destination_metadata(destination: &str) -> Struct {
+/// `{"envoy.lb": {"x-gateway-destination-endpoint": "<ip:port[,ip:port...]>", <extra>...}}`
+fn destination_metadata(destination: &str, extra: &[(String, String)]) -> Struct {
+    let string = |v: &str| Value {
+        kind: Some(value::Kind::StringValue(v.to_string())),
+    };
     let inner = Struct {
-        fields: [(
-            DESTINATION_HEADER.to_string(),
-            Value {
-                kind: Some(value::Kind::StringValue(destination.to_string())),
-            },
-        )]
-        .into_iter()
-        .collect(),
+        fields: std::iter::once((DESTINATION_HEADER.to_string(), string(destination)))
+            .chain(extra.iter().map(|(k, v)| (k.clone(), string(v))))
+            .collect(),
     };
     Struct {
         fields: [(

@@ -20,6 +20,7 @@ pub mod queue_scorer;
 pub mod random_picker;
 pub mod registry;
 pub mod scheduler;
+pub mod session;
 pub mod weighted_random_picker;
 
 use std::collections::HashMap;

@@ -18,6 +18,7 @@ use super::scheduler::{
     ALWAYS_DISAGG_PD_DECIDER, Handler, PREFIX_BASED_PD_DECIDER, PdDecider, Profile, Scheduler,
     WeightedScorer,
 };
+use super::session;
 use super::weighted_random_picker::{self, WeightedRandomPicker};
 use super::{Filter, NoParams, Picker, PickerParams, Producer, Scorer, params};
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
@@ -39,8 +40,6 @@ const NOT_YET: &[&str] = &[
     "precise-prefix-cache-producer",
     "load-aware-scorer",
     "no-hit-lru-scorer",
-    "session-affinity-scorer",
-    "session-affinity-filter",
     "session-id-producer",
     "agent-identity",
     "encode-filter",
@@ -58,6 +57,9 @@ const NOT_YET: &[&str] = &[
 pub enum Plugin {
     Scorer(Arc<dyn Scorer>),
     Filter(Arc<dyn Filter>),
+    /// `session-affinity-scorer` / `-filter` (a scorer or filter that also records decisions and
+    /// may write a token back).
+    Session(Arc<session::SessionAffinity>),
     Picker(Arc<dyn Picker>),
     PrefixProducer(Arc<ApproxPrefixProducer>),
     InflightProducer(inflight::InflightParams),
@@ -72,6 +74,26 @@ pub enum Plugin {
     /// A flow-control policy or saturation detector: used through `flowControl` references, not by
     /// the scheduler. Its parameters are validated at construction.
     FlowControl,
+}
+
+impl Plugin {
+    /// The plugin as a scheduling filter, if it is one.
+    fn as_filter(&self) -> Option<Arc<dyn Filter>> {
+        match self {
+            Plugin::Filter(f) => Some(f.clone()),
+            Plugin::Session(s) if s.is_filter() => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    /// The plugin as a scorer, if it is one.
+    fn as_scorer(&self) -> Option<Arc<dyn Scorer>> {
+        match self {
+            Plugin::Scorer(s) => Some(s.clone()),
+            Plugin::Session(s) if !s.is_filter() => Some(s.clone()),
+            _ => None,
+        }
+    }
 }
 
 /// How requests are admitted, from `featureGates` and `flowControl`.
@@ -187,6 +209,17 @@ pub fn construct(
             Plugin::Scorer(Arc::new(LoraAffinityScorer))
         }
         inflight::TYPE => Plugin::InflightProducer(params(parameters, path)?),
+        t @ (session::SCORER_TYPE | session::FILTER_TYPE) => {
+            let p: session::SessionParams = params(parameters, path)?;
+            let type_name = if t == session::SCORER_TYPE {
+                session::SCORER_TYPE
+            } else {
+                session::FILTER_TYPE
+            };
+            Plugin::Session(Arc::new(session::SessionAffinity::new(
+                type_name, &p, path,
+            )?))
+        }
         "token-producer" => {
             let p: TokenProducerParams = params(parameters, path)?;
             if p.backend != "estimate" {
@@ -348,22 +381,26 @@ fn build_profile(
                 message: format!("no plugin named `{}`", r.plugin_ref),
             })?;
         let (name, type_name, p) = &instances[*idx];
-        match p {
-            Plugin::Filter(f) => filters.push(f.clone()),
-            Plugin::Scorer(s) => {
-                let weight = r.weight.unwrap_or(1.0);
-                if !weight.is_finite() || weight < 0.0 {
-                    return Err(ConfigError::Field {
-                        path: format!("schedulingProfiles[{k}].plugins[{j}].weight"),
-                        message: "weight must be a finite number >= 0".into(),
-                    });
-                }
-                scorers.push(WeightedScorer {
-                    name: name.clone(),
-                    weight,
-                    scorer: s.clone(),
+        if let Some(f) = p.as_filter() {
+            filters.push(f);
+            continue;
+        }
+        if let Some(scorer) = p.as_scorer() {
+            let weight = r.weight.unwrap_or(1.0);
+            if !weight.is_finite() || weight < 0.0 {
+                return Err(ConfigError::Field {
+                    path: format!("schedulingProfiles[{k}].plugins[{j}].weight"),
+                    message: "weight must be a finite number >= 0".into(),
                 });
             }
+            scorers.push(WeightedScorer {
+                name: name.clone(),
+                weight,
+                scorer,
+            });
+            continue;
+        }
+        match p {
             Plugin::Picker(p) => {
                 if picker.is_some() {
                     return Err(ConfigError::Field {
@@ -520,15 +557,18 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         let mut filters = Vec::new();
         let mut picker = None;
         for (name, _, p) in &instances {
-            match p {
-                Plugin::Filter(f) => filters.push(f.clone()),
-                Plugin::Scorer(s) => scorers.push(WeightedScorer {
+            if let Some(f) = p.as_filter() {
+                filters.push(f);
+            } else if let Some(scorer) = p.as_scorer() {
+                scorers.push(WeightedScorer {
                     name: name.clone(),
                     weight: 1.0,
-                    scorer: s.clone(),
-                }),
-                Plugin::Picker(p) if picker.is_none() => picker = Some(p.clone()),
-                _ => {}
+                    scorer,
+                });
+            } else if let Plugin::Picker(p) = p
+                && picker.is_none()
+            {
+                picker = Some(p.clone());
             }
         }
         vec![Profile {
@@ -794,11 +834,41 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             c.default_request_ttl / 1_000_000_000,
         ),
     };
+    // Session-affinity instances the profiles use: they record decisions and write tokens back.
+    let sessions: Vec<Arc<session::SessionAffinity>> = instances
+        .iter()
+        .filter_map(|(_, _, p)| match p {
+            Plugin::Session(s) => Some(s.clone()),
+            _ => None,
+        })
+        .filter(|s| {
+            let me = Arc::as_ptr(s) as *const ();
+            scheduler_profiles.iter().any(|profile| {
+                profile
+                    .scorers
+                    .iter()
+                    .any(|w| Arc::as_ptr(&w.scorer) as *const () == me)
+                    || profile
+                        .filters
+                        .iter()
+                        .any(|f| Arc::as_ptr(f) as *const () == me)
+            })
+        })
+        .collect();
+    let prefill_profile = match &handler {
+        Handler::Disagg {
+            prefill: Some((p, _)),
+            ..
+        } => Some(p.name.clone()),
+        _ => None,
+    };
     Ok(Built {
         scheduler: Scheduler {
             producers,
             handler,
             prefix_index,
+            sessions,
+            prefill_profile,
         },
         metrics_source,
         inflight,

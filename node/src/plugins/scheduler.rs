@@ -85,6 +85,10 @@ pub struct Scheduler {
     pub handler: Handler,
     /// The approximate prefix index, when one runs (its size is a metric).
     pub prefix_index: Option<Arc<super::prefix::ApproxPrefixProducer>>,
+    /// Session-affinity plugins in use (they bind sessions and write tokens back).
+    pub sessions: Vec<Arc<super::session::SessionAffinity>>,
+    /// The prefill profile's name (a session plugin's `profileName` may point at it).
+    pub prefill_profile: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -184,6 +188,29 @@ impl Scheduler {
         for p in &self.producers {
             p.pre_request(req, &decision.data, candidates, primary, prefill);
         }
+        for s in &self.sessions {
+            if let Some(pod) = s.pinned(self.prefill_profile.as_deref(), primary, prefill) {
+                s.pre_request(req, candidates, pod);
+            }
+        }
+    }
+
+    /// Session tokens to write back on the response, `(header, token)`.
+    pub fn session_tokens(
+        &self,
+        decision: &Decision,
+        candidates: &[Candidate],
+    ) -> Vec<(String, String)> {
+        let Some(&primary) = decision.picked.first() else {
+            return Vec::new();
+        };
+        self.sessions
+            .iter()
+            .filter_map(|s| {
+                let pod = s.pinned(self.prefill_profile.as_deref(), primary, decision.prefill)?;
+                s.response_token(candidates, pod)
+            })
+            .collect()
     }
 }
 
@@ -278,6 +305,49 @@ mod tests {
         }
         assert_eq!(d.picked, vec![2]);
         assert_eq!(d.data.prompt_tokens, 256);
+    }
+
+    /// Session plugins the profiles use record decisions and write their token back; an
+    /// instance no profile uses does neither.
+    #[test]
+    fn session_plugins_in_profiles_write_tokens() {
+        let cfg = EndpointPickerConfig::from_yaml(
+            "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: session-affinity-scorer
+- {name: unused, type: session-affinity-filter, parameters: {strategy: session_id}}
+- type: queue-scorer
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: session-affinity-scorer, weight: 5}, {pluginRef: queue-scorer}]
+",
+        )
+        .unwrap();
+        let s = crate::plugins::build(&cfg).unwrap().scheduler;
+        assert_eq!(s.sessions.len(), 1);
+        let cs = vec![
+            cand("a", metrics(0.0, 0.0, 0.0), false),
+            cand("b", metrics(3.0, 0.0, 0.0), false),
+        ];
+        let headers: std::collections::HashMap<String, String> = [(
+            "x-session-token".to_string(),
+            crate::plugins::session::encode_token("b"),
+        )]
+        .into_iter()
+        .collect();
+        let mut r = req();
+        r.headers = &headers;
+        // b scores 5 (its session) plus its queue score, the idle a at most 1: b wins.
+        let d = s.schedule(&r, &cs, &mut rand::rng()).unwrap();
+        assert_eq!(d.picked, vec![1], "{:?}", d.scores);
+        assert_eq!(
+            s.session_tokens(&d, &cs),
+            vec![(
+                "x-session-token".to_string(),
+                crate::plugins::session::encode_token("b")
+            )]
+        );
     }
 
     const PD_CONFIG: &str = "apiVersion: llm-d.ai/v1alpha1
