@@ -115,14 +115,8 @@ async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
             assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
         }
     }
-    let m = c.epps[0].metrics().await.unwrap();
-    assert!(m.contains("llm_d_epp_request_total"), "{m}");
-    assert!(
-        m.contains("llm_d_epp_scheduler_e2e_duration_seconds_count"),
-        "{m}"
-    );
     // Usage from JSON and SSE bodies, seen by the observing stream, labelled by the routing one.
-    let count = |name: &str| -> f64 {
+    let count = |m: &str, name: &str| -> f64 {
         let key = format!(
             "{name}_count{{model_name=\"sim-model\",target_model_name=\"sim-model\",fairness_id=\"default-flow\",priority=\"0\"}} "
         );
@@ -131,6 +125,22 @@ async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0.0)
     };
+    // The observing stream records usage when each response ends, after the client has it.
+    let _ = wait::until(
+        "usage of every response recorded",
+        Duration::from_secs(5),
+        || async {
+            let m = c.epps[0].metrics().await.unwrap_or_default();
+            count(&m, "llm_d_epp_request_output_tokens") >= 5.0
+        },
+    )
+    .await;
+    let m = c.epps[0].metrics().await.unwrap();
+    assert!(m.contains("llm_d_epp_request_total"), "{m}");
+    assert!(
+        m.contains("llm_d_epp_scheduler_e2e_duration_seconds_count"),
+        "{m}"
+    );
     // The default profile's prefix index: its size and the per-request hit ratio.
     let size = m
         .lines()
@@ -149,7 +159,7 @@ async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
         "llm_d_epp_request_output_tokens",
     ] {
         assert!(
-            count(name) >= 5.0,
+            count(&m, name) >= 5.0,
             "{name}: warm-up + 4 requests expected:\n{m}"
         );
     }
@@ -568,5 +578,107 @@ schedulingProfiles:
             assert_eq!(*home, served_by(&r), "session {s} moved in round {round}");
         }
     }
+    c.shutdown().await;
+}
+
+/// Model rewrite through Envoy: an `InferenceModelRewrite` rule maps the alias `assistant` (which
+/// the pods do not serve: 404 without the rule) to `sim-model`; the pod serves it and the client
+/// sees `assistant` again in the response, streaming and not. The rewrite header does the same
+/// for a request without a rule (a control header: removed before the pod).
+/// `llm_d_epp_model_rewrite_decisions`
+/// counts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewritten_models_are_served_and_restored_in_the_response() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rewrites.yaml");
+    std::fs::write(
+        &rules,
+        "\
+apiVersion: llm-d.ai/v1alpha2
+kind: InferenceModelRewrite
+metadata: {name: alias}
+spec:
+  rules:
+  - matches: [{model: {type: Exact, value: assistant}}]
+    targets: [{modelRewrite: sim-model, weight: 100}]
+",
+    )
+    .unwrap();
+    let c = start(ClusterSpec {
+        sim: sim_config(2, PodKnobs::default()),
+        epp_args: vec!["--model-rewrites-file".into(), rules.display().to_string()],
+        ..Default::default()
+    })
+    .await;
+    warm(&c).await;
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", c.envoy.url());
+    let body = |model: &str, stream: bool| {
+        let mut v = chat(stream, "hello there");
+        v["model"] = json!(model);
+        v
+    };
+
+    // Not streaming: served, and the model the client asked for comes back.
+    let r = client
+        .post(&url)
+        .json(&body("assistant", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["model"], "assistant", "{v}");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+
+    // Streaming: every event names the client's model.
+    let r = client
+        .post(&url)
+        .json(&body("assistant", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .collect();
+    assert!(events.len() >= 2, "{text}");
+    for e in &events {
+        let v: Value = serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}"));
+        assert_eq!(v["model"], "assistant", "{e}");
+    }
+    assert!(text.contains("[DONE]"), "{text}");
+
+    // The header rewrites a model no rule names.
+    let r = client
+        .post(&url)
+        .header("x-llm-d-model-name-rewrite", "sim-model")
+        .json(&body("other-alias", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["model"], "other-alias", "{v}");
+
+    // Without a rule or header the alias is unknown to the pods.
+    let r = client
+        .post(&url)
+        .json(&body("other-alias", false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+
+    let m = c.epps[0].metrics().await.unwrap();
+    let rewrites: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("llm_d_epp_model_rewrite_decisions_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(rewrites, 3.0, "{m}");
     c.shutdown().await;
 }

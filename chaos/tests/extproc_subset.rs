@@ -2,8 +2,8 @@
 //! `metadata_context.filter_metadata["envoy.lb.subset_hint"]["x-gateway-destination-endpoint-subset"]`
 //! restricts the candidates by IP. The simulated pods all listen on 127.0.0.1, so a hint naming it
 //! allows every pod and a hint naming another address allows none (503 `rejected-no-endpoints`);
-//! `--disable-endpoint-subset-filter` ignores the hint. Also: an eviction-filter stream for a
-//! request that is not evictable here is let through and closed.
+//! `--disable-endpoint-subset-filter` ignores the hint. Also: a response-filter stream for a
+//! request with nothing to do here is let through and closed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chaos::epp::EppProcess;
@@ -134,11 +134,11 @@ async fn the_subset_hint_restricts_candidates_by_ip() {
     sim.shutdown().await;
 }
 
-/// An eviction stream (gRPC metadata `x-llm-d-ext-proc-role: evict`) for a request this replica
-/// does not hold as evictable — here flow control is off — lets the request through and closes
-/// its side, so Envoy proceeds without it; the stream is not held open.
+/// A response-filter stream (gRPC metadata `x-llm-d-ext-proc-role: response`) for a request this
+/// replica has nothing to do for — here flow control is off and nothing was rewritten — lets the
+/// request through and closes its side, so Envoy proceeds without it; the stream is not held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_eviction_stream_for_an_unknown_request_lets_it_through() {
+async fn a_response_stream_for_an_unknown_request_lets_it_through() {
     use envoy_types::pb::envoy::config::core::v3::HeaderMap;
     use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
     use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingRequest};
@@ -157,6 +157,7 @@ async fn an_eviction_stream_for_an_unknown_request_lets_it_through() {
                 headers: vec![
                     chaos::extproc::header(":path", "/v1/chat/completions"),
                     chaos::extproc::header("x-request-id", "not-here"),
+                    chaos::extproc::header("x-llm-d-response-filter", "evict"),
                 ],
             }),
             end_of_stream: false,
@@ -168,7 +169,7 @@ async fn an_eviction_stream_for_an_unknown_request_lets_it_through() {
     .unwrap();
     let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
     req.metadata_mut()
-        .insert("x-llm-d-ext-proc-role", "evict".parse().unwrap());
+        .insert("x-llm-d-ext-proc-role", "response".parse().unwrap());
     let mut responses = client.process(req).await.unwrap().into_inner();
     let first = responses.message().await.unwrap().unwrap();
     assert!(
@@ -178,7 +179,7 @@ async fn an_eviction_stream_for_an_unknown_request_lets_it_through() {
     // Our side stays open (`tx` alive); the EPP ends the stream by itself.
     let end = tokio::time::timeout(std::time::Duration::from_secs(5), responses.message())
         .await
-        .expect("the eviction stream stayed open");
+        .expect("the response stream stayed open");
     assert!(matches!(end, Ok(None)), "{end:?}");
     drop(tx);
     drop(epp);

@@ -50,13 +50,15 @@ pub const AGENT_SESSION_HEADERS: [&str; 4] = [
 ];
 
 /// Headers a client must not be able to smuggle to the model server.
-pub const CONTROL_HEADERS: [&str; 6] = [
+pub const CONTROL_HEADERS: [&str; 8] = [
     FAIRNESS_ID_HEADER,
     FAIRNESS_ID_ALIAS,
     OBJECTIVE_HEADER,
     OBJECTIVE_ALIAS,
     SLO_TTFT_HEADER,
     SLO_TTFT_ALIAS,
+    crate::rewrite::REWRITE_HEADER,
+    crate::rewrite::REWRITE_ALIAS,
 ];
 
 // ----- InferenceObjective definitions -----

@@ -37,4 +37,5 @@ pub mod gossip;
 pub mod metrics;
 pub mod parsers;
 pub mod plugins;
+pub mod rewrite;
 pub mod serve;

@@ -89,6 +89,10 @@ struct ServeArgs {
     /// YAML file of `InferenceObjective` manifests (name → `spec.priority`), read at start-up.
     #[arg(long)]
     objectives_file: Option<PathBuf>,
+    /// YAML file of `InferenceModelRewrite` manifests (model aliases and weighted canary
+    /// splits), read at start-up.
+    #[arg(long)]
+    model_rewrites_file: Option<PathBuf>,
     #[command(flatten)]
     cluster: ClusterArgs,
 }
@@ -305,6 +309,7 @@ fn main() -> anyhow::Result<()> {
                 metrics_staleness_threshold: args.metrics_staleness_threshold,
                 drain_timeout: args.drain_timeout,
                 objectives_file: args.objectives_file,
+                model_rewrites_file: args.model_rewrites_file,
                 cluster: args.cluster.options(args.bind),
                 disable_subset_filter: args.disable_endpoint_subset_filter,
             };
@@ -354,6 +359,7 @@ fn options_for_validation(
         metrics_staleness_threshold: Duration::from_secs(2),
         drain_timeout: Duration::ZERO,
         objectives_file: None,
+        model_rewrites_file: None,
         cluster: None,
         disable_subset_filter: false,
     }

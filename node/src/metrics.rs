@@ -152,6 +152,7 @@ pub struct Metrics {
     model_cap: LabelCap,
     fairness_cap: LabelCap,
     disagg_decisions: Family<DisaggLabels, Counter>,
+    model_rewrites: Family<RequestLabels, Counter>,
     prefix_size: Family<PluginLabels, Gauge>,
     prefix_hit_ratio: Family<PluginLabels, Histogram, fn() -> Histogram>,
     prefix_hit_bytes: Family<PluginLabels, Histogram, fn() -> Histogram>,
@@ -646,6 +647,12 @@ impl Metrics {
             "Routing decisions by disaggregation type (decode-only, prefill-decode)",
             disagg_decisions.clone(),
         );
+        let model_rewrites = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "model_rewrite_decisions",
+            "Requests whose model was rewritten (header or InferenceModelRewrite rule), by model and target",
+            model_rewrites.clone(),
+        );
         let input_tokens: Family<TokenLabels, Histogram, fn() -> Histogram> =
             Family::new_with_constructor(prompt_token_histogram as fn() -> Histogram);
         registry.register(
@@ -708,6 +715,7 @@ impl Metrics {
             cluster,
             gossip,
             disagg_decisions,
+            model_rewrites,
             prefix_size,
             prefix_hit_ratio,
             prefix_hit_bytes,
@@ -779,6 +787,12 @@ impl Metrics {
             .get_or_create(&DisaggLabels {
                 decision_type: decision_type.to_string(),
             })
+            .inc();
+    }
+
+    pub fn model_rewrite(&self, model: &str, target: &str) {
+        self.model_rewrites
+            .get_or_create(&self.request_labels(model, target))
             .inc();
     }
 

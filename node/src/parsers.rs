@@ -92,6 +92,14 @@ pub enum UsageEdit {
     Rewrite,
 }
 
+/// The JSON body with its `model` set to `model`; `None` if it is not a JSON object.
+pub fn with_model(body: &[u8], model: &str) -> Option<Vec<u8>> {
+    let mut v: Value = serde_json::from_slice(body).ok()?;
+    v.as_object_mut()?
+        .insert("model".into(), Value::String(model.to_string()));
+    serde_json::to_vec(&v).ok()
+}
+
 /// The body with `stream_options.include_usage: true`; `None` if it cannot be edited safely.
 pub fn with_include_usage(body: &[u8], edit: UsageEdit) -> Option<Vec<u8>> {
     match edit {

@@ -44,6 +44,7 @@ pub struct ServeOptions {
     pub metrics_staleness_threshold: Duration,
     pub drain_timeout: Duration,
     pub objectives_file: Option<PathBuf>,
+    pub model_rewrites_file: Option<PathBuf>,
     /// Cluster mode (Raft membership with the other replicas); `None` = standalone.
     pub cluster: Option<ClusterOptions>,
     /// Ignore the proxy's subset hint (`--disable-endpoint-subset-filter`).
@@ -147,6 +148,10 @@ pub async fn serve(
         Some(path) => Objectives::from_file(path)?,
         None => Objectives::default(),
     };
+    let rewrites = match &opts.model_rewrites_file {
+        Some(path) => crate::rewrite::ModelRewrites::from_file(path)?,
+        None => crate::rewrite::ModelRewrites::default(),
+    };
     let admission = match &built.admission {
         AdmissionConfig::Legacy(detector) => Admission::Legacy(LegacyAdmission::new(
             detector.clone(),
@@ -240,6 +245,7 @@ pub async fn serve(
         objectives,
         cluster: cluster.clone(),
         subset_filter: !opts.disable_subset_filter,
+        rewrites,
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();

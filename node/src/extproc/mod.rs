@@ -8,8 +8,8 @@
 //! observed when Envoy runs the filter in `observability_mode` (the split data plane of
 //! `deploy/local/envoy.yaml`, which keeps responses alive when a replica dies).
 
-pub mod evict;
 mod reject;
+pub mod response;
 mod stream;
 pub mod subset;
 pub mod usage;
@@ -50,6 +50,8 @@ pub struct PickerContext {
     pub cluster: Option<Arc<crate::cluster::ClusterMember>>,
     /// Honour the proxy's subset hint (`--disable-endpoint-subset-filter` turns it off).
     pub subset_filter: bool,
+    /// `InferenceModelRewrite` rules (`--model-rewrites-file`).
+    pub rewrites: crate::rewrite::ModelRewrites,
 }
 
 #[derive(Debug, Clone)]
@@ -71,14 +73,14 @@ impl ExternalProcessor for ExtProcService {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        let evicts = evict::is_eviction_stream(request.metadata());
+        let response = response::is_response_stream(request.metadata());
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(32);
         let ctx = self.ctx.clone();
         // The task lives exactly as long as the stream: it ends when Envoy closes its side or
         // stops reading ours.
-        if evicts {
-            tokio::spawn(evict::run(ctx, inbound, tx));
+        if response {
+            tokio::spawn(response::run(ctx, inbound, tx));
         } else {
             tokio::spawn(stream::run(ctx, inbound, tx));
         }

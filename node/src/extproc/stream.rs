@@ -19,14 +19,15 @@ use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
 use super::PickerContext;
-use super::evict::EVICTABLE_HEADER;
 use super::reject::Rejection;
+use super::response::{EVICT, RESPONSE_FILTER_HEADER, Restore};
 use super::usage::{ROUTE_INFO_HEADER, RouteInfo, UsageScanner};
 use crate::admission::{Admission, AdmitRequest, CONTROL_HEADERS, RequestMeta, Verdict};
 use crate::metrics::RequestLabels;
 use crate::parsers::{self, ParsedRequest, Prompt};
 use crate::plugins::scheduler::Handler;
 use crate::plugins::{SchedError, SchedRequest};
+use crate::rewrite::{REWRITE_ALIAS, REWRITE_HEADER};
 
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// The prefill pod of a disaggregated request (`ip:port`), for the decode pod's sidecar.
@@ -326,7 +327,23 @@ impl StreamState {
             .as_ref()
             .map(|p: &ParsedRequest| p.model.as_str())
             .unwrap_or("");
-        let labels = self.ctx.metrics.request_labels(model, model);
+        // Model rewrite: a rule for the model, else the rewrite header, else unchanged.
+        let rewrite_header = self
+            .headers
+            .get(REWRITE_HEADER)
+            .or_else(|| self.headers.get(REWRITE_ALIAS))
+            .map(String::as_str);
+        let target = self
+            .ctx
+            .rewrites
+            .target(model, rewrite_header, &mut rand::rng())
+            .to_string();
+        let rewritten = has_body && !model.is_empty() && target != model;
+        let target_model = if rewritten { target.as_str() } else { model };
+        if rewritten {
+            self.ctx.metrics.model_rewrite(model, target_model);
+        }
+        let labels = self.ctx.metrics.request_labels(model, target_model);
         self.ctx.metrics.request_received(&labels, self.body.len());
         self.ctx.metrics.request_running(&labels, 1);
         self.running = true;
@@ -351,7 +368,7 @@ impl StreamState {
                         bytes: self.body.len() as u64,
                         tokens: parsed.as_ref().map_or(0, |p| p.prompt.estimated_tokens()),
                         model,
-                        target_model: model,
+                        target_model,
                     })
                     .await;
                 // Hold the stream until the verdict; if Envoy goes away meanwhile (the client
@@ -381,7 +398,7 @@ impl StreamState {
         let req = SchedRequest {
             request_id: &self.request_id,
             model,
-            target_model: model,
+            target_model,
             prompt: parsed.as_ref().map_or(&no_prompt, |p| &p.prompt),
             cache_salt: parsed.as_ref().and_then(|p| p.cache_salt.as_deref()),
             headers: &self.headers,
@@ -430,7 +447,7 @@ impl StreamState {
 
         let info = RouteInfo {
             model: model.to_string(),
-            target_model: model.to_string(),
+            target_model: target_model.to_string(),
             fairness_id: meta.fairness_id.clone(),
             priority: meta.priority,
         };
@@ -439,10 +456,22 @@ impl StreamState {
             header(ROUTE_INFO_HEADER, &info.encode()),
         ];
         self.route_info = Some(info);
-        // Flow control may evict it: Envoy's eviction filter opens a stream for it (see `evict`).
+        // The response filter (see `response`) handles requests flow control may evict and
+        // rewritten requests, whose response must show the client's model again.
         let evictable = ticket.is_some() && meta.priority < 0 && self.ctx.admission.evicts();
+        let mut response_work = Vec::new();
         if evictable {
-            set_headers.push(header(EVICTABLE_HEADER, "true"));
+            response_work.push(EVICT.to_string());
+        }
+        if rewritten {
+            let r = Restore {
+                target: target_model.to_string(),
+                incoming: model.to_string(),
+            };
+            response_work.push(r.header_item());
+        }
+        if !response_work.is_empty() {
+            set_headers.push(header(RESPONSE_FILTER_HEADER, &response_work.join(",")));
         }
         if self.generated_request_id {
             set_headers.push(header(REQUEST_ID_HEADER, &self.request_id));
@@ -465,7 +494,7 @@ impl StreamState {
         let remove_headers = CONTROL_HEADERS
             .iter()
             .chain(prefiller.is_none().then_some(&PREFILLER_HEADER))
-            .chain((!evictable).then_some(&EVICTABLE_HEADER))
+            .chain(response_work.is_empty().then_some(&RESPONSE_FILTER_HEADER))
             .filter(|h| self.headers.contains_key(**h))
             .map(|h| h.to_string())
             .collect();
@@ -484,6 +513,9 @@ impl StreamState {
         let metadata = destination_metadata(&destination, &tokens);
         self.phase = Phase::Routed;
         let mut body = std::mem::take(&mut self.body);
+        if rewritten && let Some(edited) = parsers::with_model(&body, target_model) {
+            body = edited;
+        }
         if self.request_body_mode == FULL_DUPLEX
             && let Some(edit) = parsed.as_ref().and_then(|p| p.usage_edit)
             && let Some(edited) = parsers::with_include_usage(&body, edit)

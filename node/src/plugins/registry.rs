@@ -973,7 +973,7 @@ dataLayer:
 
     #[test]
     fn not_yet_plugin_says_so() {
-        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: session-affinity-scorer\n").unwrap_err().to_string();
+        let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: no-hit-lru-scorer\n").unwrap_err().to_string();
         assert!(e.contains("does not implement yet"), "{e}");
     }
 
