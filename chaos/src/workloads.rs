@@ -35,3 +35,25 @@ pub fn multi_turn() -> LoadConfig {
         ..LoadConfig::default()
     }
 }
+
+/// The scheduling-parity acceptance workload: 64 conversations × 8 turns with ~8k-token contexts
+/// of which only ~1k is a prompt shared by all, 3 conversations in flight, on four pods of 700
+/// KV blocks (~11k tokens: the context of one active conversation with some room, not two). Sticky
+/// routing keeps each active conversation's context on its pod (ideal cached ratio ~0.89);
+/// round robin finds a conversation's context only when its previous turn happened to land on the
+/// same pod and nothing evicted it since.
+pub fn affinity_acceptance() -> (SimConfig, LoadConfig) {
+    let mut pods = prefix_affinity_pods();
+    pods.knobs.kv_blocks = 700;
+    let load = LoadConfig {
+        conversations: 64,
+        turns: 8,
+        system_prompt_words: 640,
+        conversation_words: 4500,
+        user_words: 32,
+        max_tokens: 16,
+        concurrency: 3,
+        ..LoadConfig::default()
+    };
+    (pods, load)
+}
