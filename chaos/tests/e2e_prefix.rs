@@ -15,8 +15,12 @@ use chaos::locate::workspace_root;
 use chaos::workloads;
 use sim::loadgen;
 
+/// The tests of this file measure latency and load: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversations_stick_to_their_warm_pod() {
+    let _serial = SERIAL.lock().await;
     let c = LocalCluster::start(ClusterSpec {
         sim: workloads::affinity_acceptance().0,
         epp_args: vec![
@@ -69,4 +73,167 @@ async fn conversations_stick_to_their_warm_pod() {
         rr.ttft_p50_ms
     );
     c.shutdown().await;
+}
+
+/// Affinity breaks on an overloaded pod. Every request shares a long prefix, so all of them
+/// stick to the pod that served the first one; they arrive at 60/s, more than twice what one pod
+/// (4 slots, ~170 ms per request) can serve. With `maxTTFTPenaltyMs: 200` the affinity filter lets
+/// go once the sticky pod's queued prompt tokens stand for 200 ms more prefill than the best other
+/// pod's, and the load scorers (queue, KV, active requests) outweigh the prefix scorer: the load
+/// spreads and that pod's queue stops growing. With a penalty no queue reaches (10^9 ms) everything
+/// waits on the one pod and its queue grows for the whole burst. (Measured: 3 pods used, the hot
+/// pod's queue peaked at 6 and did not grow in the second half, vs one pod, a queue of 128 that
+/// grew by 63.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn affinity_breaks_when_the_sticky_pod_is_overloaded() {
+    let _serial = SERIAL.lock().await;
+    let breaking = overload_run(200.0).await;
+    let sticking = overload_run(1e9).await;
+    eprintln!("penalty 200 ms: {breaking:?}");
+    eprintln!("penalty 1e9 ms: {sticking:?}");
+    assert!(
+        sticking.pods_used == 1,
+        "without breaking, every request sticks to one pod: {sticking:?}"
+    );
+    assert!(
+        breaking.pods_used >= 3,
+        "the load spreads once the affinity breaks: {breaking:?}"
+    );
+    // The sticky pod's queue: bounded when the affinity breaks, growing when it does not.
+    assert!(
+        breaking.hot_max_waiting * 3 <= sticking.hot_max_waiting,
+        "hot pod's queue {} (breaking) vs {} (sticking)",
+        breaking.hot_max_waiting,
+        sticking.hot_max_waiting
+    );
+    assert!(
+        breaking.hot_late_growth <= 2,
+        "the hot pod's queue kept growing in the second half: {breaking:?}"
+    );
+    assert!(sticking.hot_late_growth >= 10, "{sticking:?}");
+}
+
+#[derive(Debug)]
+struct Overload {
+    /// Pods that served at least 5% of the requests.
+    pods_used: usize,
+    served: std::collections::BTreeMap<String, usize>,
+    /// The most-served pod's peak waiting queue.
+    hot_max_waiting: u64,
+    /// How much that pod's waiting queue grew over the second half of the burst.
+    hot_late_growth: i64,
+}
+
+async fn overload_run(penalty_ms: f64) -> Overload {
+    use std::time::Duration;
+    let config = format!(
+        "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: active-request-scorer
+- {{type: prefix-cache-affinity-filter, parameters: {{maxTTFTPenaltyMs: {penalty_ms}}}}}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix-cache-affinity-filter
+  - {{pluginRef: queue-scorer, weight: 2}}
+  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
+  - {{pluginRef: prefix-cache-scorer, weight: 3}}
+  - {{pluginRef: active-request-scorer, weight: 2}}
+"
+    );
+    let c = LocalCluster::start(ClusterSpec {
+        sim: sim::SimConfig {
+            pods: 4,
+            knobs: sim::PodKnobs {
+                max_num_seqs: 4,
+                prefill_us_per_token: 20.0,
+                decode_ms_per_token: 5.0,
+                ..sim::PodKnobs::default()
+            },
+            ..sim::SimConfig::default()
+        },
+        epp_args: vec!["--config-text".into(), config],
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
+    let url = format!("{}/v1/chat/completions", c.envoy.url());
+    let prefix = sim::loadgen::system_message(&sim::loadgen::LoadConfig::default(), 0).repeat(6);
+    // Each request adds ~300 tokens of its own (the uncached part the filter's TTFT estimate
+    // counts): a queue of ~10 on one pod stands for 200 ms of prefill.
+    let body = |i: usize| {
+        let question = sim::loadgen::user_message(
+            &sim::loadgen::LoadConfig {
+                user_words: 200,
+                ..Default::default()
+            },
+            i,
+            0,
+        );
+        serde_json::json!({
+            "model": "sim-model",
+            "messages": [{"role": "system", "content": prefix}, {"role": "user", "content": question}],
+            "max_tokens": 30,
+        })
+    };
+    let client = reqwest::Client::new();
+    // One request first, so the prefix lives on exactly one pod.
+    let r = client.post(&url).json(&body(0)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+
+    let stats = c.sim.stats_sampler();
+    let names: Vec<String> = c.sim.pods().into_iter().map(|p| p.name).collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut samples = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                samples.push(stats().iter().map(|s| s.waiting).collect::<Vec<u64>>());
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            samples
+        }
+    });
+    // 60 requests/s for 4 s.
+    let mut tasks = Vec::new();
+    for i in 1..=240 {
+        let (client, url, b) = (client.clone(), url.clone(), body(i));
+        tasks.push(tokio::spawn(async move {
+            let r = client.post(url).json(&b).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.headers()["x-inference-pod"].to_str().unwrap().to_string()
+        }));
+        tokio::time::sleep(Duration::from_micros(16_667)).await;
+    }
+    let burst_samples = {
+        // The burst's own span: sample until the last request is sent.
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        sampler.await.unwrap()
+    };
+    let mut served = std::collections::BTreeMap::new();
+    for t in tasks {
+        *served.entry(t.await.unwrap()).or_insert(0usize) += 1;
+    }
+    c.shutdown().await;
+    let hot = served
+        .iter()
+        .max_by_key(|(_, n)| **n)
+        .map(|(p, _)| names.iter().position(|n| n == p).unwrap())
+        .unwrap();
+    let series: Vec<u64> = burst_samples.iter().map(|s| s[hot]).collect();
+    let half = series.len() / 2;
+    Overload {
+        pods_used: served.values().filter(|n| **n >= 12).count(),
+        hot_max_waiting: series.iter().copied().max().unwrap_or(0),
+        hot_late_growth: series.last().copied().unwrap_or(0) as i64
+            - series.get(half).copied().unwrap_or(0) as i64,
+        served,
+    }
 }
