@@ -97,7 +97,8 @@ async fn affinity_breaks_when_the_sticky_pod_is_overloaded() {
     );
     assert!(
         breaking.pods_used >= 3,
-        "the load spreads once the affinity breaks: {breaking:?}"
+        "the load spreads once the affinity breaks: {:?}",
+        breaking.served
     );
     // The sticky pod's queue: bounded when the affinity breaks, growing when it does not.
     assert!(
