@@ -22,6 +22,8 @@ pub struct ClusterSpec {
     pub observe_responses: bool,
     /// Run the replicas in cluster mode (Raft between them, peer links through proxies).
     pub raft: bool,
+    /// Envoy routes to the pods with GIE's override_host policy (fallbacks, served endpoint).
+    pub fallback_lb: bool,
 }
 
 impl Default for ClusterSpec {
@@ -34,6 +36,7 @@ impl Default for ClusterSpec {
             failure_mode_allow: false,
             observe_responses: true,
             raft: false,
+            fallback_lb: false,
         }
     }
 }
@@ -111,12 +114,15 @@ impl LocalCluster {
                 .collect(),
             None => epps.iter().map(|e| e.addrs.ext_proc).collect(),
         };
-        let envoy = EnvoyProcess::start(
-            ext_procs,
-            sim.pods().iter().map(|p| p.addr).collect(),
-            spec.failure_mode_allow,
-            spec.observe_responses,
-        )
+        let envoy = EnvoyProcess::start_with(crate::envoy::EnvoyParams {
+            listen_port: 0,
+            admin_port: 0,
+            epp: ext_procs,
+            pods: sim.pods().iter().map(|p| p.addr).collect(),
+            failure_mode_allow: spec.failure_mode_allow,
+            observe_responses: spec.observe_responses,
+            fallback_lb: spec.fallback_lb,
+        })
         .await?;
         Ok(LocalCluster {
             sim,

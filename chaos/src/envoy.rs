@@ -21,6 +21,9 @@ pub struct EnvoyParams {
     pub failure_mode_allow: bool,
     /// Keep the observability-mode filter that sees responses (the default data plane).
     pub observe_responses: bool,
+    /// Route to the pods through GIE's override_host policy (fallback endpoints tried in order,
+    /// the served one reported) instead of the ORIGINAL_DST cluster.
+    pub fallback_lb: bool,
 }
 
 fn endpoints(addrs: &[SocketAddr]) -> String {
@@ -44,7 +47,8 @@ pub fn render(p: &EnvoyParams) -> String {
     for line in TEMPLATE.lines() {
         match line.trim() {
             "# observe-begin" => skipping = !p.observe_responses,
-            "# observe-end" => skipping = false,
+            "# fallback-begin" => skipping = !p.fallback_lb,
+            "# observe-end" | "# fallback-end" => skipping = false,
             _ if skipping => {}
             _ => {
                 text.push_str(line);
@@ -57,6 +61,14 @@ pub fn render(p: &EnvoyParams) -> String {
         .replace("{{EPP_ENDPOINTS}}", &endpoints(&p.epp))
         .replace("{{RR_ENDPOINTS}}", &endpoints(&p.pods))
         .replace("{{FAILURE_MODE_ALLOW}}", &p.failure_mode_allow.to_string())
+        .replace(
+            "{{POD_CLUSTER}}",
+            if p.fallback_lb {
+                "fallback_pods"
+            } else {
+                "original_destination_cluster"
+            },
+        )
 }
 
 #[derive(Debug)]
@@ -76,6 +88,20 @@ impl EnvoyProcess {
         failure_mode_allow: bool,
         observe_responses: bool,
     ) -> anyhow::Result<EnvoyProcess> {
+        Self::start_with(EnvoyParams {
+            listen_port: 0,
+            admin_port: 0,
+            epp,
+            pods,
+            failure_mode_allow,
+            observe_responses,
+            fallback_lb: false,
+        })
+        .await
+    }
+
+    /// [`EnvoyProcess::start`] with every rendering parameter (ports are OS-chosen regardless).
+    pub async fn start_with(params: EnvoyParams) -> anyhow::Result<EnvoyProcess> {
         let bin = locate::envoy_binary()?;
         let dir = tempfile::tempdir()?;
         let cfg_path = dir.path().join("envoy.yaml");
@@ -86,10 +112,7 @@ impl EnvoyProcess {
             render(&EnvoyParams {
                 listen_port: 0,
                 admin_port: 0,
-                epp,
-                pods,
-                failure_mode_allow,
-                observe_responses,
+                ..params
             }),
         )?;
         let log = std::fs::File::create(&log_path)?;
@@ -208,6 +231,7 @@ mod tests {
             ],
             failure_mode_allow: false,
             observe_responses: observe,
+            fallback_lb: false,
         }
     }
 
@@ -217,8 +241,16 @@ mod tests {
         assert!(!text.contains("{{"), "{text}");
         assert!(text.contains("port_value: 8001"));
         assert!(text.contains("envoy.filters.http.ext_proc.observe"));
+        assert!(text.contains("cluster: original_destination_cluster"));
+        assert!(!text.contains("load_balancing_policies.override_host"), "{text}");
         let text = render(&params(false));
         assert!(!text.contains("observability_mode"), "{text}");
         assert!(!text.contains("ext_proc.observe"), "{text}");
+        let text = render(&EnvoyParams {
+            fallback_lb: true,
+            ..params(true)
+        });
+        assert!(text.contains("cluster: fallback_pods"), "{text}");
+        assert!(text.contains("override_host") && text.contains("retry_policy"));
     }
 }

@@ -585,8 +585,7 @@ schedulingProfiles:
 /// the pods do not serve: 404 without the rule) to `sim-model`; the pod serves it and the client
 /// sees `assistant` again in the response, streaming and not. The rewrite header does the same
 /// for a request without a rule (a control header: removed before the pod).
-/// `llm_d_epp_model_rewrite_decisions`
-/// counts them.
+/// `llm_d_epp_model_rewrite_decisions` counts them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rewritten_models_are_served_and_restored_in_the_response() {
     let dir = tempfile::tempdir().unwrap();
@@ -680,5 +679,88 @@ spec:
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert_eq!(rewrites, 3.0, "{m}");
+    c.shutdown().await;
+}
+
+/// Served-endpoint correction (GIE protocol v1.0), with Envoy's override_host load balancing (the
+/// template's fallback variant): the EPP names a primary and a fallback (`maxNumOfEndpoints: 2`).
+/// A conversation's pod dies; Envoy serves its next turn from the fallback and reports that pod
+/// in `envoy.lb` metadata on the response path; the EPP records the prompt's blocks for the pod
+/// that really served it, so the prefix index stops pointing only at the dead one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_served_request_corrects_the_prefix_index() {
+    let config = "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-scorer
+- type: queue-scorer
+- {type: max-score-picker, parameters: {maxNumOfEndpoints: 2}}
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: prefix-cache-scorer, weight: 3}, {pluginRef: queue-scorer}, {pluginRef: max-score-picker}]
+";
+    let c = start(ClusterSpec {
+        sim: sim_config(2, PodKnobs::default()),
+        epp_args: vec!["--config-text".into(), config.into()],
+        fallback_lb: true,
+        ..Default::default()
+    })
+    .await;
+    warm(&c).await;
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", c.envoy.url());
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(200);
+    let turn = |n: usize| {
+        let mut v = chat(false, &long);
+        v["messages"][1]["content"] = json!(format!("{long} turn {n}"));
+        v
+    };
+    let pods = c.sim.pods();
+    let entries = |v: &Value, hostport: &str| -> u64 {
+        v["pods"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["pod"] == hostport)
+            .and_then(|p| p["entries"].as_u64())
+            .unwrap_or(0)
+    };
+
+    let r = client.post(&url).json(&turn(1)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let home = r.headers()["x-inference-pod"].to_str().unwrap().to_string();
+    let home_idx = pods.iter().position(|p| p.name == home).unwrap();
+    let other = pods[1 - home_idx].addr.to_string();
+    let before = c.epps[0].prefix_index().await.unwrap();
+    assert!(
+        entries(&before, &pods[home_idx].addr.to_string()) > 0,
+        "{before}"
+    );
+    let other_before = entries(&before, &other);
+
+    // The conversation's pod dies; its next turn still names it first (its metrics are not
+    // stale yet), Envoy falls back to the other pod.
+    c.sim.crash(home_idx).await.unwrap();
+    let r = client.post(&url).json(&turn(2)).send().await.unwrap();
+    assert_eq!(r.status(), 200, "the fallback should serve it");
+    assert_eq!(
+        r.headers()["x-inference-pod"].to_str().unwrap(),
+        pods[1 - home_idx].name
+    );
+    wait::until("the correction", Duration::from_secs(5), || async {
+        c.epps[0]
+            .prefix_index()
+            .await
+            .is_ok_and(|v| entries(&v, &other) > other_before + 10)
+    })
+    .await
+    .unwrap();
+    let m = c.epps[0].metrics().await.unwrap();
+    assert!(
+        m.lines()
+            .any(|l| l == "llm_d_epp_served_by_fallback_endpoint_total 1"),
+        "{m}"
+    );
     c.shutdown().await;
 }

@@ -153,6 +153,7 @@ pub struct Metrics {
     fairness_cap: LabelCap,
     disagg_decisions: Family<DisaggLabels, Counter>,
     model_rewrites: Family<RequestLabels, Counter>,
+    served_by_fallback: Counter,
     prefix_size: Family<PluginLabels, Gauge>,
     prefix_hit_ratio: Family<PluginLabels, Histogram, fn() -> Histogram>,
     prefix_hit_bytes: Family<PluginLabels, Histogram, fn() -> Histogram>,
@@ -647,6 +648,12 @@ impl Metrics {
             "Routing decisions by disaggregation type (decode-only, prefill-decode)",
             disagg_decisions.clone(),
         );
+        let served_by_fallback = Counter::default();
+        registry.register(
+            "served_by_fallback_endpoint",
+            "Requests the proxy served from a fallback endpoint (the prefix index and in-flight load were corrected)",
+            served_by_fallback.clone(),
+        );
         let model_rewrites = Family::<RequestLabels, Counter>::default();
         registry.register(
             "model_rewrite_decisions",
@@ -716,6 +723,7 @@ impl Metrics {
             gossip,
             disagg_decisions,
             model_rewrites,
+            served_by_fallback,
             prefix_size,
             prefix_hit_ratio,
             prefix_hit_bytes,
@@ -788,6 +796,10 @@ impl Metrics {
                 decision_type: decision_type.to_string(),
             })
             .inc();
+    }
+
+    pub fn served_by_fallback(&self) {
+        self.served_by_fallback.inc();
     }
 
     pub fn model_rewrite(&self, model: &str, target: &str) {

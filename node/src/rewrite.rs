@@ -250,6 +250,26 @@ spec:
     }
 
     #[test]
+    fn example_file_loads() {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/model-rewrites.yaml");
+        let r = ModelRewrites::from_file(&path).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        assert_eq!(
+            r.target("llama-3", None, &mut rng),
+            "meta-llama/Llama-3.1-8B-Instruct"
+        );
+        assert_eq!(
+            r.target("anything", None, &mut rng),
+            "meta-llama/Llama-3.1-8B-Instruct"
+        );
+        assert!(
+            r.target("assistant", None, &mut rng)
+                .starts_with("assistant-v")
+        );
+    }
+
+    #[test]
     fn bad_manifests_say_what_is_wrong() {
         let err = |y: &str| ModelRewrites::from_yaml(y).unwrap_err().to_string();
         let base =

@@ -33,6 +33,8 @@ pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// The prefill pod of a disaggregated request (`ip:port`), for the decode pod's sidecar.
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 pub const ENVOY_LB_NAMESPACE: &str = "envoy.lb";
+/// The endpoint that served the request, as the proxy reports it in `envoy.lb` metadata.
+pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
 const REQUEST_ID_HEADER: &str = "x-request-id";
 /// Largest body chunk streamed back to Envoy (llm-d uses the same bound).
 const BODY_CHUNK: usize = 62_000;
@@ -75,6 +77,8 @@ struct StreamState {
     usage: Option<UsageScanner>,
     /// The proxy's subset hint (allowed endpoint IPs), from any request-phase message's metadata.
     subset: Option<Vec<std::net::IpAddr>>,
+    /// The pod this stream routed the request to (`ip:port`), when it routed it.
+    primary: Option<String>,
 }
 
 pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
@@ -99,6 +103,7 @@ pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingReque
         route_info: None,
         usage: None,
         subset: None,
+        primary: None,
     };
     loop {
         let msg = match inbound.message().await {
@@ -143,6 +148,11 @@ impl StreamState {
             .and_then(super::subset::subset_hint)
         {
             self.subset = Some(hint);
+        }
+        if let Some(Req::ResponseHeaders(_)) = &msg.request
+            && let Some(served) = msg.metadata_context.as_ref().and_then(served_endpoint)
+        {
+            self.on_served(&served);
         }
         let Some(req) = msg.request else {
             return Ok(());
@@ -433,6 +443,10 @@ impl StreamState {
             .collect::<Vec<_>>()
             .join(",");
         tracing::debug!(request_id = %self.request_id, %destination, model, "routed");
+        self.primary = decision
+            .picked
+            .first()
+            .map(|i| candidates[*i].endpoint.hostport.clone());
         if let (Some(t), Some(&primary)) = (ticket, decision.picked.first()) {
             self.ctx
                 .admission
@@ -582,6 +596,36 @@ impl StreamState {
             .await
     }
 
+    /// Envoy reports the endpoint that served the request (override-host load balancing with
+    /// fallbacks). If it is not the one the routing decision charged, correct what this replica
+    /// recorded: the prefix index learns the served pod holds the prompt, the in-flight load
+    /// moves there.
+    fn on_served(&mut self, served: &str) {
+        // The routing stream knows its pick; an observing stream reads it from the request
+        // headers the routing filter set.
+        let Some(primary) = self.primary.clone().or_else(|| {
+            let d = self.headers.get(DESTINATION_HEADER)?;
+            d.split(',').next().map(|p| p.trim().to_string())
+        }) else {
+            return;
+        };
+        let primary = primary.as_str();
+        let corrected = match &self.ctx.scheduler.prefix_index {
+            Some(ix) => {
+                let candidates = self.ctx.store.candidates(Instant::now());
+                ix.served(&self.request_id, primary, served, &candidates)
+            }
+            None => false,
+        };
+        if primary != served {
+            if let Some(t) = &self.ctx.inflight {
+                t.moved(&self.request_id, served);
+            }
+            tracing::debug!(request_id = %self.request_id, primary, served, corrected, "served by a fallback endpoint");
+            self.ctx.metrics.served_by_fallback();
+        }
+    }
+
     /// The response has ended: record its duration once.
     fn complete(&mut self) {
         if let Some(l) = &self.labels
@@ -669,6 +713,16 @@ fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
             }),
             ..Default::default()
         }),
+    }
+}
+
+/// `metadata_context["envoy.lb"]["x-gateway-destination-endpoint-served"]`: the endpoint Envoy's
+/// load balancer used (GIE protocol v1.0).
+fn served_endpoint(md: &envoy_types::pb::envoy::config::core::v3::Metadata) -> Option<String> {
+    let lb = md.filter_metadata.get(ENVOY_LB_NAMESPACE)?;
+    match &lb.fields.get(SERVED_HEADER)?.kind {
+        Some(value::Kind::StringValue(s)) if !s.trim().is_empty() => Some(s.trim().to_string()),
+        _ => None,
     }
 }
 

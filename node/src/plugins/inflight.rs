@@ -127,6 +127,25 @@ impl InflightTracker {
         }
     }
 
+    /// The request was served by `endpoint`, not the pod it was charged to (Envoy used a
+    /// fallback): move its charge there.
+    pub fn moved(&self, request_id: &str, endpoint: &str) {
+        let mut st = self.lock();
+        let Some(mut e) = st.by_request.remove(request_id) else {
+            return;
+        };
+        if e.endpoint != endpoint {
+            Self::credit(&mut st, &e);
+            let load = st.per_endpoint.entry(endpoint.to_string()).or_default();
+            load.requests += 1;
+            if !e.tokens_released {
+                load.tokens += e.tokens;
+            }
+            e.endpoint = endpoint.to_string();
+        }
+        st.by_request.insert(request_id.to_string(), e);
+    }
+
     /// The response ended (or the request was abandoned).
     pub fn finish(&self, request_id: &str) {
         let mut st = self.lock();
@@ -264,6 +283,28 @@ mod tests {
         assert_eq!(t.sweep(Duration::from_secs(3600)), 0);
         assert_eq!(t.sweep(Duration::ZERO), 1);
         assert_eq!(t.load("a"), InflightLoad::default());
+        assert_eq!(t.tracked_requests(), 0);
+    }
+
+    #[test]
+    fn a_fallback_moves_the_charge() {
+        let t = InflightTracker::default();
+        t.reserve("r1", "a", 100);
+        t.moved("r1", "b");
+        assert_eq!(t.load("a"), InflightLoad::default());
+        assert_eq!(
+            t.load("b"),
+            InflightLoad {
+                requests: 1,
+                tokens: 100
+            }
+        );
+        t.release_tokens("r1");
+        t.moved("r1", "b"); // same pod: nothing changes
+        t.moved("unknown", "a");
+        assert_eq!(t.load("b").tokens, 0);
+        t.finish("r1");
+        assert_eq!(t.load("b"), InflightLoad::default());
         assert_eq!(t.tracked_requests(), 0);
     }
 

@@ -80,10 +80,17 @@ struct Indexed {
     clock: Hlc,
 }
 
+/// How many requests routed with fallbacks are remembered until their response names the pod.
+pub const FALLBACK_MEMORY: usize = 4096;
+
+type FallbackEntry = (Vec<u64>, usize, std::time::Instant);
+
 #[derive(Debug)]
 pub struct ApproxPrefixProducer {
     params: ProducerParams,
     state: RwLock<Indexed>,
+    /// Requests routed with fallbacks, by `x-request-id`: (block hashes, block size, when).
+    fallbacks: std::sync::Mutex<std::collections::HashMap<String, FallbackEntry>>,
     /// Set in cluster mode with replication on: every insert's delta goes here for the peers.
     outbox: OnceLock<Arc<crate::gossip::Outbox>>,
 }
@@ -101,6 +108,7 @@ impl ApproxPrefixProducer {
                 clock: Hlc::default(),
             }),
             params,
+            fallbacks: Default::default(),
             outbox: OnceLock::new(),
         }
     }
@@ -202,6 +210,93 @@ impl ApproxPrefixProducer {
     }
 
     /// The pod of `c` in the index, in its current incarnation and bounded to its capacity.
+    /// Record that `targets` now hold the blocks `hashes` (replicated when gossip is on).
+    fn record<'a>(
+        &self,
+        hashes: &[u64],
+        block_size: usize,
+        targets: impl Iterator<Item = &'a Candidate>,
+    ) {
+        if hashes.is_empty() {
+            return;
+        }
+        let outbox = self.outbox.get();
+        let mut st = self.write();
+        let ts = st.clock.now(unix_us());
+        let ix = &mut st.index;
+        for target in targets {
+            let pod = self.apply_bounds(ix, target, block_size);
+            match outbox {
+                Some(out) => {
+                    if let Some(delta) = ix.insert_delta(pod, hashes, ts) {
+                        out.push(delta);
+                    }
+                }
+                None => ix.insert(pod, hashes, ts),
+            }
+        }
+    }
+
+    /// A request routed with fallback endpoints: keep its blocks until its response says which
+    /// pod served it (at most [`FALLBACK_MEMORY`] requests, the oldest forgotten first).
+    pub fn remember_for_fallback(&self, request_id: &str, data: &RequestData) {
+        let Some(info) = &data.prefix else { return };
+        if info.hashes.is_empty() {
+            return;
+        }
+        let mut f = match self.fallbacks.lock() {
+            Ok(f) => f,
+            Err(p) => p.into_inner(),
+        };
+        if f.len() >= FALLBACK_MEMORY
+            && let Some(oldest) = f
+                .iter()
+                .min_by_key(|(_, (_, _, at))| *at)
+                .map(|(k, _)| k.clone())
+        {
+            f.remove(&oldest);
+        }
+        f.insert(
+            request_id.to_string(),
+            (
+                info.hashes.clone(),
+                info.block_size,
+                std::time::Instant::now(),
+            ),
+        );
+    }
+
+    /// The response of `request_id` ended its request-phase uncertainty: `served` is the pod
+    /// Envoy used. When it is not the primary (a fallback), the blocks are recorded for it too —
+    /// the index would otherwise send the conversation back to a pod that never saw it. Returns
+    /// whether a correction was made.
+    pub fn served(
+        &self,
+        request_id: &str,
+        primary: &str,
+        served: &str,
+        candidates: &[Candidate],
+    ) -> bool {
+        let entry = {
+            let mut f = match self.fallbacks.lock() {
+                Ok(f) => f,
+                Err(p) => p.into_inner(),
+            };
+            f.remove(request_id)
+        };
+        let Some((hashes, block_size, _)) = entry else {
+            return false;
+        };
+        if served == primary {
+            return false;
+        }
+        let Some(target) = candidates.iter().find(|c| c.endpoint.hostport == served) else {
+            return false;
+        };
+        self.record(&hashes, block_size, std::iter::once(target));
+        true
+    }
+
     fn apply_bounds(&self, ix: &mut ApproxIndex, c: &Candidate, block_size: usize) -> PodId {
         let metrics = c.sample.as_ref().map(|s| &s.metrics);
         let capacity = metrics
@@ -265,28 +360,11 @@ impl Producer for ApproxPrefixProducer {
         prefill: Option<usize>,
     ) {
         let Some(info) = &data.prefix else { return };
-        if info.hashes.is_empty() {
-            return;
-        }
-        let outbox = self.outbox.get();
-        let mut st = self.write();
-        let ts = st.clock.now(unix_us());
-        let ix = &mut st.index;
         // The decode pod receives the KV blocks; a prefill pod computed them too.
-        for c in std::iter::once(primary).chain(prefill) {
-            let Some(target) = candidates.get(c) else {
-                continue;
-            };
-            let pod = self.apply_bounds(ix, target, info.block_size);
-            match outbox {
-                Some(out) => {
-                    if let Some(delta) = ix.insert_delta(pod, &info.hashes, ts) {
-                        out.push(delta);
-                    }
-                }
-                None => ix.insert(pod, &info.hashes, ts),
-            }
-        }
+        let targets = std::iter::once(primary)
+            .chain(prefill)
+            .filter_map(|c| candidates.get(c));
+        self.record(&info.hashes, info.block_size, targets);
     }
 }
 
@@ -578,6 +656,39 @@ mod tests {
         p.produce(&r, &cs, &mut data);
         assert_eq!(data.prefix.unwrap().matched, vec![0, 4]);
         assert_eq!(p.index_len(), 8);
+    }
+
+    #[test]
+    fn a_fallback_that_served_learns_the_prompt() {
+        let p = ApproxPrefixProducer::new(ProducerParams {
+            auto_tune: false,
+            ..ProducerParams::default()
+        });
+        let cs = [
+            cand_at("a", "10.0.0.1:8000", None, false, &[]),
+            cand_at("b", "10.0.0.2:8000", None, false, &[]),
+        ];
+        let text: Vec<u8> = (0..2000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        let prompt = Prompt::Text(text);
+        let mut r = req();
+        r.prompt = &prompt;
+        let mut data = RequestData::default();
+        p.produce(&r, &cs, &mut data);
+        p.pre_request(&r, &data, &cs, 0, None);
+        p.remember_for_fallback("r", &data);
+        // Served by the primary: nothing to correct, and the request is forgotten.
+        assert!(!p.served("r", "10.0.0.1:8000", "10.0.0.1:8000", &cs));
+        assert!(!p.served("r", "10.0.0.1:8000", "10.0.0.2:8000", &cs));
+        // Served by the fallback b: b now matches the whole prompt too.
+        p.remember_for_fallback("r", &data);
+        assert!(p.served("r", "10.0.0.1:8000", "10.0.0.2:8000", &cs));
+        let mut again = RequestData::default();
+        p.produce(&r, &cs, &mut again);
+        assert_eq!(again.prefix.unwrap().matched, vec![8, 8]);
+        // Unknown requests and pods are ignored.
+        assert!(!p.served("unknown", "10.0.0.1:8000", "10.0.0.2:8000", &cs));
+        p.remember_for_fallback("r2", &data);
+        assert!(!p.served("r2", "10.0.0.1:8000", "10.9.9.9:1", &cs));
     }
 
     #[test]

@@ -188,6 +188,12 @@ impl Scheduler {
         for p in &self.producers {
             p.pre_request(req, &decision.data, candidates, primary, prefill);
         }
+        if decision.picked.len() > 1
+            && let Some(index) = &self.prefix_index
+        {
+            // Envoy may serve it from a fallback: the response will say (served endpoint).
+            index.remember_for_fallback(req.request_id, &decision.data);
+        }
         for s in &self.sessions {
             if let Some(pod) = s.pinned(self.prefill_profile.as_deref(), primary, prefill) {
                 s.pre_request(req, candidates, pod);
