@@ -242,7 +242,10 @@ mod tests {
         assert!(text.contains("port_value: 8001"));
         assert!(text.contains("envoy.filters.http.ext_proc.observe"));
         assert!(text.contains("cluster: original_destination_cluster"));
-        assert!(!text.contains("load_balancing_policies.override_host"), "{text}");
+        assert!(
+            !text.contains("load_balancing_policies.override_host"),
+            "{text}"
+        );
         let text = render(&params(false));
         assert!(!text.contains("observability_mode"), "{text}");
         assert!(!text.contains("ext_proc.observe"), "{text}");

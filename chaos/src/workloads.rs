@@ -57,3 +57,17 @@ pub fn affinity_acceptance() -> (SimConfig, LoadConfig) {
     };
     (pods, load)
 }
+
+/// `InferenceObjective` manifests (name → priority) for `--objectives-file`.
+pub fn objectives_yaml(objectives: &[(&str, i32)]) -> String {
+    objectives
+        .iter()
+        .map(|(name, priority)| {
+            format!(
+                "apiVersion: llm-d.ai/v1alpha2\nkind: InferenceObjective\nmetadata: {{name: {name}}}\n\
+                 spec: {{priority: {priority}, poolRef: {{name: default-pool}}}}\n"
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("---\n")
+}

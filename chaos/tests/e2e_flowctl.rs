@@ -15,18 +15,6 @@ use chaos::cluster::{ClusterSpec, LocalCluster};
 use sim::loadgen::{self, Arrival, LoadConfig, Report, TenantClass};
 use sim::{PodKnobs, SimConfig};
 
-const OBJECTIVES: &str = "\
-apiVersion: llm-d.ai/v1alpha2
-kind: InferenceObjective
-metadata: {name: premium}
-spec: {priority: 10, poolRef: {name: default-pool}}
----
-apiVersion: llm-d.ai/v1alpha2
-kind: InferenceObjective
-metadata: {name: batch}
-spec: {priority: 0, poolRef: {name: default-pool}}
-";
-
 const SCHEDULING: &str = "\
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
@@ -82,7 +70,11 @@ fn batch() -> TenantClass {
 
 async fn cluster(dir: &std::path::Path, flow_control: bool) -> LocalCluster {
     let objectives = dir.join("objectives.yaml");
-    std::fs::write(&objectives, OBJECTIVES).unwrap();
+    std::fs::write(
+        &objectives,
+        chaos::workloads::objectives_yaml(&[("premium", 10), ("batch", 0)]),
+    )
+    .unwrap();
     let mut config = SCHEDULING.to_string();
     if flow_control {
         config.push_str(FLOW_CONTROL);
@@ -346,17 +338,7 @@ async fn sheddable_requests_are_evicted_for_critical_ones() {
     let objectives = dir.path().join("objectives.yaml");
     std::fs::write(
         &objectives,
-        "\
-apiVersion: llm-d.ai/v1alpha2
-kind: InferenceObjective
-metadata: {name: critical}
-spec: {priority: 0, poolRef: {name: default-pool}}
----
-apiVersion: llm-d.ai/v1alpha2
-kind: InferenceObjective
-metadata: {name: scavenger}
-spec: {priority: -1, poolRef: {name: default-pool}}
-",
+        chaos::workloads::objectives_yaml(&[("critical", 0), ("scavenger", -1)]),
     )
     .unwrap();
     let config = "\

@@ -24,18 +24,6 @@ use chaos::cluster::{ClusterSpec, LocalCluster};
 use chaos::envoy::EnvoyProcess;
 use sim::{PodKnobs, SimConfig};
 
-const OBJECTIVES: &str = "\
-apiVersion: llm-d.ai/v1alpha2
-kind: InferenceObjective
-metadata: {name: fair}
-spec: {priority: 0, poolRef: {name: default-pool}}
----
-apiVersion: llm-d.ai/v1alpha2
-kind: InferenceObjective
-metadata: {name: weighted}
-spec: {priority: 5, poolRef: {name: default-pool}}
-";
-
 const CONFIG: &str = "\
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
@@ -90,7 +78,11 @@ async fn start(dir: &std::path::Path, scope: &str) -> Cluster {
 
 async fn start_replicas(dir: &std::path::Path, scope: &str) -> LocalCluster {
     let objectives = dir.join("objectives.yaml");
-    std::fs::write(&objectives, OBJECTIVES).unwrap();
+    std::fs::write(
+        &objectives,
+        chaos::workloads::objectives_yaml(&[("fair", 0), ("weighted", 5)]),
+    )
+    .unwrap();
     let c = LocalCluster::start(ClusterSpec {
         sim: SimConfig {
             pods: 4,

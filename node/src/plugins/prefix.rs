@@ -626,8 +626,8 @@ mod tests {
         assert_eq!(engine_capacity(&m(None, Some(16)), 64), None);
     }
 
-    #[test]
-    fn producer_matches_what_it_recorded() {
+    /// A producer with fixed 64-token blocks, two pods and a 2000-byte prompt (8 blocks).
+    fn producer_pods_prompt() -> (ApproxPrefixProducer, [Candidate; 2], Vec<u8>) {
         let p = ApproxPrefixProducer::new(ProducerParams {
             auto_tune: false,
             ..ProducerParams::default()
@@ -637,6 +637,12 @@ mod tests {
             cand_at("b", "10.0.0.2:8000", None, false, &[]),
         ];
         let text: Vec<u8> = (0..2000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        (p, cs, text)
+    }
+
+    #[test]
+    fn producer_matches_what_it_recorded() {
+        let (p, cs, text) = producer_pods_prompt();
         let prompt = Prompt::Text(text.clone());
         let mut r = req();
         r.prompt = &prompt;
@@ -660,15 +666,7 @@ mod tests {
 
     #[test]
     fn a_fallback_that_served_learns_the_prompt() {
-        let p = ApproxPrefixProducer::new(ProducerParams {
-            auto_tune: false,
-            ..ProducerParams::default()
-        });
-        let cs = [
-            cand_at("a", "10.0.0.1:8000", None, false, &[]),
-            cand_at("b", "10.0.0.2:8000", None, false, &[]),
-        ];
-        let text: Vec<u8> = (0..2000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        let (p, cs, text) = producer_pods_prompt();
         let prompt = Prompt::Text(text);
         let mut r = req();
         r.prompt = &prompt;
