@@ -504,7 +504,7 @@ impl FlowGate {
         self.apply(&mut st, now, Command::Cancel { id });
     }
 
-    /// The eviction stream of `request_id` (Envoy's eviction filter) attached: the request can
+    /// The eviction stream of `request_id` (Envoy's response filter) attached: the request can
     /// now be evicted. The receiver fires when flow control evicts it; it errors (sender dropped)
     /// when the request ends otherwise. `None` when no sheddable request with that id is in flight
     /// on this replica.
