@@ -43,13 +43,15 @@ fn endpoints(addrs: &[SocketAddr]) -> String {
 /// Fill the template's placeholders.
 pub fn render(p: &EnvoyParams) -> String {
     let mut text = String::with_capacity(TEMPLATE.len());
-    let mut skipping = false;
+    // Blocks may nest (the fallback variant's forwarding sits inside the observe filter).
+    let (mut skip_observe, mut skip_fallback) = (false, false);
     for line in TEMPLATE.lines() {
         match line.trim() {
-            "# observe-begin" => skipping = !p.observe_responses,
-            "# fallback-begin" => skipping = !p.fallback_lb,
-            "# observe-end" | "# fallback-end" => skipping = false,
-            _ if skipping => {}
+            "# observe-begin" => skip_observe = !p.observe_responses,
+            "# observe-end" => skip_observe = false,
+            "# fallback-begin" => skip_fallback = !p.fallback_lb,
+            "# fallback-end" => skip_fallback = false,
+            _ if skip_observe || skip_fallback => {}
             _ => {
                 text.push_str(line);
                 text.push('\n');
@@ -242,6 +244,7 @@ mod tests {
         assert!(text.contains("port_value: 8001"));
         assert!(text.contains("envoy.filters.http.ext_proc.observe"));
         assert!(text.contains("cluster: original_destination_cluster"));
+        assert!(!text.contains("forwarding_namespaces"), "{text}");
         assert!(
             !text.contains("load_balancing_policies.override_host"),
             "{text}"
@@ -255,5 +258,13 @@ mod tests {
         });
         assert!(text.contains("cluster: fallback_pods"), "{text}");
         assert!(text.contains("override_host") && text.contains("retry_policy"));
+        assert!(text.contains("forwarding_namespaces"));
+        // Without the observe filter its nested fallback lines go too.
+        let text = render(&EnvoyParams {
+            fallback_lb: true,
+            ..params(false)
+        });
+        assert!(!text.contains("forwarding_namespaces") && !text.contains("observability_mode"));
+        assert!(text.contains("cluster: fallback_pods"));
     }
 }

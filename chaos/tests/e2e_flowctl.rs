@@ -69,32 +69,41 @@ fn batch() -> TenantClass {
 }
 
 async fn cluster(dir: &std::path::Path, flow_control: bool) -> LocalCluster {
-    let objectives = dir.join("objectives.yaml");
-    std::fs::write(
-        &objectives,
-        chaos::workloads::objectives_yaml(&[("premium", 10), ("batch", 0)]),
-    )
-    .unwrap();
     let mut config = SCHEDULING.to_string();
     if flow_control {
         config.push_str(FLOW_CONTROL);
     }
+    let knobs = PodKnobs {
+        max_num_seqs: 4,
+        prefill_us_per_token: 200.0,
+        decode_ms_per_token: 5.0,
+        ..PodKnobs::default()
+    };
+    start(dir, 4, knobs, &config, &[("premium", 10), ("batch", 0)]).await
+}
+
+/// `pods` simulated pods with `knobs`, one EPP with `config` and these `InferenceObjective`s,
+/// Envoy; returns once the EPP has scraped every pod.
+async fn start(
+    dir: &std::path::Path,
+    pods: usize,
+    knobs: PodKnobs,
+    config: &str,
+    objectives: &[(&str, i32)],
+) -> LocalCluster {
+    let path = dir.join("objectives.yaml");
+    std::fs::write(&path, chaos::workloads::objectives_yaml(objectives)).unwrap();
     let c = LocalCluster::start(ClusterSpec {
         sim: SimConfig {
-            pods: 4,
-            knobs: PodKnobs {
-                max_num_seqs: 4,
-                prefill_us_per_token: 200.0,
-                decode_ms_per_token: 5.0,
-                ..PodKnobs::default()
-            },
+            pods,
+            knobs,
             ..SimConfig::default()
         },
         epp_args: vec![
             "--config-text".into(),
-            config,
+            config.into(),
             "--objectives-file".into(),
-            objectives.display().to_string(),
+            path.display().to_string(),
         ],
         ..ClusterSpec::default()
     })
@@ -335,12 +344,6 @@ flowControl:
 async fn sheddable_requests_are_evicted_for_critical_ones() {
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let objectives = dir.path().join("objectives.yaml");
-    std::fs::write(
-        &objectives,
-        chaos::workloads::objectives_yaml(&[("critical", 0), ("scavenger", -1)]),
-    )
-    .unwrap();
     let config = "\
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
@@ -353,27 +356,19 @@ flowControl:
   saturationDetector: {pluginRef: two}
   priorityBands: [{priority: 0}, {priority: -1}]
 ";
-    let c = LocalCluster::start(ClusterSpec {
-        sim: SimConfig {
-            pods: 1,
-            knobs: PodKnobs {
-                max_num_seqs: 2,
-                decode_ms_per_token: 5.0,
-                ..PodKnobs::default()
-            },
-            ..SimConfig::default()
-        },
-        epp_args: vec![
-            "--config-text".into(),
-            config.into(),
-            "--objectives-file".into(),
-            objectives.display().to_string(),
-        ],
-        ..ClusterSpec::default()
-    })
-    .await
-    .unwrap();
-    c.wait_for_pods().await.unwrap();
+    let knobs = PodKnobs {
+        max_num_seqs: 2,
+        decode_ms_per_token: 5.0,
+        ..PodKnobs::default()
+    };
+    let c = start(
+        dir.path(),
+        1,
+        knobs,
+        config,
+        &[("critical", 0), ("scavenger", -1)],
+    )
+    .await;
     let url = format!("{}/v1/chat/completions", c.envoy.url());
     let client = reqwest::Client::new();
     let send = |objective: &'static str, max_tokens: u32, stream: bool| {
