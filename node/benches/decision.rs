@@ -10,8 +10,8 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use node::config::EndpointPickerConfig;
 use node::datalayer::store::Candidate;
 use node::datalayer::{Endpoint, EndpointMetrics};
-use node::parsers::Prompt;
-use node::plugins::SchedRequest;
+use node::request::parse::Prompt;
+use node::scheduling::SchedRequest;
 
 const CONFIG: &str = r#"
 apiVersion: llm-d.ai/v1alpha1
@@ -70,7 +70,7 @@ fn candidates(n: usize) -> Vec<Candidate> {
 }
 
 fn bench(c: &mut Criterion) {
-    let built = node::plugins::build(&EndpointPickerConfig::from_yaml(CONFIG).unwrap()).unwrap();
+    let built = node::scheduling::build(&EndpointPickerConfig::from_yaml(CONFIG).unwrap()).unwrap();
     let sched = built.scheduler;
     let cands = candidates(100);
     let headers = HashMap::new();
@@ -95,7 +95,7 @@ fn bench(c: &mut Criterion) {
                 let d = sched.schedule(&r, &cands, &mut rng).unwrap();
                 sched.pre_request(
                     &r,
-                    &node::plugins::scheduler::Decision {
+                    &node::scheduling::scheduler::Decision {
                         picked: vec![i],
                         ..d
                     },
@@ -115,7 +115,7 @@ fn bench(c: &mut Criterion) {
         let d = sched.schedule(&req, &cands, &mut rng).unwrap();
         sched.pre_request(
             &req,
-            &node::plugins::scheduler::Decision {
+            &node::scheduling::scheduler::Decision {
                 picked: vec![42],
                 ..d
             },

@@ -13,11 +13,20 @@ use axum::routing::{get, post};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::extproc::PickerContext;
+use crate::cluster::ClusterMember;
+use crate::dataplane::PickerContext;
+
+/// What the admin endpoints read: the request path's shared context, and the cluster member in
+/// cluster mode.
+#[derive(Debug)]
+pub struct Admin {
+    pub ctx: Arc<PickerContext>,
+    pub cluster: Option<Arc<ClusterMember>>,
+}
 
 pub async fn run(
     listener: TcpListener,
-    ctx: Arc<PickerContext>,
+    admin: Arc<Admin>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let app = Router::new()
@@ -30,13 +39,14 @@ pub async fn run(
         .route("/debug/prefix-index", get(prefix_index))
         .route("/debug/scrape", get(scrape_view))
         .route("/debug/flow", get(flow_view))
-        .with_state(ctx);
+        .with_state(admin);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await
 }
 
-async fn metrics(State(ctx): State<Arc<PickerContext>>) -> impl IntoResponse {
+async fn metrics(State(admin): State<Arc<Admin>>) -> impl IntoResponse {
+    let ctx = &admin.ctx;
     if let Some(p) = &ctx.scheduler.prefix_index {
         ctx.metrics.set_prefix_size(p.entries());
     }
@@ -56,16 +66,14 @@ async fn metrics(State(ctx): State<Arc<PickerContext>>) -> impl IntoResponse {
     )
 }
 
-async fn readyz(State(ctx): State<Arc<PickerContext>>) -> impl IntoResponse {
+async fn readyz(State(admin): State<Arc<Admin>>) -> impl IntoResponse {
+    let ctx = &admin.ctx;
     if ctx.draining.load(Ordering::Relaxed) {
         (StatusCode::SERVICE_UNAVAILABLE, "draining")
     } else if !ctx.store.synced() {
         (StatusCode::SERVICE_UNAVAILABLE, "endpoints not loaded")
-    } else if matches!(&ctx.admission, crate::admission::Admission::Global(g) if !g.is_ready()) {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "cluster flow control not ready (no quorum or configuration not applied)",
-        )
+    } else if let Some(why) = ctx.gate.not_ready() {
+        (StatusCode::SERVICE_UNAVAILABLE, why)
     } else {
         (StatusCode::OK, "ready")
     }
@@ -73,7 +81,8 @@ async fn readyz(State(ctx): State<Arc<PickerContext>>) -> impl IntoResponse {
 
 /// `GET /debug/scrape`: who scrapes each pod (cluster mode: its rendezvous owners) and how old this
 /// replica's sample of it is, by its original scrape time.
-async fn scrape_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
+async fn scrape_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {
+    let ctx = &admin.ctx;
     let shard = &ctx.store.shard;
     let (owners_per_pod, members) = shard.layout();
     let now = std::time::Instant::now();
@@ -100,7 +109,8 @@ async fn scrape_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::R
 /// `GET /debug/prefix-index`: the approximate prefix index per pod — epoch, entries and the
 /// order-independent digest replicas compare (equal digests ⇔ equal content, with overwhelming
 /// probability).
-async fn prefix_index(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
+async fn prefix_index(State(admin): State<Arc<Admin>>) -> axum::response::Response {
+    let ctx = &admin.ctx;
     let Some(p) = &ctx.scheduler.prefix_index else {
         return (
             StatusCode::NOT_FOUND,
@@ -121,8 +131,8 @@ async fn prefix_index(State(ctx): State<Arc<PickerContext>>) -> axum::response::
     axum::Json(serde_json::json!({ "entries": p.entries(), "pods": pods })).into_response()
 }
 
-async fn cluster_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
-    match &ctx.cluster {
+async fn cluster_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {
+    match &admin.cluster {
         Some(c) => axum::Json(c.view().await).into_response(),
         None => (
             StatusCode::NOT_FOUND,
@@ -133,8 +143,8 @@ async fn cluster_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::
 }
 
 /// `GET /debug/cluster/probes`: the probes this replica applied, in order (newest last).
-async fn cluster_probes(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
-    match &ctx.cluster {
+async fn cluster_probes(State(admin): State<Arc<Admin>>) -> axum::response::Response {
+    match &admin.cluster {
         Some(c) => {
             let (log, applied_index) = c.probes().await;
             axum::Json(serde_json::json!({
@@ -150,20 +160,10 @@ async fn cluster_probes(State(ctx): State<Arc<PickerContext>>) -> axum::response
 
 /// `GET /debug/flow`: flow control — cluster-wide (this replica's side and the replicated global
 /// queue, credit and ledger) or this replica's own queue.
-async fn flow_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::Response {
-    use crate::admission::Admission;
-    match &ctx.admission {
-        Admission::Global(g) => axum::Json(g.view().await).into_response(),
-        Admission::Flow(g) => {
-            let (queued, inflight) = g.counts();
-            axum::Json(serde_json::json!({
-                "scope": "replica",
-                "queued": queued,
-                "inflight": inflight,
-            }))
-            .into_response()
-        }
-        Admission::Legacy(_) => (
+async fn flow_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {
+    match admin.ctx.gate.view().await {
+        Some(view) => axum::Json(view).into_response(),
+        None => (
             StatusCode::NOT_FOUND,
             "flow control is off (the flowControl feature gate is not set)",
         )
@@ -172,15 +172,15 @@ async fn flow_view(State(ctx): State<Arc<PickerContext>>) -> axum::response::Res
 }
 
 async fn cluster_op(
-    State(ctx): State<Arc<PickerContext>>,
+    State(admin): State<Arc<Admin>>,
     Path(op): Path<String>,
     body: axum::body::Bytes,
 ) -> axum::response::Response {
-    let Some(c) = &ctx.cluster else {
+    let Some(c) = &admin.cluster else {
         return (StatusCode::NOT_FOUND, "not in cluster mode").into_response();
     };
     if op == "probe" {
-        let req: crate::cluster::ProbeRequest = match serde_json::from_slice(&body) {
+        let req: crate::cluster::member::ProbeRequest = match serde_json::from_slice(&body) {
             Ok(r) => r,
             Err(e) => {
                 return (StatusCode::BAD_REQUEST, format!("bad request body: {e}")).into_response();
@@ -191,7 +191,7 @@ async fn cluster_op(
             Err(e) => (StatusCode::BAD_REQUEST, e).into_response(),
         };
     }
-    let req: crate::cluster::MembershipRequest = match serde_json::from_slice(&body) {
+    let req: crate::cluster::member::MembershipRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => {
             return (StatusCode::BAD_REQUEST, format!("bad request body: {e}")).into_response();

@@ -1,41 +1,46 @@
 //! `node`: the `epp` binary's library — the request path and the process around it.
 //!
 //! This crate is the only composer in the workspace: it wires configuration, the data layer,
-//! scheduling plugins and the ext_proc server into a running replica.
+//! admission, scheduling plugins, the cluster and the ext_proc server into a running replica.
 //!
-//! # Layout
+//! # Layout: one room per stage of a request's journey
+//! - [`dataplane`]: Envoy's ext_proc service — where a request enters (headers, buffered body),
+//!   where its answer leaves (destination header + `envoy.lb` metadata, the body streamed back)
+//!   and where its response is observed and settled;
+//! - [`request`]: parse the body, resolve the target model (rewrite) and the request's metadata
+//!   (fairness id, objective → priority), and admit it through a [`request::admission::Gate`]
+//!   (legacy controller, or flow control on this replica);
+//! - [`scheduling`]: plugins (producers, filters, scorers, pickers), profiles and the registry
+//!   that builds them from an `EndpointPickerConfig`;
+//! - [`datalayer`]: the pods — discovery, `/metrics` scrapers, the datastore the request path
+//!   reads, sharded collection, and the in-flight ledger;
+//! - [`cluster`]: what replicas share — Raft membership, cluster-wide flow control (a `Gate`),
+//!   prefix-index gossip and the scrape fan-out;
 //! - [`config`]: the llm-d `EndpointPickerConfig` YAML, decoded strictly;
-//! - [`plugins`]: scorers, pickers, the profile runner and the registry keyed by llm-d type names;
-//! - [`datalayer`]: endpoints from discovery, and the `/metrics` scrapers that keep their state fresh;
-//! - [`parsers`]: request-body parsers chosen by path (OpenAI, Anthropic, vLLM);
-//! - [`extproc`]: the Envoy ext_proc service, one state machine per stream;
-//! - [`admission`]: request metadata (fairness id, objective → priority), llm-d's legacy admission
-//!   and flow control (the ext_proc stream waits while its request is queued);
-//! - [`cluster`]: cluster mode — this replica as a Raft member (`consensus`) replicating
-//!   `flowctl`'s cluster state (liveness leases), `/debug/cluster`, membership operations;
-//! - [`gossip`]: cluster mode — the prefix index replicated between replicas (CRDT deltas and
-//!   anti-entropy on the peer port);
-//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/debug/cluster`;
 //! - [`metrics`]: the `llm_d_epp_*` Prometheus registry;
-//! - [`serve`]: start-up (validate, then bind), drain and shutdown.
+//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/debug/...`;
+//! - [`serve`]: start-up (validate, then bind), wiring, drain and shutdown.
 //!
-//! # Data flow for one request
-//! Envoy opens a stream → headers kept → body buffered to end of stream → parsed → admitted
-//! (legacy check, or queued by flow control until dispatched) → the datastore
-//! snapshot gives candidates with their last metrics → scorers × weights → picker → the answer
-//! carries `x-gateway-destination-endpoint` as a header and as `envoy.lb` dynamic metadata, and the
-//! body is streamed back unchanged.
+//! # The journey of one request
+//! ```text
+//! dataplane ─► request ─────────────────────► scheduling ─────► dataplane ──────► dataplane
+//!  headers,    parse → resolve → admit (Gate)   producers,        reply: the        response observed:
+//!  body        ParsedRequest   Request  ticket  filters, scorers, destination,      usage, served
+//!                                               picker: Decision  body back         endpoint → settle
+//! ```
+//! Data flows one way. A lower room never calls a higher one: the cluster room plugs into the
+//! others through small traits and feeds they own — it implements the request room's `Gate`, it
+//! receives the prefix producer's deltas through scheduling's `DeltaSink`, and it publishes the
+//! other replicas' load into the data layer's in-flight ledger through a `RemoteLoadFeed` that
+//! the ledger reads. `node/tests/rooms.rs` checks that no two modules import each other, directly
+//! or through others.
 
 pub mod admin;
-pub mod admission;
 pub mod cluster;
 pub mod config;
 pub mod datalayer;
-pub mod extproc;
-pub mod global_gate;
-pub mod gossip;
+pub mod dataplane;
 pub mod metrics;
-pub mod parsers;
-pub mod plugins;
-pub mod rewrite;
+pub mod request;
+pub mod scheduling;
 pub mod serve;

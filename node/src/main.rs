@@ -172,7 +172,7 @@ struct ClusterArgs {
     /// A replica that cannot reach a quorum: `local-share` admits within its last credit (at
     /// least one request at a time), `fail-closed` answers 429.
     #[arg(long, default_value = "local-share")]
-    flow_partition: node::global_gate::PartitionMode,
+    flow_partition: node::cluster::PartitionMode,
     /// Without quorum (`local-share`), how long a request beyond the local share waits for the
     /// cluster to recover (e.g. a leader election) before 429 `rejected-saturated`.
     #[arg(long, default_value = "3s", value_parser = duration)]
@@ -212,10 +212,10 @@ impl ClusterArgs {
                 }),
                 _ => None,
             },
-            gossip: node::gossip::GossipOptions {
+            gossip: node::cluster::GossipOptions {
                 interval: self.prefix_gossip_interval,
                 anti_entropy: self.prefix_anti_entropy,
-                ..node::gossip::GossipOptions::default()
+                ..node::cluster::GossipOptions::default()
             },
             prefix_replication: self.prefix_replication,
             scrape_owners: self.scrape_owners,
@@ -281,7 +281,7 @@ fn main() -> anyhow::Result<()> {
         } => {
             let opts = options_for_validation(config_file, config_text);
             let cfg = load_config(&opts)?;
-            let built = node::plugins::build(&cfg)?;
+            let built = node::scheduling::build(&cfg)?;
             println!("{}", built.summary);
             Ok(())
         }

@@ -178,7 +178,7 @@ pub struct ResultLabels {
 }
 
 /// Prefix-index replication between replicas (`llm_d_epp_prefix_gossip_*`), updated by
-/// [`crate::gossip`].
+/// [`crate::cluster::gossip`].
 #[derive(Debug)]
 pub struct GossipMetrics {
     bytes: Family<DirectionLabels, Counter>,
@@ -491,7 +491,7 @@ impl ClusterMetrics {
     }
 }
 
-/// Flow-control metrics (llm-d's `flow_control_*`), updated by [`crate::admission::FlowGate`].
+/// Flow-control metrics (llm-d's `flow_control_*`), updated by [`crate::request::admission::local::FlowGate`].
 #[derive(Debug)]
 pub struct FlowMetrics {
     pub queue_duration: Family<QueueLabels, Histogram, fn() -> Histogram>,

@@ -17,16 +17,23 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic_health::ServingStatus;
 
-use crate::admission::{Admission, FlowGate, LegacyAdmission, OBSERVE_INTERVAL, Objectives};
+use crate::admin::Admin;
+use crate::cluster::gate::{GlobalGate, GlobalGateOptions};
+use crate::cluster::gossip::Gossip;
 use crate::cluster::{ClusterMember, ClusterOptions};
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 use crate::datalayer::Datastore;
 use crate::datalayer::discovery::FileDiscovery;
+use crate::datalayer::inflight;
 use crate::datalayer::scraper::ScrapeConfig;
-use crate::extproc::{ExtProcService, PickerContext};
-use crate::global_gate::{GlobalGate, GlobalGateOptions};
+use crate::dataplane::{ExtProcService, PickerContext};
 use crate::metrics::Metrics;
-use crate::plugins::{self, AdmissionConfig};
+use crate::request::admission::legacy::LegacyAdmission;
+use crate::request::admission::local::FlowGate;
+use crate::request::admission::{AdmissionConfig, Gate};
+use crate::request::meta::Objectives;
+use crate::request::rewrite::ModelRewrites;
+use crate::scheduling;
 
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
@@ -106,7 +113,7 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     let cfg = load_config(&opts)?;
-    let built = plugins::build(&cfg)?;
+    let built = scheduling::build(&cfg)?;
     tracing::info!(config = %built.summary, "effective configuration");
     let interval = match &built.metrics_source.interval {
         Some(i) => parse_duration(i)
@@ -149,37 +156,55 @@ pub async fn serve(
         None => Objectives::default(),
     };
     let rewrites = match &opts.model_rewrites_file {
-        Some(path) => crate::rewrite::ModelRewrites::from_file(path)?,
-        None => crate::rewrite::ModelRewrites::default(),
+        Some(path) => ModelRewrites::from_file(path)?,
+        None => ModelRewrites::default(),
     };
-    let admission = match &built.admission {
-        AdmissionConfig::Legacy(detector) => Admission::Legacy(LegacyAdmission::new(
+    // Admission: one gate; the flow gates' background work is started below.
+    let mut flow_gate = None;
+    let mut global_gate = None;
+    let gate: Arc<dyn Gate> = match &built.admission {
+        AdmissionConfig::Legacy(detector) => Arc::new(LegacyAdmission::new(
             detector.clone(),
             built.inflight.clone(),
+            store.clone(),
         )?),
         AdmissionConfig::FlowControl(config) => match &opts.cluster {
-            Some(c) if c.global_flow => Admission::Global(Arc::new(GlobalGate::new(
-                c.node_id,
-                config.as_ref().clone(),
-                GlobalGateOptions {
-                    params: flowctl::global::GlobalParams {
-                        lease_ms: c.lease_ms(),
-                        credit_slack: c.flow_credit_slack,
-                        ..flowctl::global::GlobalParams::default()
+            Some(c) if c.global_flow => {
+                // The ledger's other replicas' load, published by the gate, read by the tracker.
+                let load_feed = built.inflight.as_ref().map(|tracker| {
+                    let (feed, view) = inflight::remote_load();
+                    tracker.connect_remote(view);
+                    feed
+                });
+                let g = Arc::new(GlobalGate::new(
+                    c.node_id,
+                    config.as_ref().clone(),
+                    GlobalGateOptions {
+                        params: flowctl::global::GlobalParams {
+                            lease_ms: c.lease_ms(),
+                            credit_slack: c.flow_credit_slack,
+                            ..flowctl::global::GlobalParams::default()
+                        },
+                        partition: c.flow_partition,
+                        degraded_wait: c.flow_degraded_wait,
+                        ..GlobalGateOptions::default()
                     },
-                    partition: c.flow_partition,
-                    degraded_wait: c.flow_degraded_wait,
-                    ..GlobalGateOptions::default()
-                },
-                store.clone(),
-                metrics.clone(),
-                built.inflight.clone(),
-            )?)),
-            _ => Admission::Flow(Arc::new(FlowGate::new(
-                config.as_ref().clone(),
-                store.clone(),
-                metrics.clone(),
-            )?)),
+                    store.clone(),
+                    metrics.clone(),
+                    load_feed,
+                )?);
+                global_gate = Some(g.clone());
+                g
+            }
+            _ => {
+                let g = Arc::new(FlowGate::new(
+                    config.as_ref().clone(),
+                    store.clone(),
+                    metrics.clone(),
+                )?);
+                flow_gate = Some(g.clone());
+                g
+            }
         },
     };
 
@@ -208,7 +233,7 @@ pub async fn serve(
             .prefix_index
             .clone()
             .filter(|_| c.prefix_replication);
-        crate::gossip::Gossip::new(
+        Gossip::new(
             c.node_id,
             producer,
             store.clone(),
@@ -241,16 +266,15 @@ pub async fn serve(
         max_body_bytes: opts.max_body_bytes,
         passthrough,
         draining: AtomicBool::new(false),
-        admission,
+        gate,
         objectives,
-        cluster: cluster.clone(),
         subset_filter: !opts.disable_subset_filter,
         rewrites,
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();
     // Cluster-wide flow control: not ready for Envoy until the replicated configuration applies.
-    let gated = matches!(ctx.admission, Admission::Global(_));
+    let gated = global_gate.is_some();
     for svc in ["", "liveness", "readiness", EXT_PROC_SERVICE] {
         let status = if gated && (svc == "readiness" || svc == EXT_PROC_SERVICE) {
             ServingStatus::NotServing
@@ -287,10 +311,13 @@ pub async fn serve(
         });
     }
     tasks.spawn({
-        let ctx = ctx.clone();
+        let state = Arc::new(Admin {
+            ctx: ctx.clone(),
+            cluster: cluster.clone(),
+        });
         let stop = stop.clone();
         async move {
-            crate::admin::run(admin, ctx, stop)
+            crate::admin::run(admin, state, stop)
                 .await
                 .map_err(|e| format!("admin server: {e}"))
         }
@@ -313,33 +340,10 @@ pub async fn serve(
             }
         });
     }
-    if let Admission::Flow(gate) = &ctx.admission {
-        // The dispatcher's clock: pool observations (detector input, TTL expiry, gauges) and the
-        // sweep of admissions whose response was never observed.
-        let gate = gate.clone();
-        let stop = stop.clone();
-        tasks.spawn(async move {
-            let mut tick = tokio::time::interval(OBSERVE_INTERVAL);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut last_sweep = tokio::time::Instant::now();
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return Ok(()),
-                    _ = tick.tick() => {
-                        gate.observe();
-                        if last_sweep.elapsed() >= Duration::from_secs(30) {
-                            last_sweep = tokio::time::Instant::now();
-                            let n = gate.sweep(Duration::from_secs(3600));
-                            if n > 0 {
-                                tracing::warn!(expired = n, "flow-control admissions expired without a response");
-                            }
-                        }
-                    }
-                }
-            }
-        });
+    if let Some(gate) = flow_gate {
+        tasks.spawn(gate.run(stop.clone()).then_ok());
     }
-    if let (Admission::Global(gate), Some(member)) = (&ctx.admission, cluster.clone()) {
+    if let (Some(gate), Some(member)) = (&global_gate, cluster.clone()) {
         let (g, s) = (gate.clone(), stop.clone());
         tasks.spawn(async move {
             g.run(member, s).await;
@@ -411,19 +415,7 @@ pub async fn serve(
     // Whatever still waits in the queue gets 503 rejected-shutting-down; give those streams a
     // moment to send that answer (and the cluster writer a moment to report the cancels) before
     // the servers stop.
-    let queued = match &ctx.admission {
-        Admission::Flow(gate) => {
-            let queued = gate.counts().0;
-            gate.shutdown();
-            queued
-        }
-        Admission::Global(gate) => {
-            let queued = gate.waiting() as u64;
-            gate.shutdown();
-            queued
-        }
-        Admission::Legacy(_) => 0,
-    };
+    let queued = ctx.gate.shutdown();
     if queued > 0 {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -3,7 +3,7 @@
 //! Decoding is strict: the YAML is first read into a JSON value and then decoded with
 //! `serde_path_to_error`, so an unknown key fails with its full path
 //! (`plugins[1].parameters.foo`). Plugin `parameters` are decoded by each plugin the same way, with
-//! the path prefixed. Defaults are injected in one place ([`crate::plugins::build`]), mirroring llm-d.
+//! the path prefixed. Defaults are injected in one place ([`crate::scheduling::build`]), mirroring llm-d.
 
 use serde::Deserialize;
 use serde::de::DeserializeOwned;

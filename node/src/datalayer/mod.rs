@@ -6,15 +6,20 @@
 //! - [`discovery`]: standalone discovery from a YAML file of pods, reloaded on change;
 //! - [`promtext`] + [`extract`]: Prometheus text parsing and engine-specific metric extraction;
 //! - [`scraper`]: one task per endpoint polling `/metrics`; requests never wait on it;
-//! - [`shard`]: cluster mode — which replicas scrape which pod (rendezvous owners, fan-out).
+//! - [`shard`]: cluster mode — which replicas scrape which pod (rendezvous owners, fan-out);
+//! - [`inflight`]: the in-flight ledger — requests and tokens sent to each endpoint and not yet
+//!   finished (cluster-wide in cluster mode, through a read-only feed of the others' load).
 
 pub mod discovery;
 pub mod endpoint;
 pub mod extract;
+pub mod inflight;
 pub mod promtext;
 pub mod scraper;
 pub mod shard;
 pub mod store;
+#[cfg(test)]
+pub(crate) mod testutil;
 
 pub use endpoint::{Endpoint, EndpointMetrics};
 pub use store::Datastore;

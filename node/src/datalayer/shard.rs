@@ -2,9 +2,9 @@
 //!
 //! A pod's owners are the `R` live members with the highest rendezvous score `xxh3(pod, member)`;
 //! only they scrape it, and they fan what they scraped out to every other replica
-//! (`crate::gossip`), which keeps the newest sample by its original scrape time. When members
+//! (`crate::cluster::gossip`), which keeps the newest sample by its original scrape time. When members
 //! come and go only the pods of the changed member move. Live = heard from within two seconds
-//! (`crate::gossip`: every replica sends a fan-out batch to every peer every 50 ms, empty or
+//! (`crate::cluster::gossip`: every replica sends a fan-out batch to every peer every 50 ms, empty or
 //! not). A replica always counts itself live: cut off from the others it owns, and scrapes, every
 //! pod. `R = 0` (and standalone mode) means every replica scrapes every pod.
 

@@ -1,0 +1,484 @@
+//! Cluster-wide flow control on one replica: the shell around [`flowctl::global`].
+//!
+//! The replicated state (inside [`super::member::Replicated`]) holds one global queue and
+//! in-flight ledger for every replica. This gate turns a request into one of three paths:
+//!
+//! * **Fast path** — the applied state says the request would be dispatched at once and this
+//!   replica's unreported local admissions are below its credit: admit now, report later
+//!   ([`FlowCmd::Admitted`], batched). No consensus round trip (invariant I7).
+//! * **Slow path** — otherwise propose [`FlowCmd::Enqueue`] and hold the stream until the applied
+//!   state carries the verdict for this replica's key (the leader-independent, deterministic
+//!   dispatch of the global queue).
+//! * **Degraded** — the replica cannot commit (no quorum, or the applied state stopped moving for a
+//!   lease): `local-share` admits while fewer than its last credit (at least one) of its own
+//!   degraded admissions run *and* the others still hold its lease (so nobody has re-granted that
+//!   credit); beyond that a request waits like a queued one (its enqueue is retried) for at most
+//!   `--flow-degraded-wait` (3 s: an election ends well within it), then gets 429
+//!   `rejected-saturated`.
+//!   `fail-closed` answers 429 at once. Admission is never unbounded.
+//!
+//! Everything this replica says (admissions, enqueues, cancels, routed pods, settlements of
+//! responses it observed — for any replica's request) goes through one outbox, proposed as one
+//! log entry per batch by a single writer (a failed proposal is retried; the state ignores
+//! sequence numbers it has already seen). A watcher follows the applied index: it delivers
+//! verdicts, forgets reported admissions, tracks credit and degradation, and — on the leader —
+//! proposes the pool's metrics and the flow configuration ([`run`]).
+//!
+//! Layout: this module admits and takes reports; [`run`] holds the writer, the watcher and the
+//! leader's duties; [`view`] is `/debug/flow`.
+
+mod run;
+pub mod view;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use flowctl::global::{Ask, FlowCmd, GlobalParams};
+use flowctl::{ControllerConfig, DropReason, FlowKey, Nanos};
+use futures::future::BoxFuture;
+use tokio::sync::{Notify, oneshot};
+
+use super::member::ClusterMember;
+use super::options::PartitionMode;
+use crate::config::ConfigError;
+use crate::datalayer::Datastore;
+use crate::datalayer::inflight::RemoteLoadFeed;
+use crate::metrics::Metrics;
+use crate::request::admission::{
+    Admit, AdmitRequest, Cancel, Gate, Pending, Ticket, Verdict, Waiter,
+};
+
+/// Settings of cluster-wide flow control.
+#[derive(Debug, Clone)]
+pub struct GlobalGateOptions {
+    pub params: GlobalParams,
+    pub partition: PartitionMode,
+    /// Linger before proposing a batch of reports only (enqueues go at once).
+    pub report_linger: Duration,
+    /// How often the leader proposes the pool's metrics.
+    pub pool_interval: Duration,
+    /// Without quorum, how long a request beyond the local share waits for the cluster to
+    /// recover (an election) before 429.
+    pub degraded_wait: Duration,
+}
+
+impl Default for GlobalGateOptions {
+    fn default() -> Self {
+        GlobalGateOptions {
+            params: GlobalParams::default(),
+            partition: PartitionMode::LocalShare,
+            report_linger: Duration::from_millis(2),
+            pool_interval: Duration::from_millis(100),
+            degraded_wait: Duration::from_secs(3),
+        }
+    }
+}
+
+/// Most commands kept while proposals fail (then the oldest are dropped and counted).
+const OUTBOX_LIMIT: usize = 100_000;
+
+/// An admission whose response was never observed anywhere is released after this long.
+pub(super) const ADMITTED_MAX_AGE: Duration = Duration::from_secs(3600);
+
+struct GWaiter {
+    waiter: Waiter,
+    /// Local backstop: reject if no verdict arrives by then (TTL + two leases).
+    deadline: Option<Instant>,
+    /// Arrived while the replica could not commit: rejected (`rejected-saturated`) at this
+    /// instant if it still cannot.
+    degraded_deadline: Option<Instant>,
+}
+
+#[derive(Default)]
+struct State {
+    next_seq: u64,
+    outbox: Vec<FlowCmd>,
+    waiting: HashMap<u64, GWaiter>,
+    /// Local admissions not yet in the applied state (sequence numbers, ascending).
+    unreported: VecDeque<u64>,
+    /// This replica's credit in the applied state.
+    credit: u32,
+    /// The applied state's answer to "would a request of this priority be dispatched now?" for
+    /// every priority seen here, and this replica's last applied sequence number — refreshed by
+    /// the watcher on every apply, so the fast path takes no lock on the state machine.
+    open_by_priority: HashMap<i32, bool>,
+    applied_last_seq: u64,
+    /// The applied state has cluster flow control configured.
+    configured: bool,
+    /// Admitted requests of this replica (fast, slow or degraded) → when; pruned of those the
+    /// state no longer holds, and given up after [`ADMITTED_MAX_AGE`] (response never observed).
+    admitted: BTreeMap<u64, (Instant, String)>,
+    /// Degraded-mode admissions still running here, by `x-request-id`.
+    degraded_running: HashMap<String, u32>,
+    degraded: bool,
+    shutting_down: bool,
+    fast: u64,
+    slow: u64,
+    degraded_admits: u64,
+    degraded_rejects: u64,
+    dropped_cmds: u64,
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The cluster-wide flow gate of one replica. See the module docs.
+pub struct GlobalGate {
+    node_id: u64,
+    config: ControllerConfig,
+    opts: GlobalGateOptions,
+    metrics: Arc<Metrics>,
+    store: Arc<Datastore>,
+    /// Publishes the other replicas' load, and which of this replica's requests were settled
+    /// elsewhere, to the in-flight ledger the scorers read.
+    load_feed: Option<RemoteLoadFeed>,
+    member: OnceLock<Arc<ClusterMember>>,
+    state: Mutex<State>,
+    wake: Notify,
+}
+
+impl std::fmt::Debug for GlobalGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GlobalGate")
+            .field("node_id", &self.node_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn wall_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+impl GlobalGate {
+    pub fn new(
+        node_id: u64,
+        config: ControllerConfig,
+        opts: GlobalGateOptions,
+        store: Arc<Datastore>,
+        metrics: Arc<Metrics>,
+        load_feed: Option<RemoteLoadFeed>,
+    ) -> Result<GlobalGate, ConfigError> {
+        if config.eviction.enabled {
+            return Err(ConfigError::invalid(
+                "flowControl.enableEviction is supported with `--flow-control-scope replica` (or \
+                 a single replica), not yet with cluster-wide flow control",
+            ));
+        }
+        config.validate()?;
+        Ok(GlobalGate {
+            node_id,
+            config,
+            opts,
+            metrics,
+            store,
+            load_feed,
+            member: OnceLock::new(),
+            state: Mutex::new(State {
+                next_seq: 1,
+                ..State::default()
+            }),
+            wake: Notify::new(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        match self.state.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn push(&self, st: &mut State, cmd: FlowCmd) {
+        if st.outbox.len() >= OUTBOX_LIMIT {
+            st.outbox.remove(0);
+            st.dropped_cmds += 1;
+        }
+        st.outbox.push(cmd);
+    }
+
+    /// Admission for one request (fast path, slow path or degraded; see the module docs).
+    pub async fn admit(self: &Arc<Self>, req: AdmitRequest<'_>) -> Pending {
+        let t0 = Instant::now();
+        let priority = req.meta.priority;
+        let me = self.node_id;
+        // The replicated view: may this replica admit on credit, and what has it reported?
+        let cached = {
+            let st = self.lock();
+            st.configured
+                .then(|| st.open_by_priority.get(&priority).copied())
+                .flatten()
+                .map(|open| (open, st.applied_last_seq))
+        };
+        let view = match (cached, self.member.get()) {
+            (Some(v), _) => Some(v),
+            // A priority not seen before: ask the state once (the watcher keeps it fresh after).
+            (None, Some(m)) => {
+                let v = m
+                    .node
+                    .local_read(|s| {
+                        s.0.flow().map(|f| {
+                            let mf = f.member(me);
+                            (f.fast_path_open(me, priority), mf.map_or(0, |m| m.last_seq))
+                        })
+                    })
+                    .await
+                    .0;
+                if let Some((open, _)) = v {
+                    self.lock().open_by_priority.insert(priority, open);
+                }
+                v
+            }
+            (None, None) => None,
+        };
+        let ask = Ask {
+            flow: FlowKey::new(req.meta.fairness_id.clone(), priority),
+            bytes: req.bytes,
+            tokens: req.tokens,
+            ttl: None,
+            slo_ttft: req.meta.slo_ttft_ms.map(|ms| ms.saturating_mul(1_000_000)),
+        };
+        let mut st = self.lock();
+        if st.shutting_down {
+            return Pending::ready(Verdict::Rejected(DropReason::RejectedShuttingDown));
+        }
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        let degraded = st.degraded || view.is_none();
+        if degraded && let Some(p) = self.admit_degraded(&mut st, seq, req.request_id, &ask) {
+            return p;
+        }
+        let (open, last_seq) = view.unwrap_or_default();
+        while st.unreported.front().is_some_and(|s| *s <= last_seq) {
+            st.unreported.pop_front();
+        }
+        if !degraded && open && st.unreported.len() < st.credit as usize {
+            st.unreported.push_back(seq);
+            st.admitted
+                .insert(seq, (Instant::now(), req.request_id.to_string()));
+            st.fast += 1;
+            self.metrics.cluster.flow_admission("fast");
+            self.push(
+                &mut st,
+                FlowCmd::Admitted {
+                    seq,
+                    request_id: req.request_id.to_string(),
+                    ask,
+                    pod: None,
+                },
+            );
+            drop(st);
+            self.wake.notify_one();
+            self.metrics.cluster.fast_admit(t0.elapsed());
+            return Pending::ready(Verdict::Dispatched(Ticket(seq)));
+        }
+        st.slow += 1;
+        self.metrics.cluster.flow_admission("slow");
+        let (tx, rx) = oneshot::channel();
+        let ttl: Nanos = self.config.default_request_ttl;
+        let deadline = (ttl > 0).then(|| {
+            Instant::now()
+                + Duration::from_nanos(ttl)
+                + 2 * Duration::from_millis(self.opts.params.lease_ms)
+        });
+        // Without quorum it waits (the enqueue is retried until it commits), but not for long.
+        let degraded_deadline = degraded.then(|| Instant::now() + self.opts.degraded_wait);
+        st.waiting.insert(
+            seq,
+            GWaiter {
+                waiter: Waiter::new(tx, &req, &self.metrics),
+                deadline,
+                degraded_deadline,
+            },
+        );
+        self.push(
+            &mut st,
+            FlowCmd::Enqueue {
+                seq,
+                request_id: req.request_id.to_string(),
+                ask,
+            },
+        );
+        drop(st);
+        self.wake.notify_one();
+        Pending::queued(self.clone(), seq, rx)
+    }
+
+    /// Admission without quorum: `Some` = decided here (admitted on the local share, or 429 when
+    /// failing closed); `None` = wait like a queued request, for at most `degraded_wait`.
+    fn admit_degraded(
+        &self,
+        st: &mut State,
+        seq: u64,
+        request_id: &str,
+        ask: &Ask,
+    ) -> Option<Pending> {
+        if self.opts.partition == PartitionMode::FailClosed {
+            st.degraded_rejects += 1;
+            self.metrics.cluster.flow_admission("degraded-reject");
+            return Some(Pending::ready(Verdict::Rejected(
+                DropReason::RejectedSaturated,
+            )));
+        }
+        // The local share is this replica's credit, usable only while the others still hold its
+        // lease (so they cannot have re-granted that credit).
+        let share = st.credit.max(1) as usize;
+        let running: u32 = st.degraded_running.values().sum();
+        let leased = self.member.get().is_some_and(|m| m.lease_valid());
+        if !leased || running as usize >= share {
+            return None;
+        }
+        st.degraded_admits += 1;
+        self.metrics.cluster.flow_admission("degraded-admit");
+        *st.degraded_running
+            .entry(request_id.to_string())
+            .or_default() += 1;
+        // Reported once the replica can commit again, so the ledger learns of it.
+        st.unreported.push_back(seq);
+        st.admitted
+            .insert(seq, (Instant::now(), request_id.to_string()));
+        self.push(
+            st,
+            FlowCmd::Admitted {
+                seq,
+                request_id: request_id.to_string(),
+                ask: ask.clone(),
+                pod: None,
+            },
+        );
+        Some(Pending::ready(Verdict::Dispatched(Ticket(seq))))
+    }
+
+    /// A pending request was dropped (client gone) or an admitted one goes nowhere.
+    fn cancel(&self, seq: u64) {
+        let mut st = self.lock();
+        if let Some(w) = st.waiting.remove(&seq) {
+            w.waiter.resolve(
+                &self.metrics,
+                Verdict::Rejected(DropReason::RejectedContextCancelled),
+            );
+        }
+        self.push(&mut st, FlowCmd::Cancel { seq });
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    pub fn release(&self, ticket: Ticket) {
+        self.cancel(ticket.0);
+    }
+
+    /// The pod `ticket` was routed to: folded into its unsent admission report when possible.
+    pub fn routed(&self, ticket: Ticket, pod: &str) {
+        let mut st = self.lock();
+        let seq = ticket.0;
+        let unsent = st.outbox.iter_mut().rev().find_map(|c| match c {
+            FlowCmd::Admitted { seq: s, pod, .. } if *s == seq => Some(pod),
+            _ => None,
+        });
+        match unsent {
+            Some(p) => *p = Some(pod.to_string()),
+            None => self.push(
+                &mut st,
+                FlowCmd::Routed {
+                    seq,
+                    pod: pod.to_string(),
+                },
+            ),
+        }
+    }
+
+    /// The response of `request_id` ended here (whichever replica admitted it).
+    pub fn complete(&self, request_id: &str, actual_tokens: Option<u64>) {
+        let mut st = self.lock();
+        if let Some(n) = st.degraded_running.get_mut(request_id) {
+            *n -= 1;
+            if *n == 0 {
+                st.degraded_running.remove(request_id);
+            }
+        }
+        self.push(
+            &mut st,
+            FlowCmd::Settle {
+                request_id: request_id.to_string(),
+                actual_tokens,
+            },
+        );
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    /// Reject everything waiting here and every later request with `rejected-shutting-down`.
+    pub fn shutdown(&self) {
+        let mut st = self.lock();
+        st.shutting_down = true;
+        let waiting: Vec<(u64, GWaiter)> = st.waiting.drain().collect();
+        for (seq, w) in waiting {
+            w.waiter.resolve(
+                &self.metrics,
+                Verdict::Rejected(DropReason::RejectedShuttingDown),
+            );
+            self.push(&mut st, FlowCmd::Cancel { seq });
+        }
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    /// Whether this replica can admit normally: the replicated configuration is applied and it
+    /// can commit. (`epp serve` reports NOT_SERVING to Envoy until the first time.)
+    pub fn is_ready(&self) -> bool {
+        let st = self.lock();
+        st.configured && !st.degraded
+    }
+
+    /// Requests waiting here for a verdict.
+    pub fn waiting(&self) -> usize {
+        self.lock().waiting.len()
+    }
+}
+
+impl Cancel for GlobalGate {
+    fn cancel(&self, seq: u64) {
+        GlobalGate::cancel(self, seq);
+    }
+}
+
+impl Gate for GlobalGate {
+    fn admit<'a>(self: Arc<Self>, req: AdmitRequest<'a>) -> BoxFuture<'a, Admit> {
+        Box::pin(async move { Admit::Queued(GlobalGate::admit(&self, req).await) })
+    }
+
+    fn release(&self, ticket: Ticket) {
+        GlobalGate::release(self, ticket);
+    }
+
+    fn routed(&self, ticket: Ticket, pod: &str) {
+        GlobalGate::routed(self, ticket, pod);
+    }
+
+    fn complete(&self, request_id: &str, actual_tokens: Option<u64>) {
+        GlobalGate::complete(self, request_id, actual_tokens);
+    }
+
+    fn not_ready(&self) -> Option<&'static str> {
+        (!self.is_ready())
+            .then_some("cluster flow control not ready (no quorum or configuration not applied)")
+    }
+
+    fn shutdown(&self) -> u64 {
+        let queued = self.waiting() as u64;
+        GlobalGate::shutdown(self);
+        queued
+    }
+
+    fn view(&self) -> BoxFuture<'_, Option<serde_json::Value>> {
+        Box::pin(async move { serde_json::to_value(GlobalGate::view(self).await).ok() })
+    }
+}

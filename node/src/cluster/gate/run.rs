@@ -1,0 +1,444 @@
+//! The gate's background work: the single writer that proposes the outbox, the watcher that
+//! follows the applied state (verdicts, credit, degradation, backstops) and the duties it
+//! triggers (the configuration proposal; on the leader, the pool's metrics every
+//! `pool_interval`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flowctl::DropReason;
+use flowctl::cluster::{ClusterCommand, ClusterOutput};
+use flowctl::global::{FlowCmd, Verdict as GVerdict};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::{ADMITTED_MAX_AGE, AbortOnDrop, GlobalGate, State, wall_us};
+use crate::cluster::member::ClusterMember;
+use crate::datalayer::inflight::InflightLoad;
+use crate::metrics::{BandLabels, SaturationLabels};
+use crate::request::admission::{Ticket, Verdict, snapshot_with};
+
+impl GlobalGate {
+    /// Start the writer and the watcher (cluster mode, once the consensus node runs).
+    pub async fn run(self: Arc<Self>, member: Arc<ClusterMember>, stop: CancellationToken) {
+        let _ = self.member.set(member.clone());
+        let writer = tokio::spawn(self.clone().writer(member.clone(), stop.clone()));
+        self.watcher(member, stop).await;
+        let _ = writer.await;
+    }
+
+    /// Propose the outbox, one batch (one log entry) at a time.
+    async fn writer(self: Arc<Self>, member: Arc<ClusterMember>, stop: CancellationToken) {
+        let lease = Duration::from_millis(self.opts.params.lease_ms);
+        let incarnation = member.incarnation();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+            let urgent = {
+                let st = self.lock();
+                if st.outbox.is_empty() {
+                    continue;
+                }
+                st.outbox
+                    .iter()
+                    .any(|c| matches!(c, FlowCmd::Enqueue { .. } | FlowCmd::Cancel { .. }))
+            };
+            if !urgent {
+                tokio::time::sleep(self.opts.report_linger).await;
+            }
+            let cmds = std::mem::take(&mut self.lock().outbox);
+            let t0 = Instant::now();
+            let res = tokio::time::timeout(
+                lease,
+                member.node.propose(ClusterCommand::Flow {
+                    node: self.node_id,
+                    incarnation,
+                    now_us: wall_us(),
+                    cmds: cmds.clone(),
+                }),
+            )
+            .await;
+            match res {
+                Ok(Ok(out)) => {
+                    self.metrics.cluster.flow_batch(cmds.len(), t0.elapsed());
+                    // Enqueues dispatched (or refused) as the batch applied: release them now,
+                    // without waiting for this replica to apply the entry.
+                    if let ClusterOutput::Flow(res) = out
+                        && !res.decided.is_empty()
+                    {
+                        let mut st = self.lock();
+                        self.deliver(&mut st, res.decided);
+                    }
+                }
+                _ => {
+                    // Retry (the state ignores what it has already applied), oldest first.
+                    {
+                        let mut st = self.lock();
+                        let newer = std::mem::take(&mut st.outbox);
+                        st.outbox = cmds;
+                        for c in newer {
+                            self.push(&mut st, c);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    self.wake.notify_one();
+                }
+            }
+        }
+    }
+
+    /// Follow the applied state: verdicts, credit, degradation, leader duties, gauges.
+    async fn watcher(self: Arc<Self>, member: Arc<ClusterMember>, stop: CancellationToken) {
+        let me = self.node_id;
+        let lease = Duration::from_millis(self.opts.params.lease_ms);
+        let mut applied = member.node.watch();
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_progress = Instant::now();
+        let mut last_config = Instant::now() - Duration::from_secs(1);
+        let mut last_gauges = Instant::now();
+        // Proposals of its own (configuration, pool metrics) run beside the watcher, which must
+        // never wait for a commit while verdicts are due.
+        let duties = Arc::new(Notify::new());
+        let duty_task = tokio::spawn(self.clone().duties(
+            member.clone(),
+            duties.clone(),
+            stop.clone(),
+        ));
+        let _abort = AbortOnDrop(duty_task);
+        let mut last_prune = Instant::now();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                r = applied.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                    last_progress = Instant::now();
+                }
+                _ = tick.tick() => {}
+            }
+            let (keys, priorities): (Vec<u64>, Vec<i32>) = {
+                let st = self.lock();
+                (
+                    st.waiting.keys().copied().collect(),
+                    st.open_by_priority.keys().copied().collect(),
+                )
+            };
+            let (view, _) = member
+                .node
+                .local_read(|s| {
+                    let f = s.0.flow()?;
+                    let verdicts: Vec<(u64, GVerdict)> = keys
+                        .iter()
+                        .filter_map(|k| f.verdict((me, *k)).map(|v| (*k, v)))
+                        .collect();
+                    let open: Vec<(i32, bool)> = priorities
+                        .iter()
+                        .map(|p| (*p, f.fast_path_open(me, *p)))
+                        .collect();
+                    let mf = f.member(me);
+                    let same_config = f.config() == &self.config && f.params() == self.opts.params;
+                    Some((
+                        verdicts,
+                        open,
+                        mf.map_or(0, |m| m.credit),
+                        mf.map_or(0, |m| m.last_seq),
+                        same_config,
+                    ))
+                })
+                .await;
+            let degraded = !member.has_quorum() || last_progress.elapsed() > lease;
+            let reconfigure;
+            {
+                let mut st = self.lock();
+                if st.degraded != degraded {
+                    tracing::warn!(degraded, "cluster flow control: degraded mode changed");
+                    // Whoever waits now waits for the cluster to recover, but not for long.
+                    let until = degraded.then(|| Instant::now() + self.opts.degraded_wait);
+                    for w in st.waiting.values_mut() {
+                        w.degraded_deadline = until;
+                    }
+                    if !degraded {
+                        st.degraded_running.clear();
+                    }
+                    st.degraded = degraded;
+                }
+                match view {
+                    Some((verdicts, open, credit, last_seq, same_config)) => {
+                        st.configured = true;
+                        st.credit = credit;
+                        st.applied_last_seq = last_seq;
+                        st.open_by_priority.extend(open);
+                        while st.unreported.front().is_some_and(|s| *s <= last_seq) {
+                            st.unreported.pop_front();
+                        }
+                        self.deliver(&mut st, verdicts);
+                        reconfigure = !same_config;
+                    }
+                    None => {
+                        st.configured = false;
+                        reconfigure = true;
+                    }
+                }
+                // Backstops: nobody waits past its TTL (plus two leases) for a verdict, nor more
+                // than a lease while this replica cannot commit.
+                let now = Instant::now();
+                let late: Vec<(u64, DropReason)> = st
+                    .waiting
+                    .iter()
+                    .filter_map(|(s, w)| {
+                        if w.deadline.is_some_and(|d| d <= now) {
+                            Some((*s, DropReason::RejectedTtlExpired))
+                        } else if degraded && w.degraded_deadline.is_some_and(|d| d <= now) {
+                            Some((*s, DropReason::RejectedSaturated))
+                        } else {
+                            None
+                        }
+                    })
+                    .collect();
+                for (seq, reason) in late {
+                    if let Some(w) = st.waiting.remove(&seq) {
+                        if reason == DropReason::RejectedSaturated {
+                            st.degraded_rejects += 1;
+                            self.metrics.cluster.flow_admission("degraded-reject");
+                        }
+                        w.waiter.resolve(&self.metrics, Verdict::Rejected(reason));
+                        self.push(&mut st, FlowCmd::Cancel { seq });
+                    }
+                }
+            }
+            if degraded {
+                continue;
+            }
+            if last_prune.elapsed() >= Duration::from_secs(1) {
+                last_prune = Instant::now();
+                self.prune_admitted(&member).await;
+            }
+            if reconfigure && last_config.elapsed() >= Duration::from_secs(1) {
+                last_config = Instant::now();
+                duties.notify_one();
+            }
+            if last_gauges.elapsed() >= Duration::from_millis(100) {
+                last_gauges = Instant::now();
+                self.gauges(&member).await;
+            }
+        }
+    }
+
+    /// The configuration proposal (when the watcher asks) and, on the leader, the pool metrics
+    /// every `pool_interval`.
+    async fn duties(
+        self: Arc<Self>,
+        member: Arc<ClusterMember>,
+        configure: Arc<Notify>,
+        stop: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(self.opts.pool_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut warned = false;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = configure.notified() => {
+                    let out = member
+                        .node
+                        .propose(ClusterCommand::ConfigureFlow {
+                            config: Box::new(self.config.clone()),
+                            params: self.opts.params,
+                        })
+                        .await;
+                    if matches!(out, Ok(ClusterOutput::Configured(false))) && !warned {
+                        warned = true;
+                        tracing::warn!(
+                            "cluster flow control runs another replica's flowControl \
+                             configuration (it is busy); every replica should run the same one"
+                        );
+                    }
+                }
+                _ = tick.tick() => {
+                    if member.is_leader().await {
+                        self.propose_pool(&member).await;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Hand verdicts to the requests still waiting for them (the writer's batch result and the
+    /// watcher may both carry one: the first wins).
+    fn deliver(&self, st: &mut State, verdicts: Vec<(u64, GVerdict)>) {
+        for (seq, v) in verdicts {
+            let Some(w) = st.waiting.remove(&seq) else {
+                continue;
+            };
+            let verdict = match v {
+                GVerdict::Dispatched => {
+                    let rid = w.waiter.request_id.clone();
+                    st.admitted.insert(seq, (Instant::now(), rid));
+                    Verdict::Dispatched(Ticket(seq))
+                }
+                GVerdict::Rejected(r) => Verdict::Rejected(r),
+            };
+            if !w.waiter.resolve(&self.metrics, verdict) && matches!(v, GVerdict::Dispatched) {
+                // The stream left just before its dispatch.
+                self.push(st, FlowCmd::Cancel { seq });
+            }
+        }
+    }
+
+    /// Forget admissions the state no longer holds (settled anywhere, reclaimed); release those
+    /// whose response nobody observed for [`ADMITTED_MAX_AGE`].
+    async fn prune_admitted(&self, member: &ClusterMember) {
+        let me = self.node_id;
+        let seqs: Vec<u64> = self.lock().admitted.keys().copied().collect();
+        let (held, _) = member
+            .node
+            .local_read(|s| {
+                s.0.flow().map(|f| {
+                    seqs.iter()
+                        .map(|seq| f.holds((me, *seq)))
+                        .collect::<Vec<bool>>()
+                })
+            })
+            .await;
+        let Some(held) = held else {
+            return;
+        };
+        let mut st = self.lock();
+        let unreported_from = st.unreported.front().copied().unwrap_or(u64::MAX);
+        let mut expired = Vec::new();
+        for (seq, held) in seqs.into_iter().zip(held) {
+            if seq >= unreported_from {
+                continue;
+            }
+            match st.admitted.get(&seq) {
+                _ if !held => {
+                    // Settled (perhaps observed by another replica) or reclaimed: this replica's
+                    // own scoring ledger forgets it too.
+                    if let (Some((_, rid)), Some(feed)) =
+                        (st.admitted.remove(&seq), &self.load_feed)
+                        && !feed.settled_elsewhere(rid)
+                    {
+                        tracing::debug!(
+                            "in-flight ledger backlog full: a settlement waits for the sweep"
+                        );
+                    }
+                }
+                Some((at, _)) if at.elapsed() > ADMITTED_MAX_AGE => {
+                    st.admitted.remove(&seq);
+                    expired.push(seq);
+                }
+                _ => {}
+            }
+        }
+        if !expired.is_empty() {
+            tracing::warn!(
+                expired = expired.len(),
+                "cluster flow-control admissions released without an observed response"
+            );
+        }
+        for seq in expired {
+            self.push(&mut st, FlowCmd::Cancel { seq });
+        }
+    }
+
+    /// The leader proposes the pool's endpoint metrics (sample times on the wall clock) and what
+    /// each pod with fresh metrics reports running + waiting (the ledger's reconciliation).
+    async fn propose_pool(&self, member: &ClusterMember) {
+        let now = Instant::now();
+        let wall_ns = wall_us().saturating_mul(1000);
+        let candidates = self.store.candidates(now);
+        let observed = candidates
+            .iter()
+            .filter_map(|c| {
+                let m = c.metrics()?;
+                let n = m.running_requests? + m.waiting_queue_size.unwrap_or(0.0);
+                Some((c.endpoint.hostport.clone(), n.max(0.0) as u64))
+            })
+            .collect();
+        let endpoints = candidates
+            .iter()
+            .map(|c| {
+                snapshot_with(c, |t| {
+                    let age = now.saturating_duration_since(t).as_nanos();
+                    wall_ns.saturating_sub(u64::try_from(age).unwrap_or(u64::MAX))
+                })
+            })
+            .collect();
+        let _ = tokio::time::timeout(
+            Duration::from_millis(self.opts.params.lease_ms),
+            member.node.propose(ClusterCommand::ObservePool {
+                now_us: wall_us(),
+                endpoints,
+                observed,
+            }),
+        )
+        .await;
+    }
+
+    /// Flow-control gauges from the replicated state (cluster-wide queue and in-flight), and the
+    /// other replicas' per-pod load for the scorers.
+    async fn gauges(&self, member: &ClusterMember) {
+        let now_ns = wall_us().saturating_mul(1000);
+        let me = self.node_id;
+        let (stats, _) = member
+            .node
+            .local_read(|s| {
+                s.0.flow().map(|f| {
+                    let others: HashMap<String, InflightLoad> = f
+                        .others_load(me)
+                        .into_iter()
+                        .map(|(pod, l)| {
+                            let load = InflightLoad {
+                                requests: l.requests,
+                                tokens: l.tokens,
+                            };
+                            (pod.to_string(), load)
+                        })
+                        .collect();
+                    (
+                        f.controller().band_stats(),
+                        f.controller().saturation(now_ns),
+                        others,
+                    )
+                })
+            })
+            .await;
+        let Some((bands, saturation, others)) = stats else {
+            return;
+        };
+        if let Some(feed) = &self.load_feed {
+            feed.publish_others(others);
+        }
+        let pool = self.metrics.pool_name().to_string();
+        let f = &self.metrics.flow;
+        for b in bands {
+            let l = BandLabels {
+                priority: b.priority.to_string(),
+                inference_pool: pool.clone(),
+            };
+            let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            f.queue_size.get_or_create(&l).set(i(b.queued_requests));
+            f.queue_bytes.get_or_create(&l).set(i(b.queued_bytes));
+            f.inflight.get_or_create(&l).set(i(b.inflight_requests));
+        }
+        f.saturation
+            .get_or_create(&SaturationLabels {
+                inference_pool: pool,
+                stage: "effective".to_string(),
+            })
+            .set(saturation);
+        let st = self.lock();
+        self.metrics.cluster.flow_local(
+            st.credit,
+            st.unreported.len(),
+            st.waiting.len(),
+            st.degraded,
+        );
+    }
+}

@@ -1,0 +1,131 @@
+//! `/debug/flow` in cluster mode: this replica's side of cluster-wide flow control and the
+//! replicated global state (queue, credit, ledger).
+
+use std::collections::BTreeMap;
+
+use flowctl::global::GlobalParams;
+use serde::Serialize;
+
+use super::GlobalGate;
+use crate::cluster::options::PartitionMode;
+
+impl GlobalGate {
+    /// `/debug/flow`: this replica's side and the replicated global state.
+    pub async fn view(&self) -> FlowView {
+        let local = {
+            let st = self.lock();
+            LocalView {
+                node_id: self.node_id,
+                configured: st.configured,
+                degraded: st.degraded,
+                partition: self.opts.partition,
+                credit: st.credit,
+                unreported: st.unreported.len(),
+                waiting: st.waiting.len(),
+                outbox: st.outbox.len(),
+                fast_path: st.fast,
+                slow_path: st.slow,
+                degraded_admits: st.degraded_admits,
+                degraded_rejects: st.degraded_rejects,
+                dropped_commands: st.dropped_cmds,
+            }
+        };
+        let global = match self.member.get() {
+            Some(m) => {
+                m.node
+                    .local_read(|s| s.0.flow().map(GlobalView::of))
+                    .await
+                    .0
+            }
+            None => None,
+        };
+        FlowView { local, global }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct FlowView {
+    pub local: LocalView,
+    /// `None` until the first replica's configuration is committed.
+    pub global: Option<GlobalView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LocalView {
+    pub node_id: u64,
+    pub configured: bool,
+    pub degraded: bool,
+    pub partition: PartitionMode,
+    pub credit: u32,
+    pub unreported: usize,
+    pub waiting: usize,
+    pub outbox: usize,
+    pub fast_path: u64,
+    pub slow_path: u64,
+    pub degraded_admits: u64,
+    pub degraded_rejects: u64,
+    pub dropped_commands: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct GlobalView {
+    pub now_us: u64,
+    pub params: GlobalParams,
+    pub pool_endpoints: u64,
+    pub saturation: f64,
+    pub totals: flowctl::Totals,
+    pub dispatched: u64,
+    pub reclaimed: u64,
+    /// Entries released because their pod reported fewer requests (settlement lost).
+    pub reconciled: u64,
+    pub rebalances: u64,
+    pub members: BTreeMap<u64, flowctl::global::MemberFlow>,
+    pub bands: Vec<flowctl::BandStats>,
+    pub flows: Vec<FlowRow>,
+    /// Per-pod in-flight load from the ledger.
+    pub pods: BTreeMap<String, flowctl::global::PodLoad>,
+    /// The oldest ledger entries in flight (at most 100): `[owner, seq, x-request-id, pod]`.
+    pub oldest_inflight: Vec<(u64, u64, String, Option<String>)>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FlowRow {
+    pub fairness_id: String,
+    pub priority: i32,
+    pub queued: usize,
+    pub inflight: u32,
+}
+
+impl GlobalView {
+    fn of(f: &flowctl::global::GlobalFlow) -> GlobalView {
+        GlobalView {
+            now_us: f.now_us(),
+            params: f.params(),
+            pool_endpoints: f.controller().pool_endpoints(),
+            saturation: f.controller().saturation(f.now_us().saturating_mul(1000)),
+            totals: f.totals(),
+            dispatched: f.dispatched(),
+            reclaimed: f.reclaimed(),
+            reconciled: f.reconciled(),
+            rebalances: f.rebalances(),
+            members: f.members().clone(),
+            bands: f.controller().band_stats(),
+            flows: f
+                .controller()
+                .flow_stats()
+                .map(|s| FlowRow {
+                    fairness_id: s.fairness_id.to_string(),
+                    priority: s.priority,
+                    queued: s.queued_requests,
+                    inflight: s.inflight_requests,
+                })
+                .collect(),
+            pods: f.pods().clone(),
+            oldest_inflight: f
+                .inflight_entries()
+                .take(100)
+                .map(|((m, seq), rid, pod)| (m, seq, rid.to_string(), pod.map(str::to_string)))
+                .collect(),
+        }
+    }
+}

@@ -1,0 +1,855 @@
+//! Active-Active prefix affinity: replicas exchange their approximate-prefix-index state.
+//!
+//! Each pod's part of the index is a state-based CRDT (`index::PodState`: per block hash the
+//! newest routing time, the K newest kept, a recreated pod's higher epoch wins), so replicas
+//! converge whatever the order, duplication or loss of what they exchange:
+//!
+//! - **Deltas.** Every routing decision's changed entries go to the [`Outbox`] (coalesced per pod
+//!   and hash, bounded); every [`GossipOptions::interval`] one batch is offered to every peer's
+//!   bounded queue. A full queue or a failed push drops the batch and marks the peer for
+//!   anti-entropy — routing never waits for a peer.
+//! - **Anti-entropy.** Every [`GossipOptions::anti_entropy`] (at once for a new or repaired peer) a
+//!   replica sends its per-pod digests; the peer answers with its state of every differing pod and
+//!   names the pods it wants back, which are then pushed. One round makes the pair equal; an empty
+//!   replica (a new member) receives everything this way, as a snapshot.
+//!
+//! - **Scrape fan-out.** Each pod is scraped only by its owners (`datalayer::shard`); every
+//!   [`GossipOptions::samples_interval`] they send what they scraped to every peer, newest wins
+//!   by original scrape time (a latest-value slot per peer: a slow peer skips samples, never
+//!   queues them).
+//!
+//! Peers are the Raft membership's addresses; the services run on the peer port beside the
+//! consensus RPCs, over the same channels (TLS, routes).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use index::{PodDigest, PodState};
+use prost::Message;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use super::member::ClusterMember;
+use super::options::GossipOptions;
+use crate::datalayer::EndpointMetrics;
+use crate::datalayer::scraper::unix_us;
+use crate::datalayer::store::Datastore;
+use crate::metrics::Metrics;
+use crate::scheduling::prefix::{ApproxPrefixProducer, DeltaSink};
+
+/// Generated protobuf / tonic code for `proto/gossip.proto`.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod pb {
+    tonic::include_proto!("epp.gossip.v1");
+}
+
+use pb::prefix_gossip_client::PrefixGossipClient;
+use pb::prefix_gossip_server::{PrefixGossip, PrefixGossipServer};
+use pb::sample_fanout_client::SampleFanoutClient;
+use pb::sample_fanout_server::{SampleFanout, SampleFanoutServer};
+
+/// How often every pod's capacity and incarnation are applied from the scraped metrics.
+const BOUNDS_REFRESH: Duration = Duration::from_millis(100);
+
+/// A peer not heard from for this long (its fan-out batches, sent every 50 ms even when empty,
+/// stopped) no longer owns scrapes. Peer-to-peer rather than the Raft leases: an overloaded
+/// cluster whose heartbeats commit slowly must not conclude everyone is dead and have every
+/// replica scrape everything.
+const PEER_LIVENESS: Duration = Duration::from_secs(2);
+
+/// Largest gossip message either side sends or accepts.
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Deltas waiting for the next flush, coalesced: per pod, per hash the newest timestamp.
+#[derive(Debug)]
+pub struct Outbox {
+    inner: Mutex<OutboxInner>,
+    max_entries: usize,
+}
+
+#[derive(Debug, Default)]
+struct OutboxInner {
+    pods: HashMap<String, (u64, HashMap<u64, u64>)>,
+    entries: usize,
+    overflowed: bool,
+}
+
+impl DeltaSink for Outbox {
+    fn push(&self, delta: PodState) {
+        Outbox::push(self, delta);
+    }
+}
+
+impl Outbox {
+    pub fn new(max_entries: usize) -> Self {
+        Outbox {
+            inner: Mutex::new(OutboxInner::default()),
+            max_entries: max_entries.max(1),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, OutboxInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queue one delta. Past the bound the delta is dropped and the next flush reports overflow.
+    pub fn push(&self, delta: PodState) {
+        let mut o = self.lock();
+        if o.entries + delta.entries.len() > self.max_entries {
+            o.overflowed = true;
+            return;
+        }
+        let OutboxInner { pods, entries, .. } = &mut *o;
+        let (epoch, map) = pods.entry(delta.name).or_default();
+        if delta.epoch > *epoch {
+            *entries -= map.len();
+            map.clear();
+            *epoch = delta.epoch;
+        } else if delta.epoch < *epoch {
+            return;
+        }
+        for (h, ts) in delta.entries {
+            let slot = map.entry(h).or_insert_with(|| {
+                *entries += 1;
+                0
+            });
+            *slot = (*slot).max(ts);
+        }
+    }
+
+    /// Everything queued, and whether deltas were dropped since the last take.
+    pub fn take(&self) -> (Vec<PodState>, bool) {
+        let mut o = self.lock();
+        let overflowed = std::mem::take(&mut o.overflowed);
+        o.entries = 0;
+        let pods = std::mem::take(&mut o.pods)
+            .into_iter()
+            .map(|(name, (epoch, map))| PodState {
+                name,
+                epoch,
+                entries: map.into_iter().collect(),
+            })
+            .collect();
+        (pods, overflowed)
+    }
+}
+
+fn to_pb(mut p: PodState) -> pb::PodDelta {
+    p.entries.sort_unstable_by_key(|&(h, ts)| (ts, h));
+    let mut last = 0;
+    let (hashes, ts_deltas) = p
+        .entries
+        .into_iter()
+        .map(|(h, ts)| {
+            let d = ts - last;
+            last = ts;
+            (h, d)
+        })
+        .unzip();
+    pb::PodDelta {
+        pod: p.name,
+        epoch: p.epoch,
+        hashes,
+        ts_deltas,
+    }
+}
+
+fn from_pb(p: pb::PodDelta) -> Result<PodState, Status> {
+    if p.hashes.len() != p.ts_deltas.len() {
+        return Err(Status::invalid_argument(format!(
+            "pod {}: {} hashes but {} timestamps",
+            p.pod,
+            p.hashes.len(),
+            p.ts_deltas.len()
+        )));
+    }
+    if p.pod.is_empty() {
+        return Err(Status::invalid_argument("pod delta without a pod name"));
+    }
+    let mut ts = 0u64;
+    let mut entries = Vec::with_capacity(p.hashes.len());
+    for (h, d) in p.hashes.into_iter().zip(p.ts_deltas) {
+        ts = ts.checked_add(d).ok_or_else(|| {
+            Status::invalid_argument(format!("pod {}: timestamp overflow", p.pod))
+        })?;
+        entries.push((h, ts));
+    }
+    Ok(PodState {
+        name: p.pod,
+        epoch: p.epoch,
+        entries,
+    })
+}
+
+fn from_pb_all(pods: Vec<pb::PodDelta>) -> Result<Vec<PodState>, Status> {
+    pods.into_iter().map(from_pb).collect()
+}
+
+fn digest_to_pb(d: PodDigest) -> pb::PodDigest {
+    pb::PodDigest {
+        pod: d.name,
+        epoch: d.epoch,
+        len: d.len,
+        digest: d.digest,
+    }
+}
+
+/// Split pod states into messages of at most `max` entries (a bigger pod goes alone).
+fn chunk(states: Vec<PodState>, max: usize) -> Vec<Vec<PodState>> {
+    let mut out = Vec::new();
+    let mut cur = Vec::new();
+    let mut n = 0;
+    for s in states {
+        if n > 0 && n + s.entries.len() > max {
+            out.push(std::mem::take(&mut cur));
+            n = 0;
+        }
+        n += s.entries.len();
+        cur.push(s);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// One replica's side of the peer exchange.
+#[derive(Debug)]
+pub struct Gossip {
+    node_id: u64,
+    /// The replicated prefix index and its outbox (`None`: replication off).
+    prefix: Option<(Arc<ApproxPrefixProducer>, Arc<Outbox>)>,
+    store: Arc<Datastore>,
+    opts: GossipOptions,
+    metrics: Arc<Metrics>,
+    /// The latest fan-out batch; each peer sends the newest it has not sent.
+    samples: tokio::sync::watch::Sender<Arc<pb::SampleBatch>>,
+    /// When each peer (node id) was last heard from: the liveness scrape ownership uses.
+    heard: Mutex<HashMap<u64, Instant>>,
+}
+
+impl Gossip {
+    /// Connects `producer`'s inserts (if replicating) to a new outbox.
+    pub fn new(
+        node_id: u64,
+        producer: Option<Arc<ApproxPrefixProducer>>,
+        store: Arc<Datastore>,
+        opts: GossipOptions,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Gossip> {
+        let prefix = producer.map(|p| {
+            let outbox = Arc::new(Outbox::new(opts.max_outbox_entries));
+            if !p.replicate_into(outbox.clone()) {
+                tracing::warn!("prefix index already replicated; a second gossip is ignored");
+            }
+            (p, outbox)
+        });
+        let (samples, _) = tokio::sync::watch::channel(Arc::new(pb::SampleBatch::default()));
+        Arc::new(Gossip {
+            node_id,
+            prefix,
+            store,
+            opts,
+            metrics,
+            samples,
+            heard: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn heard_from(&self, node: u64) {
+        if node != self.node_id {
+            let mut h = self.heard.lock().unwrap_or_else(|p| p.into_inner());
+            h.insert(node, Instant::now());
+        }
+    }
+
+    /// Peers heard from within [`PEER_LIVENESS`].
+    fn live_peers(&self) -> Vec<u64> {
+        let h = self.heard.lock().unwrap_or_else(|p| p.into_inner());
+        h.iter()
+            .filter(|(_, t)| t.elapsed() < PEER_LIVENESS)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    fn producer(&self) -> Result<&ApproxPrefixProducer, Status> {
+        self.prefix
+            .as_ref()
+            .map(|(p, _)| p.as_ref())
+            .ok_or_else(|| Status::failed_precondition("prefix replication is off on this replica"))
+    }
+
+    /// The scrape fan-out gRPC service.
+    pub fn sample_service(self: &Arc<Self>) -> SampleFanoutServer<GossipService> {
+        SampleFanoutServer::new(GossipService(self.clone()))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    /// Queue this replica's fresh scrapes for the peers — also when there are none: the batch
+    /// is this replica's liveness signal to them.
+    fn publish_samples(&self) {
+        let samples: Vec<pb::Sample> = self
+            .store
+            .shard
+            .take()
+            .into_iter()
+            .map(|(pod, m, t)| sample_to_pb(pod, m, t))
+            .collect();
+        self.samples.send_replace(Arc::new(pb::SampleBatch {
+            from: self.node_id,
+            samples,
+        }));
+    }
+
+    /// Apply peers' samples that are newer than what this replica holds.
+    fn apply_samples(&self, batch: pb::SampleBatch) -> usize {
+        let endpoints = self.store.endpoints();
+        let by_addr: HashMap<&str, &Arc<crate::datalayer::Endpoint>> =
+            endpoints.iter().map(|e| (e.hostport.as_str(), e)).collect();
+        let (now, now_us) = (Instant::now(), unix_us());
+        let mut applied = 0;
+        for s in batch.samples {
+            let Some(ep) = by_addr.get(s.pod.as_str()) else {
+                continue; // not (yet) in this replica's endpoint set
+            };
+            let age = Duration::from_micros(now_us.saturating_sub(s.scraped_unix_us));
+            let Some(scraped_at) = now.checked_sub(age) else {
+                continue;
+            };
+            if ep.sample().is_some_and(|cur| cur.scraped_at >= scraped_at) {
+                continue;
+            }
+            ep.set_metrics(sample_from_pb(s), scraped_at);
+            applied += 1;
+        }
+        applied
+    }
+
+    /// The gRPC service to serve on the peer port.
+    pub fn service(self: &Arc<Self>) -> PrefixGossipServer<GossipService> {
+        PrefixGossipServer::new(GossipService(self.clone()))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    /// Joins received pod states; `fresh`: they are routing decisions just made (their age is the
+    /// propagation delay), not anti-entropy state.
+    fn merge(&self, pods: Vec<pb::PodDelta>, bytes: usize, fresh: bool) -> Result<usize, Status> {
+        let producer = self.producer()?;
+        let states = from_pb_all(pods)?;
+        let entries: usize = states.iter().map(|s| s.entries.len()).sum();
+        let (changed, newest) = producer.merge(&states);
+        self.metrics.gossip.received(bytes, entries);
+        if fresh && newest > 0 {
+            self.metrics
+                .gossip
+                .lag(unix_us().saturating_sub(newest) as f64 / 1e6);
+        }
+        Ok(changed)
+    }
+
+    /// Runs the exchange with the peers of `member`'s Raft membership until `stop`: delta
+    /// flushes, bounds refresh, scrape ownership and fan-out.
+    pub async fn run(self: Arc<Self>, member: Arc<ClusterMember>, stop: CancellationToken) {
+        let mut peers: BTreeMap<String, Peer> = BTreeMap::new();
+        let mut flush = tokio::time::interval(self.opts.interval);
+        flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut membership = tokio::time::interval(Duration::from_millis(500));
+        membership.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut bounds = tokio::time::interval(BOUNDS_REFRESH);
+        bounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut samples = tokio::time::interval(self.opts.samples_interval);
+        samples.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = membership.tick() => self.update_peers(&member, &mut peers, &stop).await,
+                _ = flush.tick(), if self.prefix.is_some() => self.flush(&peers),
+                _ = bounds.tick(), if self.prefix.is_some() => {
+                    if let Some((p, _)) = &self.prefix {
+                        p.refresh_bounds(&self.store.candidates(Instant::now()));
+                    }
+                }
+                _ = samples.tick() => {
+                    self.store.shard.set_members(self.live_peers());
+                    self.publish_samples();
+                }
+            }
+        }
+        for p in peers.values() {
+            p.stop.cancel();
+        }
+    }
+
+    async fn update_peers(
+        self: &Arc<Self>,
+        member: &ClusterMember,
+        peers: &mut BTreeMap<String, Peer>,
+        stop: &CancellationToken,
+    ) {
+        let status = member.node.status().await;
+        let wanted: Vec<String> = status
+            .members
+            .iter()
+            .filter(|m| m.addr != status.addr)
+            .map(|m| m.addr.clone())
+            .collect();
+        peers.retain(|addr, p| {
+            let keep = wanted.contains(addr);
+            if !keep {
+                p.stop.cancel();
+            }
+            keep
+        });
+        for addr in wanted {
+            if peers.contains_key(&addr) {
+                continue;
+            }
+            let channel = match member.node.peer_channel(&addr) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(%addr, error = %e, "prefix gossip: bad peer address");
+                    continue;
+                }
+            };
+            let (tx, rx) = mpsc::channel(self.opts.peer_queue.max(1));
+            let peer = Peer {
+                tx,
+                // A new peer (or this replica, new) starts with a full anti-entropy round.
+                needs_sync: Arc::new(AtomicBool::new(true)),
+                stop: stop.child_token(),
+            };
+            let client = PrefixGossipClient::new(channel.clone())
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            if self.prefix.is_some() {
+                tokio::spawn(self.clone().peer_loop(
+                    addr.clone(),
+                    client,
+                    rx,
+                    peer.needs_sync.clone(),
+                    peer.stop.clone(),
+                ));
+            }
+            let samples = SampleFanoutClient::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES);
+            tokio::spawn(self.clone().sample_loop(
+                samples,
+                self.samples.subscribe(),
+                peer.stop.clone(),
+            ));
+            tracing::info!(%addr, "prefix gossip: peer added");
+            peers.insert(addr, peer);
+        }
+        self.metrics.gossip.set_peers(peers.len());
+    }
+
+    /// Sends each new fan-out batch to one peer; a batch superseded while a send was in flight
+    /// is skipped (only the newest samples matter).
+    async fn sample_loop(
+        self: Arc<Self>,
+        mut client: SampleFanoutClient<tonic::transport::Channel>,
+        mut rx: tokio::sync::watch::Receiver<Arc<pb::SampleBatch>>,
+        stop: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                changed = rx.changed() => if changed.is_err() { return },
+            }
+            let batch = (*rx.borrow_and_update()).clone();
+            let bytes = batch.encoded_len();
+            let mut req = Request::new((*batch).clone());
+            req.set_timeout(self.opts.rpc_timeout);
+            match tokio::time::timeout(self.opts.rpc_timeout, client.samples(req)).await {
+                Ok(Ok(_)) => self.metrics.gossip.samples_sent(bytes),
+                _ => self.metrics.gossip.push_failed(),
+            }
+        }
+    }
+
+    fn flush(&self, peers: &BTreeMap<String, Peer>) {
+        let Some((_, outbox)) = &self.prefix else {
+            return;
+        };
+        let (pods, overflowed) = outbox.take();
+        if overflowed {
+            for p in peers.values() {
+                p.needs_sync.store(true, Ordering::Relaxed);
+            }
+        }
+        if pods.is_empty() || peers.is_empty() {
+            return;
+        }
+        let msg = Arc::new(pb::Deltas {
+            from: self.node_id,
+            pods: pods.into_iter().map(to_pb).collect(),
+            anti_entropy: false,
+        });
+        for p in peers.values() {
+            if p.tx.try_send(msg.clone()).is_err() {
+                self.metrics.gossip.dropped_batch();
+                p.needs_sync.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    async fn peer_loop(
+        self: Arc<Self>,
+        addr: String,
+        mut client: PrefixGossipClient<tonic::transport::Channel>,
+        mut rx: mpsc::Receiver<Arc<pb::Deltas>>,
+        needs_sync: Arc<AtomicBool>,
+        stop: CancellationToken,
+    ) {
+        let mut check = tokio::time::interval(Duration::from_millis(100));
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_sync: Option<Instant> = None;
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                msg = rx.recv() => {
+                    let Some(msg) = msg else { return };
+                    if let Err(e) = self.push(&mut client, (*msg).clone()).await {
+                        self.metrics.gossip.push_failed();
+                        if !failing {
+                            tracing::warn!(%addr, error = %e, "prefix gossip: push failed; anti-entropy will repair");
+                            failing = true;
+                        }
+                        needs_sync.store(true, Ordering::Relaxed);
+                        // What is queued behind it would most likely fail too; anti-entropy
+                        // carries it instead.
+                        while rx.try_recv().is_ok() {
+                            self.metrics.gossip.dropped_batch();
+                        }
+                    }
+                }
+                _ = check.tick() => {
+                    let due = needs_sync.load(Ordering::Relaxed)
+                        || last_sync.is_none_or(|t| t.elapsed() >= self.opts.anti_entropy);
+                    if !due {
+                        continue;
+                    }
+                    // Cleared first: a drop while the round runs asks for another one.
+                    needs_sync.store(false, Ordering::Relaxed);
+                    match self.sync(&mut client).await {
+                        Ok(()) => {
+                            self.metrics.gossip.sync(true);
+                            last_sync = Some(Instant::now());
+                            if failing {
+                                tracing::info!(%addr, "prefix gossip: peer reachable again");
+                                failing = false;
+                            }
+                        }
+                        Err(e) => {
+                            self.metrics.gossip.sync(false);
+                            needs_sync.store(true, Ordering::Relaxed);
+                            last_sync = Some(Instant::now());
+                            if !failing {
+                                tracing::warn!(%addr, error = %e, "prefix gossip: anti-entropy failed");
+                                failing = true;
+                            }
+                            // Retry at the anti-entropy period, not every check.
+                            tokio::select! {
+                                _ = stop.cancelled() => return,
+                                _ = tokio::time::sleep(self.opts.anti_entropy.min(Duration::from_secs(1))) => {}
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn push(
+        &self,
+        client: &mut PrefixGossipClient<tonic::transport::Channel>,
+        msg: pb::Deltas,
+    ) -> Result<(), Status> {
+        let bytes = msg.encoded_len();
+        let entries: usize = msg.pods.iter().map(|p| p.hashes.len()).sum();
+        let mut req = Request::new(msg);
+        req.set_timeout(self.opts.rpc_timeout);
+        tokio::time::timeout(self.opts.rpc_timeout, client.push(req))
+            .await
+            .map_err(|_| Status::deadline_exceeded("push timed out"))??;
+        self.metrics.gossip.sent(bytes, entries);
+        Ok(())
+    }
+
+    /// One anti-entropy round with a peer: send digests, merge its differing pods, push back the
+    /// pods it wants.
+    async fn sync(
+        &self,
+        client: &mut PrefixGossipClient<tonic::transport::Channel>,
+    ) -> Result<(), Status> {
+        let producer = self.producer()?;
+        let digests = pb::Digests {
+            from: self.node_id,
+            pods: producer.digests().into_iter().map(digest_to_pb).collect(),
+        };
+        self.metrics.gossip.sent(digests.encoded_len(), 0);
+        let mut req = Request::new(digests);
+        req.set_timeout(self.opts.rpc_timeout);
+        let reply = tokio::time::timeout(self.opts.rpc_timeout, client.sync(req))
+            .await
+            .map_err(|_| Status::deadline_exceeded("sync timed out"))??
+            .into_inner();
+        let bytes = reply.encoded_len();
+        self.merge(reply.pods, bytes, false)?;
+        let states = producer.export(&reply.wanted);
+        for part in chunk(states, self.opts.max_sync_entries) {
+            self.push(
+                client,
+                pb::Deltas {
+                    from: self.node_id,
+                    pods: part.into_iter().map(to_pb).collect(),
+                    anti_entropy: true,
+                },
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// The reply to a peer's digests: this replica's differing pods (bounded) and the pods wanted.
+    fn answer(&self, remote: Vec<pb::PodDigest>) -> Result<pb::SyncReply, Status> {
+        let producer = self.producer()?;
+        let local: HashMap<String, PodDigest> = producer
+            .digests()
+            .into_iter()
+            .map(|d| (d.name.clone(), d))
+            .collect();
+        let same = |d: &pb::PodDigest, l: &PodDigest| {
+            d.epoch == l.epoch && d.len == l.len && d.digest == l.digest
+        };
+        let mut wanted = Vec::new();
+        let mut send: Vec<String> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for d in &remote {
+            seen.insert(d.pod.as_str());
+            match local.get(&d.pod) {
+                Some(l) if same(d, l) => {}
+                Some(l) => {
+                    if d.len > 0 && d.epoch >= l.epoch {
+                        wanted.push(d.pod.clone());
+                    }
+                    if l.len > 0 && l.epoch >= d.epoch {
+                        send.push(l.name.clone());
+                    }
+                }
+                None if d.len > 0 => wanted.push(d.pod.clone()),
+                None => {}
+            }
+        }
+        for (name, l) in &local {
+            if l.len > 0 && !seen.contains(name.as_str()) {
+                send.push(name.clone());
+            }
+        }
+        send.sort();
+        let mut pods = Vec::new();
+        let mut n = 0;
+        for state in producer.export(&send) {
+            if n > 0 && n + state.entries.len() > self.opts.max_sync_entries {
+                break; // the digests still differ: the next round carries the rest
+            }
+            n += state.entries.len();
+            pods.push(to_pb(state));
+        }
+        Ok(pb::SyncReply { pods, wanted })
+    }
+}
+
+#[derive(Debug)]
+struct Peer {
+    tx: mpsc::Sender<Arc<pb::Deltas>>,
+    needs_sync: Arc<AtomicBool>,
+    stop: CancellationToken,
+}
+
+/// The `PrefixGossip` gRPC service.
+#[derive(Debug, Clone)]
+pub struct GossipService(Arc<Gossip>);
+
+#[tonic::async_trait]
+impl PrefixGossip for GossipService {
+    async fn push(&self, req: Request<pb::Deltas>) -> Result<Response<pb::PushReply>, Status> {
+        let msg = req.into_inner();
+        self.0.heard_from(msg.from);
+        let bytes = msg.encoded_len();
+        self.0.merge(msg.pods, bytes, !msg.anti_entropy)?;
+        Ok(Response::new(pb::PushReply {}))
+    }
+
+    async fn sync(&self, req: Request<pb::Digests>) -> Result<Response<pb::SyncReply>, Status> {
+        let msg = req.into_inner();
+        self.0.heard_from(msg.from);
+        self.0.metrics.gossip.received(msg.encoded_len(), 0);
+        let reply = self.0.answer(msg.pods)?;
+        self.0.metrics.gossip.sent(
+            reply.encoded_len(),
+            reply.pods.iter().map(|p| p.hashes.len()).sum(),
+        );
+        Ok(Response::new(reply))
+    }
+}
+
+#[tonic::async_trait]
+impl SampleFanout for GossipService {
+    async fn samples(
+        &self,
+        req: Request<pb::SampleBatch>,
+    ) -> Result<Response<pb::PushReply>, Status> {
+        let batch = req.into_inner();
+        self.0.heard_from(batch.from);
+        let bytes = batch.encoded_len();
+        let applied = self.0.apply_samples(batch);
+        self.0.metrics.gossip.samples_received(bytes, applied);
+        Ok(Response::new(pb::PushReply {}))
+    }
+}
+
+fn sample_to_pb(pod: String, m: EndpointMetrics, scraped_unix_us: u64) -> pb::Sample {
+    pb::Sample {
+        pod,
+        scraped_unix_us,
+        waiting_queue_size: m.waiting_queue_size,
+        running_requests: m.running_requests,
+        kv_cache_usage: m.kv_cache_usage,
+        block_size: m.block_size,
+        num_gpu_blocks: m.num_gpu_blocks,
+        max_active_models: m.max_active_models,
+        active_models: m.active_models,
+        waiting_models: m.waiting_models,
+        started_ms: m.started_ms,
+    }
+}
+
+fn sample_from_pb(s: pb::Sample) -> EndpointMetrics {
+    let finite = |v: Option<f64>| v.filter(|x| x.is_finite());
+    EndpointMetrics {
+        waiting_queue_size: finite(s.waiting_queue_size),
+        running_requests: finite(s.running_requests),
+        kv_cache_usage: finite(s.kv_cache_usage).map(|v| v.clamp(0.0, 1.0)),
+        block_size: s.block_size,
+        num_gpu_blocks: s.num_gpu_blocks,
+        max_active_models: s.max_active_models,
+        active_models: s.active_models,
+        waiting_models: s.waiting_models,
+        started_ms: s.started_ms,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(name: &str, epoch: u64, entries: &[(u64, u64)]) -> PodState {
+        PodState {
+            name: name.into(),
+            epoch,
+            entries: entries.to_vec(),
+        }
+    }
+
+    #[test]
+    fn outbox_coalesces_per_pod_and_hash_and_overflows() {
+        let o = Outbox::new(4);
+        o.push(state("a", 1, &[(1, 10), (2, 10)]));
+        o.push(state("a", 1, &[(1, 12)]));
+        o.push(state("b", 0, &[(7, 3)]));
+        let (mut pods, overflowed) = o.take();
+        assert!(!overflowed);
+        pods.sort_by(|x, y| x.name.cmp(&y.name));
+        let mut a = pods[0].entries.clone();
+        a.sort();
+        assert_eq!(a, vec![(1, 12), (2, 10)]);
+        assert_eq!(pods[1], state("b", 0, &[(7, 3)]));
+        // a newer epoch replaces the pod's queued entries; an older one is ignored
+        o.push(state("a", 1, &[(1, 1), (2, 1)]));
+        o.push(state("a", 2, &[(3, 5)]));
+        o.push(state("a", 1, &[(4, 9)]));
+        let (pods, _) = o.take();
+        assert_eq!(pods, vec![state("a", 2, &[(3, 5)])]);
+        // past the bound: dropped and reported once
+        o.push(state("a", 0, &[(1, 1), (2, 1), (3, 1)]));
+        o.push(state("a", 0, &[(4, 1), (5, 1)]));
+        let (pods, overflowed) = o.take();
+        assert!(overflowed);
+        assert_eq!(pods[0].entries.len(), 3);
+        assert!(!o.take().1);
+    }
+
+    #[test]
+    fn malformed_deltas_are_rejected() {
+        let bad = pb::PodDelta {
+            pod: "a".into(),
+            epoch: 0,
+            hashes: vec![1, 2],
+            ts_deltas: vec![1],
+        };
+        assert_eq!(
+            from_pb(bad).unwrap_err().code(),
+            tonic::Code::InvalidArgument
+        );
+        let unnamed = pb::PodDelta::default();
+        assert!(from_pb(unnamed).is_err());
+        let overflow = pb::PodDelta {
+            pod: "a".into(),
+            epoch: 0,
+            hashes: vec![1, 2],
+            ts_deltas: vec![u64::MAX, 1],
+        };
+        assert!(from_pb(overflow).is_err());
+        // entries travel sorted by time, times as differences
+        let wire = to_pb(state("p", 3, &[(9, 7), (1, 2), (3, 7), (5, 2)]));
+        assert_eq!(wire.hashes, vec![1, 5, 3, 9]);
+        assert_eq!(wire.ts_deltas, vec![2, 0, 5, 0]);
+        let round = from_pb(wire).unwrap();
+        assert_eq!(round, state("p", 3, &[(1, 2), (5, 2), (3, 7), (9, 7)]));
+    }
+
+    #[test]
+    fn samples_round_trip_and_garbage_is_contained() {
+        let m = EndpointMetrics {
+            waiting_queue_size: Some(3.0),
+            kv_cache_usage: Some(0.5),
+            block_size: Some(16),
+            active_models: vec!["a".into()],
+            started_ms: Some(7),
+            ..EndpointMetrics::default()
+        };
+        assert_eq!(sample_from_pb(sample_to_pb("p".into(), m.clone(), 1)), m);
+        let bad = pb::Sample {
+            waiting_queue_size: Some(f64::NAN),
+            kv_cache_usage: Some(7.0),
+            ..pb::Sample::default()
+        };
+        let got = sample_from_pb(bad);
+        assert_eq!(got.waiting_queue_size, None);
+        assert_eq!(got.kv_cache_usage, Some(1.0));
+    }
+
+    #[test]
+    fn chunks_respect_the_entry_bound() {
+        let states = vec![
+            state("a", 0, &[(1, 1), (2, 1)]),
+            state("b", 0, &[(1, 1), (2, 1), (3, 1)]),
+            state("c", 0, &[(1, 1)]),
+        ];
+        let parts = chunk(states, 3);
+        let names: Vec<Vec<&str>> = parts
+            .iter()
+            .map(|p| p.iter().map(|s| s.name.as_str()).collect())
+            .collect();
+        assert_eq!(names, vec![vec!["a"], vec!["b"], vec!["c"]]);
+        assert!(chunk(Vec::new(), 3).is_empty());
+    }
+}

@@ -1,0 +1,367 @@
+//! Cluster mode: this replica as a member of a Raft group (`consensus`) replicating `flowctl`'s
+//! cluster state: the members' liveness leases and, with the `flowControl` gate, the global flow
+//! state that [`super::gate`] drives.
+//!
+//! Every replica proposes a heartbeat every [`ClusterOptions::heartbeat`]; the replicated state
+//! says who is alive. A replica that cannot commit (no quorum reachable) keeps answering ext_proc
+//! — routing does not depend on consensus — and reports it: `llm_d_epp_cluster_quorum 0`, a
+//! warning in the log, `"quorum": false` in `/debug/cluster`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use consensus::{ConsensusNode, StateMachine};
+use flowctl::cluster::{ClusterCommand, ClusterOutput, ClusterState, Member, MemberId};
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use super::options::ClusterOptions;
+use crate::metrics::Metrics;
+
+/// `flowctl`'s cluster state as the consensus layer's state machine.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Replicated(pub ClusterState);
+
+impl StateMachine for Replicated {
+    type Command = ClusterCommand;
+    type Output = ClusterOutput;
+
+    fn apply(&mut self, cmd: ClusterCommand) -> ClusterOutput {
+        self.0.apply(cmd)
+    }
+}
+
+/// A running cluster member.
+pub struct ClusterMember {
+    pub node: ConsensusNode<Replicated>,
+    opts: ClusterOptions,
+    quorum: AtomicBool,
+    started_ms: u64,
+    /// When the last committed heartbeat was proposed: the rest of the cluster holds this
+    /// replica's lease until at most that instant + the lease.
+    lease_from: std::sync::Mutex<Option<Instant>>,
+    /// Sequence number of this replica's last probe (`epp cluster probe`).
+    probe_seq: AtomicU64,
+}
+
+impl std::fmt::Debug for ClusterMember {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterMember")
+            .field("node_id", &self.opts.node_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// `/debug/cluster`: Raft's view plus the replicated membership leases.
+#[derive(Debug, Serialize)]
+pub struct ClusterView {
+    pub node_id: u64,
+    /// Whether this replica's last heartbeat committed.
+    pub quorum: bool,
+    pub raft: consensus::ClusterStatus,
+    pub lease_ms: u64,
+    pub members: Vec<MemberView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct MemberView {
+    pub id: MemberId,
+    pub live: bool,
+    #[serde(flatten)]
+    pub member: Member,
+}
+
+/// An operator's probe request (`POST /debug/cluster/probe`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProbeRequest {
+    pub count: u32,
+    /// Probes in flight at once (they coalesce into shared log entries); default 1.
+    #[serde(default)]
+    pub concurrency: Option<u32>,
+}
+
+/// What [`ClusterMember::probe`] measured.
+#[derive(Debug, Serialize)]
+pub struct ProbeReport {
+    pub node_id: u64,
+    pub count: u32,
+    pub committed: u32,
+    pub failed: u32,
+    pub first_error: Option<String>,
+    /// This replica's probe sequence numbers, first and last.
+    pub seqs: (u64, u64),
+    pub elapsed_ms: f64,
+    pub per_second: f64,
+    /// Commit latency of one probe (proposal → applied output), ms.
+    pub latency_ms: ProbeLatency,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ProbeLatency {
+    pub p50: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+/// Largest probe an operator may ask for in one call.
+pub const MAX_PROBES: u32 = 100_000;
+
+/// An operator's membership request (`POST /debug/cluster/<op>`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MembershipRequest {
+    pub id: u64,
+    #[serde(default)]
+    pub addr: Option<String>,
+}
+
+impl ClusterMember {
+    /// Starts the consensus node; `routes` are further peer services served on its port.
+    pub async fn start(
+        opts: ClusterOptions,
+        listener: TcpListener,
+        routes: tonic::service::Routes,
+    ) -> Result<ClusterMember, consensus::ConsensusError> {
+        let node =
+            ConsensusNode::start_with_routes(opts.consensus_config(), listener, routes).await?;
+        Ok(ClusterMember {
+            node,
+            opts,
+            quorum: AtomicBool::new(false),
+            started_ms: wall_ms(),
+            lease_from: std::sync::Mutex::new(None),
+            probe_seq: AtomicU64::new(0),
+        })
+    }
+
+    /// This run's incarnation (its start time, ms): heartbeats and flow batches carry it.
+    pub fn incarnation(&self) -> u64 {
+        self.started_ms
+    }
+
+    pub fn node_id(&self) -> u64 {
+        self.opts.node_id
+    }
+
+    /// The lease of cluster members (three heartbeats).
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(self.opts.lease_ms())
+    }
+
+    /// Whether this replica is the Raft leader now.
+    pub async fn is_leader(&self) -> bool {
+        self.node.metrics().await.leader == Some(self.opts.node_id)
+    }
+
+    /// Whether the cluster still counts this replica as live (its last committed heartbeat is
+    /// younger than the lease, measured from when it was proposed — never later than the others'
+    /// view).
+    pub fn lease_valid(&self) -> bool {
+        let lease = self.lease();
+        self.lease_from
+            .lock()
+            .ok()
+            .and_then(|l| *l)
+            .is_some_and(|t| t.elapsed() < lease)
+    }
+
+    pub fn has_quorum(&self) -> bool {
+        self.quorum.load(Ordering::Relaxed)
+    }
+
+    /// Heartbeats until `stop`; records proposal latency and Raft progress in `metrics`.
+    pub async fn run(
+        self: Arc<Self>,
+        ext_proc: String,
+        admin: String,
+        metrics: Arc<Metrics>,
+        stop: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(self.opts.heartbeat);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut warned = false;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let t0 = Instant::now();
+            let cmd = ClusterCommand::Heartbeat {
+                node: self.opts.node_id,
+                now_ms: wall_ms(),
+                ext_proc: ext_proc.clone(),
+                admin: admin.clone(),
+                started_ms: self.started_ms,
+            };
+            // A heartbeat slower than its lease is as good as lost.
+            let res = tokio::time::timeout(
+                Duration::from_millis(self.opts.lease_ms()),
+                self.node.propose(cmd),
+            )
+            .await;
+            let ok = matches!(res, Ok(Ok(_)));
+            if ok {
+                if let Ok(mut l) = self.lease_from.lock() {
+                    *l = Some(t0);
+                }
+                metrics.cluster.proposal(t0.elapsed().as_secs_f64());
+                if warned {
+                    tracing::info!("cluster quorum regained");
+                    warned = false;
+                }
+            } else if !warned {
+                let why = match res {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "timed out".to_string(),
+                };
+                tracing::warn!(%why, "cannot commit to the cluster (no quorum?): routing continues on local state");
+                warned = true;
+            }
+            self.quorum.store(ok, Ordering::Relaxed);
+            let m = self.node.metrics().await;
+            metrics.cluster.observe(&m, ok);
+        }
+    }
+
+    pub async fn view(&self) -> ClusterView {
+        let raft = self.node.status().await;
+        let now = wall_ms();
+        let lease = self.opts.lease_ms();
+        let (members, _) = self
+            .node
+            .local_read(|s| {
+                s.0.members()
+                    .iter()
+                    .map(|(id, m)| MemberView {
+                        id: *id,
+                        live: s.0.is_live(*id, now, lease),
+                        member: m.clone(),
+                    })
+                    .collect()
+            })
+            .await;
+        ClusterView {
+            node_id: self.opts.node_id,
+            quorum: self.has_quorum(),
+            raft,
+            lease_ms: lease,
+            members,
+        }
+    }
+
+    /// Proposes `count` no-op [`ClusterCommand::Probe`]s through the log (from a follower they
+    /// are forwarded to the leader), `concurrency` at a time, and measures their commit latency.
+    pub async fn probe(&self, req: ProbeRequest) -> Result<ProbeReport, String> {
+        use futures::StreamExt;
+        if req.count == 0 || req.count > MAX_PROBES {
+            return Err(format!("count must be 1..={MAX_PROBES}"));
+        }
+        let concurrency = req.concurrency.unwrap_or(1).clamp(1, 1024) as usize;
+        let first = self
+            .probe_seq
+            .fetch_add(u64::from(req.count), Ordering::Relaxed)
+            + 1;
+        let last = first + u64::from(req.count) - 1;
+        let t0 = Instant::now();
+        let node = self.opts.node_id;
+        let results: Vec<(f64, Result<(), String>)> = futures::stream::iter(first..=last)
+            .map(|seq| async move {
+                let t = Instant::now();
+                let res = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    self.node.propose(ClusterCommand::Probe { node, seq }),
+                )
+                .await;
+                let res = match res {
+                    Ok(Ok(ClusterOutput::Probed(_))) => Ok(()),
+                    Ok(Ok(other)) => Err(format!("unexpected output {other:?}")),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err("not committed within 10 s".to_string()),
+                };
+                (t.elapsed().as_secs_f64() * 1000.0, res)
+            })
+            .buffered(concurrency)
+            .collect()
+            .await;
+        let elapsed = t0.elapsed().as_secs_f64();
+        let mut lat: Vec<f64> = results
+            .iter()
+            .filter(|(_, r)| r.is_ok())
+            .map(|(l, _)| *l)
+            .collect();
+        lat.sort_by(f64::total_cmp);
+        let q = |f: f64| {
+            lat.get(((lat.len() as f64 * f).ceil() as usize).saturating_sub(1))
+                .copied()
+                .unwrap_or(0.0)
+        };
+        let committed = lat.len() as u32;
+        Ok(ProbeReport {
+            node_id: node,
+            count: req.count,
+            committed,
+            failed: req.count - committed,
+            first_error: results.into_iter().find_map(|(_, r)| r.err()),
+            seqs: (first, last),
+            elapsed_ms: elapsed * 1000.0,
+            per_second: f64::from(committed) / elapsed.max(1e-9),
+            latency_ms: ProbeLatency {
+                p50: q(0.5),
+                p99: q(0.99),
+                max: lat.last().copied().unwrap_or(0.0),
+            },
+        })
+    }
+
+    /// The probes this replica has applied (`GET /debug/cluster/probes`), with the index of the
+    /// last log entry applied.
+    pub async fn probes(&self) -> (flowctl::cluster::ProbeLog, u64) {
+        self.node.local_read(|s| s.0.probes().clone()).await
+    }
+
+    /// `add-learner`, `promote` or `remove`.
+    pub async fn membership(&self, op: &str, req: MembershipRequest) -> Result<String, String> {
+        let res = match op {
+            "add-learner" => {
+                let Some(addr) = req.addr else {
+                    return Err("add-learner needs `addr` (host:port of the peer port)".into());
+                };
+                self.node.add_learner(req.id, addr, true).await
+            }
+            "promote" => self.node.promote(req.id).await,
+            "remove" => self.node.remove(req.id).await,
+            other => return Err(format!("unknown operation `{other}`")),
+        };
+        res.map(|log| format!("{op} {}: committed at {log:?}", req.id))
+            .map_err(|e| e.to_string())
+    }
+
+    /// Leave gracefully (best effort), then stop Raft.
+    pub async fn shutdown(self: Arc<Self>) {
+        let _ = tokio::time::timeout(
+            Duration::from_millis(500),
+            self.node.propose(ClusterCommand::Leave {
+                node: self.opts.node_id,
+            }),
+        )
+        .await;
+        match Arc::try_unwrap(self) {
+            Ok(me) => {
+                if let Err(e) = me.node.shutdown().await {
+                    tracing::warn!(%e, "consensus shutdown");
+                }
+            }
+            Err(_) => tracing::debug!("cluster member still referenced; dropped without shutdown"),
+        }
+    }
+}

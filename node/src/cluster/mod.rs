@@ -1,0 +1,22 @@
+//! Cluster mode: what this replica shares with the others.
+//!
+//! - [`member`]: this replica as a Raft member (`consensus`) replicating `flowctl`'s cluster
+//!   state — liveness leases, membership operations, probes, `/debug/cluster`;
+//! - [`gate`]: cluster-wide flow control — the request stage's [`crate::request::admission::Gate`]
+//!   over the replicated global queue and in-flight ledger; it publishes the other replicas'
+//!   load to the in-flight ledger ([`crate::datalayer::inflight::RemoteLoadFeed`]);
+//! - [`gossip`]: the peer exchange — prefix-index deltas and anti-entropy (the prefix producer
+//!   hands its deltas to the gossip outbox through [`crate::scheduling::prefix::DeltaSink`]),
+//!   and the scrape fan-out of sharded collection;
+//! - [`options`]: the flags of cluster mode.
+//!
+//! Nothing here is on a request's way unless the gate is: routing reads only local state, which
+//! the peers' data flows into.
+
+pub mod gate;
+pub mod gossip;
+pub mod member;
+pub mod options;
+
+pub use member::ClusterMember;
+pub use options::{ClusterOptions, GossipOptions, PartitionMode, parse_peers, parse_routes};

@@ -1,0 +1,372 @@
+//! The in-flight ledger: requests and tokens this replica has sent to each endpoint and not yet
+//! seen finish, plus — in cluster mode — the other replicas' load, read from what the cluster
+//! room publishes.
+//!
+//! At routing time the chosen endpoint is charged one request and the request's uncached prompt
+//! tokens (the `inflight-load-producer` decides how many). The tokens are released when the first
+//! response chunk arrives (prefill is over) and the request when the response ends — both keyed
+//! by `x-request-id`, so the response may be observed on a different ext_proc stream than the one
+//! that routed it. Entries whose response is never seen are dropped by [`InflightTracker::sweep`].
+//!
+//! Cluster mode with cluster-wide flow control: the replicated ledger knows every replica's load.
+//! The cluster room publishes, through a [`RemoteLoadFeed`], the others' per-endpoint load and
+//! the ids of this replica's requests that were settled elsewhere (their response was observed
+//! by another replica). The tracker reads that feed ([`RemoteLoad`]) — it is the only writer of
+//! its own state — so scorers see the cluster-wide load: this replica's own requests (including
+//! those not yet reported) plus everyone else's.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+
+/// In-flight load of one endpoint.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct InflightLoad {
+    pub requests: u64,
+    pub tokens: u64,
+}
+
+impl InflightLoad {
+    fn plus(self, other: InflightLoad) -> InflightLoad {
+        InflightLoad {
+            requests: self.requests + other.requests,
+            tokens: self.tokens + other.tokens,
+        }
+    }
+}
+
+/// Settlements of this replica's requests observed elsewhere that may wait to be applied.
+const SETTLED_BACKLOG: usize = 65_536;
+
+type OthersLoad = Arc<HashMap<String, InflightLoad>>;
+
+/// The publishing side of the other replicas' load (held by the cluster room).
+#[derive(Debug, Clone)]
+pub struct RemoteLoadFeed {
+    others: Arc<watch::Sender<OthersLoad>>,
+    settled: mpsc::Sender<String>,
+}
+
+impl RemoteLoadFeed {
+    /// Replace the other replicas' per-endpoint load (their requests count from routing until
+    /// settlement — they do not release tokens at the first response byte as local ones do).
+    pub fn publish_others(&self, others: HashMap<String, InflightLoad>) {
+        self.others.send_replace(Arc::new(others));
+    }
+
+    /// This replica's request `request_id` no longer runs: another replica observed its end
+    /// (or the cluster reclaimed it). False if the backlog is full (the entry then waits for the
+    /// sweep).
+    pub fn settled_elsewhere(&self, request_id: String) -> bool {
+        self.settled.try_send(request_id).is_ok()
+    }
+}
+
+/// The reading side, owned by the tracker.
+#[derive(Debug)]
+pub struct RemoteLoad {
+    others: watch::Receiver<OthersLoad>,
+    settled: Mutex<mpsc::Receiver<String>>,
+}
+
+/// A connected feed and view.
+pub fn remote_load() -> (RemoteLoadFeed, RemoteLoad) {
+    let (others_tx, others_rx) = watch::channel(OthersLoad::default());
+    let (settled_tx, settled_rx) = mpsc::channel(SETTLED_BACKLOG);
+    (
+        RemoteLoadFeed {
+            others: Arc::new(others_tx),
+            settled: settled_tx,
+        },
+        RemoteLoad {
+            others: others_rx,
+            settled: Mutex::new(settled_rx),
+        },
+    )
+}
+
+#[derive(Debug)]
+struct Entry {
+    endpoint: String,
+    tokens: u64,
+    tokens_released: bool,
+    at: Instant,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    by_request: HashMap<String, Entry>,
+    per_endpoint: HashMap<String, InflightLoad>,
+}
+
+impl State {
+    fn credit(&mut self, e: &Entry) {
+        if let Some(load) = self.per_endpoint.get_mut(&e.endpoint) {
+            load.requests = load.requests.saturating_sub(1);
+            if !e.tokens_released {
+                load.tokens = load.tokens.saturating_sub(e.tokens);
+            }
+            if load.requests == 0 && load.tokens == 0 {
+                self.per_endpoint.remove(&e.endpoint);
+            }
+        }
+    }
+
+    fn finish(&mut self, request_id: &str) {
+        if let Some(e) = self.by_request.remove(request_id) {
+            self.credit(&e);
+        }
+    }
+}
+
+/// The ledger itself; shared by the in-flight producer, the admission detectors and the
+/// response path.
+#[derive(Debug, Default)]
+pub struct InflightTracker {
+    state: Mutex<State>,
+    remote: OnceLock<RemoteLoad>,
+}
+
+impl InflightTracker {
+    /// Lock the state, first applying settlements observed elsewhere.
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        let mut st = match self.state.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if let Some(r) = self.remote.get() {
+            let mut rx = r.settled.lock().unwrap_or_else(|p| p.into_inner());
+            while let Ok(id) = rx.try_recv() {
+                st.finish(&id);
+            }
+        }
+        st
+    }
+
+    /// Read the other replicas' load from `remote` from now on. False if already connected.
+    pub fn connect_remote(&self, remote: RemoteLoad) -> bool {
+        self.remote.set(remote).is_ok()
+    }
+
+    pub fn reserve(&self, request_id: &str, endpoint: &str, tokens: u64) {
+        let mut st = self.lock();
+        if st.by_request.contains_key(request_id) {
+            return; // a retry of the same request id: charged once
+        }
+        let load = st.per_endpoint.entry(endpoint.to_string()).or_default();
+        load.requests += 1;
+        load.tokens += tokens;
+        st.by_request.insert(
+            request_id.to_string(),
+            Entry {
+                endpoint: endpoint.to_string(),
+                tokens,
+                tokens_released: false,
+                at: Instant::now(),
+            },
+        );
+    }
+
+    /// The first response bytes arrived: the prompt has been prefilled.
+    pub fn release_tokens(&self, request_id: &str) {
+        let mut st = self.lock();
+        let State {
+            by_request,
+            per_endpoint,
+        } = &mut *st;
+        if let Some(e) = by_request.get_mut(request_id)
+            && !e.tokens_released
+        {
+            e.tokens_released = true;
+            if let Some(load) = per_endpoint.get_mut(&e.endpoint) {
+                load.tokens = load.tokens.saturating_sub(e.tokens);
+            }
+        }
+    }
+
+    /// The request was served by `endpoint`, not the pod it was charged to (Envoy used a
+    /// fallback): move its charge there.
+    pub fn moved(&self, request_id: &str, endpoint: &str) {
+        let mut st = self.lock();
+        let Some(mut e) = st.by_request.remove(request_id) else {
+            return;
+        };
+        if e.endpoint != endpoint {
+            st.credit(&e);
+            let load = st.per_endpoint.entry(endpoint.to_string()).or_default();
+            load.requests += 1;
+            if !e.tokens_released {
+                load.tokens += e.tokens;
+            }
+            e.endpoint = endpoint.to_string();
+        }
+        st.by_request.insert(request_id.to_string(), e);
+    }
+
+    /// The response ended (or the request was abandoned).
+    pub fn finish(&self, request_id: &str) {
+        self.lock().finish(request_id);
+    }
+
+    /// Drop entries older than `max_age` whose response was never seen; returns how many.
+    pub fn sweep(&self, max_age: Duration) -> usize {
+        let mut st = self.lock();
+        let now = Instant::now();
+        let old: Vec<String> = st
+            .by_request
+            .iter()
+            .filter(|(_, e)| now.duration_since(e.at) > max_age)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &old {
+            st.finish(k);
+        }
+        old.len()
+    }
+
+    /// This replica's in-flight load on `endpoint` plus the other replicas' (when known).
+    pub fn load(&self, endpoint: &str) -> InflightLoad {
+        self.loads([endpoint]).pop().unwrap_or_default()
+    }
+
+    /// [`Self::load`] of each endpoint, read at one instant.
+    pub fn loads<'a>(&self, endpoints: impl IntoIterator<Item = &'a str>) -> Vec<InflightLoad> {
+        let st = self.lock();
+        let others = self.remote.get().map(|r| r.others.borrow().clone());
+        endpoints
+            .into_iter()
+            .map(|ep| {
+                let local = st.per_endpoint.get(ep).copied().unwrap_or_default();
+                match others.as_ref().and_then(|o| o.get(ep)) {
+                    Some(r) => local.plus(*r),
+                    None => local,
+                }
+            })
+            .collect()
+    }
+
+    pub fn tracked_requests(&self) -> usize {
+        self.lock().by_request.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_release_finish_sweep() {
+        let t = InflightTracker::default();
+        t.reserve("r1", "a", 100);
+        t.reserve("r1", "a", 100); // same id: charged once
+        t.reserve("r2", "a", 50);
+        assert_eq!(
+            t.load("a"),
+            InflightLoad {
+                requests: 2,
+                tokens: 150
+            }
+        );
+        t.release_tokens("r1");
+        t.release_tokens("r1");
+        assert_eq!(
+            t.load("a"),
+            InflightLoad {
+                requests: 2,
+                tokens: 50
+            }
+        );
+        t.finish("r1");
+        assert_eq!(
+            t.load("a"),
+            InflightLoad {
+                requests: 1,
+                tokens: 50
+            }
+        );
+        t.finish("unknown");
+        assert_eq!(t.sweep(Duration::from_secs(3600)), 0);
+        assert_eq!(t.sweep(Duration::ZERO), 1);
+        assert_eq!(t.load("a"), InflightLoad::default());
+        assert_eq!(t.tracked_requests(), 0);
+    }
+
+    #[test]
+    fn a_fallback_moves_the_charge() {
+        let t = InflightTracker::default();
+        t.reserve("r1", "a", 100);
+        t.moved("r1", "b");
+        assert_eq!(t.load("a"), InflightLoad::default());
+        assert_eq!(
+            t.load("b"),
+            InflightLoad {
+                requests: 1,
+                tokens: 100
+            }
+        );
+        t.release_tokens("r1");
+        t.moved("r1", "b"); // same pod: nothing changes
+        t.moved("unknown", "a");
+        assert_eq!(t.load("b").tokens, 0);
+        t.finish("r1");
+        assert_eq!(t.load("b"), InflightLoad::default());
+        assert_eq!(t.tracked_requests(), 0);
+    }
+
+    #[test]
+    fn other_replicas_load_adds_to_the_local_one() {
+        let t = InflightTracker::default();
+        let (feed, view) = remote_load();
+        assert!(t.connect_remote(view));
+        t.reserve("r1", "a", 100);
+        feed.publish_others(HashMap::from([
+            (
+                "a".to_string(),
+                InflightLoad {
+                    requests: 3,
+                    tokens: 30,
+                },
+            ),
+            (
+                "b".to_string(),
+                InflightLoad {
+                    requests: 1,
+                    tokens: 5,
+                },
+            ),
+        ]));
+        assert_eq!(
+            t.load("a"),
+            InflightLoad {
+                requests: 4,
+                tokens: 130
+            }
+        );
+        assert_eq!(t.load("b").requests, 1);
+        // The remote view is replaced wholesale; local entries are untouched.
+        feed.publish_others(HashMap::new());
+        assert_eq!(t.load("a").requests, 1);
+        assert_eq!(t.load("b"), InflightLoad::default());
+    }
+
+    #[test]
+    fn requests_settled_elsewhere_are_forgotten() {
+        let t = InflightTracker::default();
+        let (feed, view) = remote_load();
+        t.connect_remote(view);
+        t.reserve("r1", "a", 100);
+        t.reserve("r2", "a", 10);
+        assert!(feed.settled_elsewhere("r1".to_string()));
+        assert!(feed.settled_elsewhere("unknown".to_string()));
+        assert_eq!(
+            t.load("a"),
+            InflightLoad {
+                requests: 1,
+                tokens: 10
+            }
+        );
+        assert_eq!(t.tracked_requests(), 1);
+    }
+}

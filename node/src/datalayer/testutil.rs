@@ -1,0 +1,45 @@
+//! Test helpers: candidates with given metrics.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::store::Candidate;
+use super::{Endpoint, EndpointMetrics};
+
+pub fn cand(name: &str, m: Option<EndpointMetrics>, stale: bool) -> Candidate {
+    cand_at(name, "127.0.0.1:1", m, stale, &[])
+}
+
+pub fn cand_at(
+    name: &str,
+    addr: &str,
+    m: Option<EndpointMetrics>,
+    stale: bool,
+    labels: &[(&str, &str)],
+) -> Candidate {
+    let ep = Arc::new(Endpoint::new(
+        name.into(),
+        addr.parse().unwrap(),
+        labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    ));
+    if let Some(m) = m {
+        ep.set_metrics(m, Instant::now());
+    }
+    Candidate {
+        sample: ep.sample(),
+        endpoint: ep,
+        stale,
+    }
+}
+
+pub fn metrics(q: f64, running: f64, kv: f64) -> Option<EndpointMetrics> {
+    Some(EndpointMetrics {
+        waiting_queue_size: Some(q),
+        running_requests: Some(running),
+        kv_cache_usage: Some(kv),
+        ..Default::default()
+    })
+}

@@ -1,0 +1,33 @@
+//! What every stream shares: the rooms a request passes through, as this replica built them.
+
+use std::sync::Arc;
+
+use crate::datalayer::Datastore;
+use crate::datalayer::inflight::InflightTracker;
+use crate::metrics::Metrics;
+use crate::request::admission::Gate;
+use crate::request::meta::Objectives;
+use crate::request::rewrite::ModelRewrites;
+use crate::scheduling::Scheduler;
+
+/// Everything a stream needs, shared by all streams.
+#[derive(Debug)]
+pub struct PickerContext {
+    pub store: Arc<Datastore>,
+    pub scheduler: Scheduler,
+    /// The in-flight ledger the response path settles into (when a plugin uses one).
+    pub inflight: Option<Arc<InflightTracker>>,
+    pub metrics: Arc<Metrics>,
+    pub max_body_bytes: usize,
+    /// `passthrough-parser` configured: unknown paths are routed instead of refused.
+    pub passthrough: bool,
+    pub draining: std::sync::atomic::AtomicBool,
+    /// Legacy admission, flow control on this replica, or cluster-wide flow control.
+    pub gate: Arc<dyn Gate>,
+    /// `InferenceObjective` name → priority.
+    pub objectives: Objectives,
+    /// Honour the proxy's subset hint (`--disable-endpoint-subset-filter` turns it off).
+    pub subset_filter: bool,
+    /// `InferenceModelRewrite` rules (`--model-rewrites-file`).
+    pub rewrites: ModelRewrites,
+}

@@ -1,0 +1,184 @@
+//! The response phase of the routing and observing streams: pass the response through (or only
+//! observe it), scan it for usage, correct the record when a fallback endpoint served it, and
+//! settle — the in-flight charge, the flow-control slot and the token metrics — once it ends.
+
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::Metadata;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Resp;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, HeadersResponse, HttpBody, HttpHeaders, TrailersResponse,
+};
+use envoy_types::pb::google::protobuf::value;
+
+use super::{FULL_DUPLEX, Phase, StreamState};
+use crate::dataplane::reply::{
+    DESTINATION_HEADER, ENVOY_LB_NAMESPACE, header_value, streamed_body,
+};
+use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo, UsageScanner};
+
+/// The endpoint that served the request, as the proxy reports it in `envoy.lb` metadata.
+pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+
+/// `metadata_context["envoy.lb"]["x-gateway-destination-endpoint-served"]`: the endpoint Envoy's
+/// load balancer used (GIE protocol v1.0).
+pub(super) fn served_endpoint(md: &Metadata) -> Option<String> {
+    let lb = md.filter_metadata.get(ENVOY_LB_NAMESPACE)?;
+    match &lb.fields.get(SERVED_HEADER)?.kind {
+        Some(value::Kind::StringValue(s)) if !s.trim().is_empty() => Some(s.trim().to_string()),
+        _ => None,
+    }
+}
+
+impl StreamState {
+    pub(super) async fn on_response_headers(&mut self, h: HttpHeaders) -> Result<(), ()> {
+        self.settles = true;
+        if self.route_info.is_none() {
+            self.route_info = self
+                .headers
+                .get(ROUTE_INFO_HEADER)
+                .and_then(|v| RouteInfo::decode(v));
+        }
+        if self.route_info.is_some() {
+            let ct = header_value(h.headers.as_ref(), "content-type");
+            self.usage = Some(UsageScanner::new(ct.as_deref()));
+        }
+        if h.end_of_stream {
+            self.settle();
+        }
+        if self.phase == Phase::Done || self.observability {
+            return Ok(());
+        }
+        self.phase = Phase::Routed;
+        let status = header_value(h.headers.as_ref(), ":status");
+        if let (Some(s), Some(l)) = (status, &self.labels)
+            && s != "200"
+        {
+            self.ctx.metrics.request_error(l, "ModelServerError");
+        }
+        self.send(Resp::ResponseHeaders(HeadersResponse::default()))
+            .await?;
+        if h.end_of_stream {
+            self.complete();
+        }
+        Ok(())
+    }
+
+    pub(super) async fn on_response_body(&mut self, b: HttpBody) -> Result<(), ()> {
+        let eos = b.end_of_stream;
+        self.settles = true;
+        if let Some(u) = &mut self.usage {
+            u.feed(&b.body);
+        }
+        if !self.first_response_byte && !b.body.is_empty() {
+            // Prefill is over once bytes flow: release the prompt tokens.
+            self.first_response_byte = true;
+            if let Some(t) = &self.ctx.inflight {
+                t.release_tokens(&self.request_id);
+            }
+        }
+        if eos {
+            self.settle();
+        }
+        let result = if self.phase == Phase::Done || self.observability {
+            Ok(())
+        } else if self.response_body_mode == FULL_DUPLEX {
+            self.send(Resp::ResponseBody(streamed_body(b.body, eos)))
+                .await
+        } else {
+            self.send(Resp::ResponseBody(BodyResponse::default())).await
+        };
+        if eos {
+            self.complete();
+        }
+        result
+    }
+
+    pub(super) async fn on_response_trailers(&mut self) -> Result<(), ()> {
+        self.settles = true;
+        self.settle();
+        self.complete();
+        if self.phase == Phase::Done || self.observability {
+            return Ok(());
+        }
+        self.send(Resp::ResponseTrailers(TrailersResponse::default()))
+            .await
+    }
+
+    /// Envoy reports the endpoint that served the request (override-host load balancing with
+    /// fallbacks). If it is not the one the routing decision charged, correct what this replica
+    /// recorded: the prefix index learns the served pod holds the prompt, the in-flight load
+    /// moves there.
+    pub(super) fn on_served(&mut self, served: &str) {
+        // The routing stream knows its pick; an observing stream reads it from the request
+        // headers the routing filter set.
+        let Some(primary) = self.primary.clone().or_else(|| {
+            let d = self.headers.get(DESTINATION_HEADER)?;
+            d.split(',').next().map(|p| p.trim().to_string())
+        }) else {
+            return;
+        };
+        let primary = primary.as_str();
+        let corrected = match &self.ctx.scheduler.prefix_index {
+            Some(ix) => {
+                let candidates = self.ctx.store.candidates(Instant::now());
+                ix.served(&self.request_id, primary, served, &candidates)
+            }
+            None => false,
+        };
+        if primary != served {
+            if let Some(t) = &self.ctx.inflight {
+                t.moved(&self.request_id, served);
+            }
+            tracing::debug!(request_id = %self.request_id, primary, served, corrected, "served by a fallback endpoint");
+            self.ctx.metrics.served_by_fallback();
+        }
+    }
+
+    /// The response has ended: record its duration once.
+    pub(super) fn complete(&mut self) {
+        if let Some(l) = &self.labels
+            && self.running
+        {
+            self.ctx
+                .metrics
+                .request_done(l, self.started.elapsed().as_secs_f64());
+        }
+        self.finish();
+    }
+
+    /// The response ended (or its stream did): settle the in-flight charge once.
+    fn settle(&mut self) {
+        if self.settles {
+            self.settles = false;
+            let usage = self.usage.take().and_then(|mut u| u.finish());
+            if let (Some(u), Some(info)) = (usage, &self.route_info) {
+                let labels = self.ctx.metrics.token_labels(
+                    &info.model,
+                    &info.target_model,
+                    &info.fairness_id,
+                    info.priority,
+                );
+                self.ctx.metrics.usage(&labels, u.input, u.output, u.cached);
+            }
+            if let Some(t) = &self.ctx.inflight {
+                t.finish(&self.request_id);
+            }
+            self.ctx
+                .gate
+                .complete(&self.request_id, usage.map(|u| u.input + u.output));
+        }
+    }
+
+    pub(super) fn finish(&mut self) {
+        // A stream that saw the response but ended without its end (client gone, EPP shutdown):
+        // nothing more will come for this request.
+        self.settle();
+        if self.running {
+            self.running = false;
+            if let Some(l) = &self.labels {
+                self.ctx.metrics.request_running(l, -1);
+            }
+        }
+    }
+}

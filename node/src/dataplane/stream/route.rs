@@ -1,0 +1,269 @@
+//! The request's journey once its body is complete (or its headers ended it). Each stage is one
+//! call into the room that owns it, handing a typed value to the next:
+//!
+//! ```text
+//! parse_body ──► Request::resolve ──► admit ──────► candidates ────► schedule ──► answer ──► record
+//! (request)      (request: rewrite,   (request:      (datalayer       (scheduling) (reply)    (scheduling
+//!  Option<        metadata) Request    Gate) ticket   snapshot ∩       Decision               producers)
+//!  ParsedRequest>                                     subset hint)
+//! ```
+//! Any stage may refuse: its [`Rejection`] becomes an immediate response and the journey ends.
+
+use std::time::Instant;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
+
+use super::{FULL_DUPLEX, Phase, REQUEST_ID_HEADER, StreamState};
+use crate::datalayer::store::Candidate;
+use crate::dataplane::reply::{self, DESTINATION_HEADER, PREFILLER_HEADER, header};
+use crate::dataplane::response::{EVICT, RESPONSE_FILTER_HEADER, Restore};
+use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo};
+use crate::request::admission::{Admit, AdmitRequest, Ticket, Verdict};
+use crate::request::meta::CONTROL_HEADERS;
+use crate::request::reject::Rejection;
+use crate::request::{self, Request};
+use crate::scheduling::scheduler::{Decision, Handler};
+use crate::scheduling::{SchedError, SchedRequest};
+
+/// The routed answer and what the stream keeps of it for the response phase.
+struct Answer {
+    response: ProcessingResponse,
+    /// The destination rides on the request-headers answer (the body follows it).
+    on_headers: bool,
+    info: RouteInfo,
+    primary: Option<String>,
+}
+
+impl StreamState {
+    /// Parse, admit, schedule and answer the request phase.
+    pub(super) async fn route(&mut self) -> Result<(), ()> {
+        let ctx = self.ctx.clone();
+        let body = self.body_started.then_some(self.body.as_slice());
+        let parsed = match request::parse_body(request::path(&self.headers), body, ctx.passthrough)
+        {
+            Ok(p) => p,
+            Err(r) => return self.reject(r).await,
+        };
+        let req = Request::resolve(parsed, &self.headers, &ctx.objectives, &ctx.rewrites);
+        self.received(&req);
+        let ticket = match self.admit(&req).await? {
+            Ok(t) => t,
+            Err(r) => return self.reject(r).await,
+        };
+        let t0 = Instant::now();
+        let candidates = self.candidates(t0);
+        let sched = SchedRequest {
+            request_id: &self.request_id,
+            model: &req.model,
+            target_model: &req.target_model,
+            prompt: req.prompt(),
+            cache_salt: req.cache_salt(),
+            headers: &self.headers,
+        };
+        let decision = match self.schedule(&sched, &candidates, ticket, t0) {
+            Ok(d) => d,
+            Err(r) => return self.reject(r).await,
+        };
+        let answer = self.answer(&req, ticket, &decision, &candidates);
+        self.route_info = Some(answer.info);
+        self.primary = answer.primary;
+        self.phase = Phase::Routed;
+        let body = std::mem::take(&mut self.body);
+        let body = req.upstream_body(body, self.request_body_mode == FULL_DUPLEX);
+        self.send_full(answer.response).await?;
+        if answer.on_headers && self.body_started {
+            self.stream_body_back(body).await?;
+        }
+        // Record the decision after answering, off the latency path.
+        ctx.scheduler.pre_request(&sched, &decision, &candidates);
+        Ok(())
+    }
+
+    /// The request counts from here: its labels, received and running.
+    fn received(&mut self, req: &Request) {
+        let m = &self.ctx.metrics;
+        if req.rewritten() {
+            m.model_rewrite(&req.model, &req.target_model);
+        }
+        let labels = m.request_labels(&req.model, &req.target_model);
+        m.request_received(&labels, self.body.len());
+        m.request_running(&labels, 1);
+        self.running = true;
+        self.labels = Some(labels);
+    }
+
+    /// Admission: `Ok(Ok(ticket))` goes on (with a flow-control ticket unless the legacy
+    /// controller admitted it), `Ok(Err(_))` is refused, `Err(())` means the stream went away
+    /// while the request was queued.
+    async fn admit(&self, req: &Request) -> Result<Result<Option<Ticket>, Rejection>, ()> {
+        let ask = AdmitRequest {
+            request_id: &self.request_id,
+            meta: &req.meta,
+            bytes: self.body.len() as u64,
+            tokens: req.prompt().estimated_tokens(),
+            model: &req.model,
+            target_model: &req.target_model,
+        };
+        let pending = match self.ctx.gate.clone().admit(ask).await {
+            Admit::Now(ticket) => return Ok(Ok(ticket)),
+            Admit::Refused(r) => return Ok(Err(r)),
+            Admit::Queued(pending) => pending,
+        };
+        // Hold the stream until the verdict; if Envoy goes away meanwhile (the client
+        // disconnected) dropping `pending` cancels the queued request.
+        let verdict = tokio::select! {
+            v = pending.wait() => v,
+            _ = self.tx.closed() => return Err(()),
+        };
+        Ok(match verdict {
+            Verdict::Dispatched(t) => Ok(Some(t)),
+            Verdict::Rejected(reason) => Err(Rejection::dropped(reason)),
+        })
+    }
+
+    /// The datastore's endpoints with their last metrics, within the proxy's subset hint.
+    fn candidates(&self, now: Instant) -> Vec<Candidate> {
+        let mut candidates = self.ctx.store.candidates(now);
+        if let Some(allowed) = self.subset.as_ref().filter(|_| self.ctx.subset_filter) {
+            // Matched by IP, as llm-d does; an empty hint leaves nothing (503).
+            candidates.retain(|c| allowed.contains(&c.endpoint.addr.ip()));
+        }
+        candidates
+    }
+
+    /// Run the scheduler; tell admission where an admitted request goes, or give its slot back
+    /// when it goes nowhere.
+    fn schedule(
+        &self,
+        sched: &SchedRequest<'_>,
+        candidates: &[Candidate],
+        ticket: Option<Ticket>,
+        t0: Instant,
+    ) -> Result<Decision, Rejection> {
+        let ctx = &self.ctx;
+        let decision = ctx.scheduler.schedule(sched, candidates, &mut rand::rng());
+        ctx.metrics
+            .scheduled(t0.elapsed().as_secs_f64(), decision.is_ok());
+        let decision = match decision {
+            Ok(d) => d,
+            Err(e) => {
+                if let Some(t) = ticket {
+                    // Admitted but going nowhere: give the slot back.
+                    ctx.gate.release(t);
+                }
+                return Err(match e {
+                    SchedError::NoCandidates => Rejection::no_endpoints(),
+                    SchedError::AllFiltered => {
+                        Rejection::saturated("every endpoint was filtered out")
+                    }
+                });
+            }
+        };
+        if let Some(&primary) = decision.picked.first() {
+            if let Some(t) = ticket {
+                ctx.gate
+                    .routed(t, candidates[primary].endpoint.hostport.as_str());
+            }
+            if let Some(p) = &decision.data.prefix {
+                let matched = p.matched.get(primary).copied().unwrap_or(0);
+                ctx.metrics
+                    .prefix_hit(matched, p.total_blocks, p.block_size);
+            }
+        }
+        Ok(decision)
+    }
+
+    /// The routed answer: the destination (+ fallbacks) as header and `envoy.lb` metadata, the
+    /// route info the observing stream reads, the response filter's work, the prefill pod, and
+    /// the client's control headers removed.
+    fn answer(
+        &self,
+        req: &Request,
+        ticket: Option<Ticket>,
+        decision: &Decision,
+        candidates: &[Candidate],
+    ) -> Answer {
+        let ctx = &self.ctx;
+        let destination = decision
+            .picked
+            .iter()
+            .map(|i| candidates[*i].endpoint.hostport.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
+        tracing::debug!(request_id = %self.request_id, %destination, model = %req.model, "routed");
+        let info = RouteInfo {
+            model: req.model.clone(),
+            target_model: req.target_model.clone(),
+            fairness_id: req.meta.fairness_id.clone(),
+            priority: req.meta.priority,
+        };
+        let mut set_headers = vec![
+            header(DESTINATION_HEADER, &destination),
+            header(ROUTE_INFO_HEADER, &info.encode()),
+        ];
+        // The response filter (see `response`) handles requests flow control may evict and
+        // rewritten requests, whose response must show the client's model again.
+        let evictable = ticket.is_some() && req.meta.priority < 0 && ctx.gate.evicts();
+        let mut response_work = Vec::new();
+        if evictable {
+            response_work.push(EVICT.to_string());
+        }
+        if req.rewritten() {
+            let r = Restore {
+                target: req.target_model.clone(),
+                incoming: req.model.clone(),
+            };
+            response_work.push(r.header_item());
+        }
+        if !response_work.is_empty() {
+            set_headers.push(header(RESPONSE_FILTER_HEADER, &response_work.join(",")));
+        }
+        if self.generated_request_id {
+            set_headers.push(header(REQUEST_ID_HEADER, &self.request_id));
+        }
+        let prefiller = decision
+            .prefill
+            .and_then(|i| candidates.get(i))
+            .map(|c| c.endpoint.hostport.as_str());
+        if let Some(p) = prefiller {
+            set_headers.push(header(PREFILLER_HEADER, p));
+        }
+        if matches!(ctx.scheduler.handler, Handler::Disagg { .. }) {
+            ctx.metrics.disagg_decision(if prefiller.is_some() {
+                "prefill-decode"
+            } else {
+                "decode-only"
+            });
+        }
+        // Client-supplied control headers are for the EPP, not the model server.
+        let remove_headers = CONTROL_HEADERS
+            .iter()
+            .chain(prefiller.is_none().then_some(&PREFILLER_HEADER))
+            .chain(response_work.is_empty().then_some(&RESPONSE_FILTER_HEADER))
+            .filter(|h| self.headers.contains_key(**h))
+            .map(|h| h.to_string())
+            .collect();
+        // Session tokens (session affinity, encoded strategy) ride in the same namespace; the
+        // route writes them on the response (`response_headers_to_add` from this metadata).
+        let tokens = ctx.scheduler.session_tokens(decision, candidates);
+        // In FULL_DUPLEX_STREAMED mode (and for body-less requests) the destination rides on the
+        // request-headers answer and the body follows; in BUFFERED/STREAMED mode Envoy already
+        // had its header answer, so the destination rides on the body answer.
+        let on_headers = self.request_body_mode == FULL_DUPLEX || !self.body_started;
+        Answer {
+            response: reply::routed(
+                &destination,
+                set_headers,
+                remove_headers,
+                &tokens,
+                on_headers,
+            ),
+            on_headers,
+            info,
+            primary: decision
+                .picked
+                .first()
+                .map(|i| candidates[*i].endpoint.hostport.clone()),
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! Request metadata: who is asking and how urgently — fairness id, `InferenceObjective` priority
+//! and TTFT objective, all from headers (and the objectives the replica knows).
+//!
+//! Fairness id: `x-llm-d-inference-fairness-id` (deprecated alias
+//! `x-gateway-inference-fairness-id`), else an agent session header ([`AGENT_SESSION_HEADERS`]),
+//! else `default-flow`. Priority: the `InferenceObjective` named by `x-llm-d-inference-objective`
+//! (alias `x-gateway-inference-objective`; unknown or absent = 0). TTFT objective:
+//! `x-llm-d-slo-ttft-ms` (alias `x-slo-ttft-ms`).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::config::{ConfigError, decode_at};
+
+pub const FAIRNESS_ID_HEADER: &str = "x-llm-d-inference-fairness-id";
+pub const FAIRNESS_ID_ALIAS: &str = "x-gateway-inference-fairness-id";
+pub const OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
+pub const OBJECTIVE_ALIAS: &str = "x-gateway-inference-objective";
+pub const SLO_TTFT_HEADER: &str = "x-llm-d-slo-ttft-ms";
+pub const SLO_TTFT_ALIAS: &str = "x-slo-ttft-ms";
+pub const DEFAULT_FAIRNESS_ID: &str = "default-flow";
+/// Agent identity (llm-d's `agent-identity`): an agent's session header is the fairness id of a
+/// request that names none, so each agent session is its own flow.
+pub const AGENT_SESSION_HEADERS: [&str; 4] = [
+    "x-claude-code-session-id",
+    "x-session-affinity",
+    "session-id",
+    "session_id",
+];
+
+/// Headers a client must not be able to smuggle to the model server.
+pub const CONTROL_HEADERS: [&str; 8] = [
+    FAIRNESS_ID_HEADER,
+    FAIRNESS_ID_ALIAS,
+    OBJECTIVE_HEADER,
+    OBJECTIVE_ALIAS,
+    SLO_TTFT_HEADER,
+    SLO_TTFT_ALIAS,
+    super::rewrite::REWRITE_HEADER,
+    super::rewrite::REWRITE_ALIAS,
+];
+
+/// `InferenceObjective` name → priority. In Kubernetes these are CRDs (`llm-d.ai/v1alpha2`); a
+/// standalone replica reads the same manifests from `--objectives-file`.
+#[derive(Debug, Clone, Default)]
+pub struct Objectives(HashMap<String, i32>);
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ObjectiveDoc {
+    api_version: String,
+    kind: String,
+    metadata: ObjectiveMeta,
+    #[serde(default)]
+    spec: ObjectiveSpec,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ObjectiveMeta {
+    name: String,
+    #[serde(default)]
+    #[allow(dead_code)]
+    namespace: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ObjectiveSpec {
+    #[serde(default)]
+    priority: Option<i32>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    pool_ref: Option<serde_json::Value>,
+}
+
+impl Objectives {
+    pub fn new(map: HashMap<String, i32>) -> Self {
+        Objectives(map)
+    }
+
+    /// Parse one or more YAML documents of `kind: InferenceObjective` (`spec.priority`, default 0).
+    pub fn from_yaml(text: &str) -> Result<Objectives, ConfigError> {
+        let docs: Vec<serde_json::Value> =
+            serde_saphyr::from_multiple(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
+        let mut map = HashMap::new();
+        for (i, doc) in docs.iter().enumerate() {
+            if doc.is_null() {
+                continue;
+            }
+            let d: ObjectiveDoc = decode_at(doc, &format!("objectives[{i}]"))?;
+            if d.kind != "InferenceObjective" {
+                return Err(ConfigError::invalid(format!(
+                    "objectives[{i}].kind: `{}` is not InferenceObjective",
+                    d.kind
+                )));
+            }
+            if !d.api_version.ends_with("/v1alpha2") && !d.api_version.ends_with("/v1alpha1") {
+                tracing::warn!(api_version = %d.api_version, "unexpected InferenceObjective apiVersion");
+            }
+            if map
+                .insert(d.metadata.name.clone(), d.spec.priority.unwrap_or(0))
+                .is_some()
+            {
+                return Err(ConfigError::invalid(format!(
+                    "objectives[{i}]: InferenceObjective `{}` defined twice",
+                    d.metadata.name
+                )));
+            }
+        }
+        Ok(Objectives(map))
+    }
+
+    pub fn from_file(path: &Path) -> Result<Objectives, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Objectives::from_yaml(&text)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn priority(&self, name: &str) -> Option<i32> {
+        self.0.get(name).copied()
+    }
+}
+
+/// What admission needs to know about a request, from its headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestMeta {
+    pub fairness_id: String,
+    pub objective: Option<String>,
+    pub priority: i32,
+    pub slo_ttft_ms: Option<u64>,
+}
+
+fn first_header<'a>(headers: &'a HashMap<String, String>, names: &[&str]) -> Option<&'a str> {
+    names
+        .iter()
+        .filter_map(|n| headers.get(*n))
+        .map(|v| v.trim())
+        .find(|v| !v.is_empty())
+}
+
+impl RequestMeta {
+    pub fn from_headers(headers: &HashMap<String, String>, objectives: &Objectives) -> Self {
+        let fairness_id = first_header(headers, &[FAIRNESS_ID_HEADER, FAIRNESS_ID_ALIAS])
+            .or_else(|| first_header(headers, &AGENT_SESSION_HEADERS))
+            .unwrap_or(DEFAULT_FAIRNESS_ID)
+            .to_string();
+        let objective =
+            first_header(headers, &[OBJECTIVE_HEADER, OBJECTIVE_ALIAS]).map(str::to_string);
+        let priority = match &objective {
+            Some(name) => objectives.priority(name).unwrap_or_else(|| {
+                tracing::debug!(objective = %name, "unknown InferenceObjective: priority 0");
+                0
+            }),
+            None => 0,
+        };
+        let slo_ttft_ms = first_header(headers, &[SLO_TTFT_HEADER, SLO_TTFT_ALIAS])
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .map(|v| v.round() as u64);
+        RequestMeta {
+            fairness_id,
+            objective,
+            priority,
+            slo_ttft_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn meta_from_headers_with_aliases_and_defaults() {
+        let obj = Objectives::new([("premium".to_string(), 10)].into_iter().collect());
+        let m = RequestMeta::from_headers(&headers(&[]), &obj);
+        assert_eq!(m.fairness_id, "default-flow");
+        assert_eq!((m.priority, m.slo_ttft_ms), (0, None));
+        let m = RequestMeta::from_headers(
+            &headers(&[
+                ("x-gateway-inference-fairness-id", "team-a"),
+                ("x-gateway-inference-objective", "premium"),
+                ("x-slo-ttft-ms", "250"),
+            ]),
+            &obj,
+        );
+        assert_eq!(m.fairness_id, "team-a");
+        assert_eq!(
+            (m.objective.as_deref(), m.priority, m.slo_ttft_ms),
+            (Some("premium"), 10, Some(250))
+        );
+        // The current header wins over the alias; unknown objectives are priority 0.
+        let m = RequestMeta::from_headers(
+            &headers(&[
+                ("x-llm-d-inference-fairness-id", "new"),
+                ("x-gateway-inference-fairness-id", "old"),
+                ("x-llm-d-inference-objective", "nope"),
+                ("x-llm-d-slo-ttft-ms", "-3"),
+            ]),
+            &obj,
+        );
+        assert_eq!((m.fairness_id.as_str(), m.priority), ("new", 0));
+        // agent identity: an agent's session header when no fairness id is given
+        let agent = |pairs: &[(&str, &str)]| {
+            RequestMeta::from_headers(&headers(pairs), &Objectives::default()).fairness_id
+        };
+        assert_eq!(agent(&[("x-claude-code-session-id", "cc-1")]), "cc-1");
+        assert_eq!(
+            agent(&[("session_id", "s"), ("x-session-affinity", "a")]),
+            "a",
+            "listed order decides"
+        );
+        assert_eq!(
+            agent(&[("x-llm-d-inference-fairness-id", "t"), ("session-id", "s")]),
+            "t",
+            "an explicit fairness id wins"
+        );
+        assert_eq!(agent(&[("session-id", "  ")]), "default-flow");
+        assert_eq!(m.slo_ttft_ms, None);
+    }
+
+    #[test]
+    fn objectives_from_manifests() {
+        let yaml = "apiVersion: llm-d.ai/v1alpha2\nkind: InferenceObjective\nmetadata: {name: premium}\nspec: {priority: 10, poolRef: {name: p}}\n---\napiVersion: llm-d.ai/v1alpha2\nkind: InferenceObjective\nmetadata: {name: batch}\nspec: {priority: -5}\n";
+        let o = Objectives::from_yaml(yaml).unwrap();
+        assert_eq!(
+            (o.priority("premium"), o.priority("batch"), o.len()),
+            (Some(10), Some(-5), 2)
+        );
+        let bad = "apiVersion: llm-d.ai/v1alpha2\nkind: InferenceObjective\nmetadata: {name: x}\nspec: {priorty: 1}\n";
+        let e = Objectives::from_yaml(bad).unwrap_err().to_string();
+        assert!(e.contains("priorty"), "{e}");
+        let dup = format!("{yaml}---\n{}", yaml.split("---\n").next().unwrap());
+        let e = Objectives::from_yaml(&dup).unwrap_err().to_string();
+        assert!(e.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn example_objectives_file_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/objectives.yaml");
+        let o = Objectives::from_file(&path).unwrap();
+        assert_eq!(
+            (
+                o.priority("interactive"),
+                o.priority("standard"),
+                o.priority("batch")
+            ),
+            (Some(10), Some(0), Some(-10))
+        );
+    }
+}

@@ -1,0 +1,134 @@
+//! The request stage: from the bytes Envoy buffered to a request that may be scheduled.
+//!
+//! ```text
+//! body ─► parse (parser chosen by path) ─► resolve: model rewrite → target model,
+//!         metadata (fairness id, objective → priority, TTFT objective) ─► admission (a Gate)
+//! ```
+//! - [`parse`]: request-body parsers (OpenAI, Anthropic, vLLM) → [`parse::ParsedRequest`];
+//! - [`rewrite`]: `InferenceModelRewrite` rules and the rewrite header → the target model;
+//! - [`meta`]: [`meta::RequestMeta`] from headers and `InferenceObjective`s;
+//! - [`admission`]: the [`admission::Gate`] trait — legacy controller, flow control on this
+//!   replica; the cluster room implements it cluster-wide;
+//! - [`reject`]: every refusal as one HTTP status, error code and drop reason.
+//!
+//! This room knows nothing of Envoy's protocol: the data plane hands it headers and bytes and
+//! turns its [`reject::Rejection`]s into immediate responses.
+
+pub mod admission;
+pub mod meta;
+pub mod parse;
+pub mod reject;
+pub mod rewrite;
+
+use std::collections::HashMap;
+
+use meta::{Objectives, RequestMeta};
+use parse::{ParsedRequest, Prompt};
+use reject::Rejection;
+use rewrite::{ModelRewrites, REWRITE_ALIAS, REWRITE_HEADER};
+
+/// What the routing filter sends for paths no parser handles.
+const SUPPORTED_PATHS: &str =
+    "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/messages, /inference/v1/generate";
+
+/// The request path as the proxy reports it (`:path`, else the original or forwarded path).
+pub fn path(headers: &HashMap<String, String>) -> &str {
+    headers
+        .get(":path")
+        .or_else(|| headers.get("x-original-path"))
+        .or_else(|| headers.get("x-forwarded-path"))
+        .map_or("", String::as_str)
+}
+
+/// Parse a request's body with the parser its path selects; `None` for a request without a body
+/// (routed on scores alone). Unknown paths are 404 unless `passthrough`; bad bodies 400.
+pub fn parse_body(
+    path: &str,
+    body: Option<&[u8]>,
+    passthrough: bool,
+) -> Result<Option<ParsedRequest>, Rejection> {
+    let Some(body) = body else {
+        return Ok(None);
+    };
+    let Some(kind) = parse::kind_for_path(path, passthrough) else {
+        return Err(Rejection::not_found(format!(
+            "no request parser handles path `{path}` (supported: {SUPPORTED_PATHS})"
+        )));
+    };
+    parse::parse(kind, body)
+        .map(Some)
+        .map_err(|e| Rejection::bad_request(e.to_string()))
+}
+
+/// A parsed request with its target model and metadata: what admission and scheduling see.
+#[derive(Debug)]
+pub struct Request {
+    /// `None` for a request without a body.
+    pub parsed: Option<ParsedRequest>,
+    /// The model the client asked for (empty without a body).
+    pub model: String,
+    /// The model the pods will serve (a rewrite's target, else `model`).
+    pub target_model: String,
+    pub meta: RequestMeta,
+}
+
+impl Request {
+    /// Resolve the target model (a rule for the model, else the rewrite header, else unchanged)
+    /// and the request's metadata.
+    pub fn resolve(
+        parsed: Option<ParsedRequest>,
+        headers: &HashMap<String, String>,
+        objectives: &Objectives,
+        rewrites: &ModelRewrites,
+    ) -> Request {
+        let model = parsed.as_ref().map_or("", |p| p.model.as_str());
+        let rewrite_header = headers
+            .get(REWRITE_HEADER)
+            .or_else(|| headers.get(REWRITE_ALIAS))
+            .map(String::as_str);
+        let target = if parsed.is_some() && !model.is_empty() {
+            rewrites.target(model, rewrite_header, &mut rand::rng())
+        } else {
+            model
+        };
+        Request {
+            model: model.to_string(),
+            target_model: target.to_string(),
+            meta: RequestMeta::from_headers(headers, objectives),
+            parsed,
+        }
+    }
+
+    /// Whether the pods serve another model than the client named.
+    pub fn rewritten(&self) -> bool {
+        self.target_model != self.model
+    }
+
+    /// The prompt (nothing for a body-less request).
+    pub fn prompt(&self) -> &Prompt {
+        static NONE: Prompt = Prompt::None;
+        self.parsed.as_ref().map_or(&NONE, |p| &p.prompt)
+    }
+
+    pub fn cache_salt(&self) -> Option<&str> {
+        self.parsed.as_ref().and_then(|p| p.cache_salt.as_deref())
+    }
+
+    /// The body as the model server must receive it: the target model, and — for a streaming
+    /// OpenAI request whose body is streamed back by the data plane — usage reporting asked
+    /// for, so token metrics and flow control's token accounting see real counts.
+    pub fn upstream_body(&self, mut body: Vec<u8>, editable_usage: bool) -> Vec<u8> {
+        if self.rewritten()
+            && let Some(edited) = parse::with_model(&body, &self.target_model)
+        {
+            body = edited;
+        }
+        if editable_usage
+            && let Some(edit) = self.parsed.as_ref().and_then(|p| p.usage_edit)
+            && let Some(edited) = parse::with_include_usage(&body, edit)
+        {
+            body = edited;
+        }
+        body
+    }
+}

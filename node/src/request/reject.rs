@@ -1,0 +1,91 @@
+//! Every way the EPP refuses a request, mapped to one HTTP status, llm-d's error-code name and
+//! (where llm-d has one) an `x-llm-d-request-dropped-reason`. The data plane delivers them as
+//! ext_proc immediate responses.
+
+pub const DROPPED_REASON_HEADER: &str = "x-llm-d-request-dropped-reason";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub status: u16,
+    pub code: &'static str,
+    pub reason: Option<&'static str>,
+    pub message: String,
+}
+
+impl Rejection {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Rejection {
+            status: 400,
+            code: "BadRequest",
+            reason: None,
+            message: message.into(),
+        }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Rejection {
+            status: 404,
+            code: "NotFound",
+            reason: None,
+            message: message.into(),
+        }
+    }
+
+    pub fn too_large(limit: usize) -> Self {
+        Rejection {
+            status: 413,
+            code: "PayloadTooLarge",
+            reason: None,
+            message: format!("request body exceeds the {limit}-byte limit"),
+        }
+    }
+
+    pub fn saturated(message: impl Into<String>) -> Self {
+        Rejection {
+            status: 429,
+            code: "ResourceExhausted",
+            reason: Some("rejected-saturated"),
+            message: message.into(),
+        }
+    }
+
+    pub fn no_endpoints() -> Self {
+        Rejection {
+            status: 503,
+            code: "ServiceUnavailable",
+            reason: Some("rejected-no-endpoints"),
+            message: "no ready endpoints in the pool".into(),
+        }
+    }
+
+    /// A flow-control drop, with llm-d's status and `x-llm-d-request-dropped-reason`.
+    pub fn dropped(reason: flowctl::DropReason) -> Self {
+        let h = reason.http();
+        Rejection {
+            status: h.status,
+            code: if h.status == 429 {
+                "ResourceExhausted"
+            } else {
+                "ServiceUnavailable"
+            },
+            reason: h.dropped_reason,
+            message: h.message.into(),
+        }
+    }
+
+    /// The legacy admission controller's refusal of a sheddable request (no dropped-reason header).
+    pub fn sheddable_saturated() -> Self {
+        let h = flowctl::LegacyAdmission::Reject.http();
+        Rejection {
+            status: 429,
+            code: "ResourceExhausted",
+            reason: h.and_then(|h| h.dropped_reason),
+            message: h.map_or("system saturated", |h| h.message).into(),
+        }
+    }
+
+    /// The body llm-d sends: `inference error: <Code> - <message>`.
+    pub fn body(&self) -> String {
+        format!("inference error: {} - {}", self.code, self.message)
+    }
+}

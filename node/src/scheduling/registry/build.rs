@@ -1,0 +1,461 @@
+//! Building a whole `EndpointPickerConfig`: every plugin constructed, profiles assembled, the
+//! profile handler chosen, llm-d's defaults injected (the data producers a consumer needs, the
+//! metrics data source), references validated.
+
+use super::*;
+
+/// What the configuration builds: the scheduler and the data-layer settings.
+#[derive(Debug, Clone)]
+pub struct Built {
+    pub scheduler: Scheduler,
+    pub metrics_source: MetricsSourceParams,
+    /// The in-flight ledger, when a plugin needs one (the response path releases into it).
+    pub inflight: Option<Arc<InflightTracker>>,
+    pub admission: AdmissionConfig,
+    /// Effective configuration, for the start-up log line.
+    pub summary: String,
+}
+
+/// Instantiate every plugin, apply llm-d's default injection and validate references.
+pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
+    // Validate every other gate entry's syntax.
+    for g in &cfg.feature_gates {
+        let name = g.split_once('=').map_or(g.as_str(), |(n, _)| n);
+        cfg.gate(name.trim())?;
+    }
+
+    let mut instances: Vec<(String, String, Plugin)> = Vec::new();
+    let mut by_name: HashMap<String, usize> = HashMap::new();
+    for (i, spec) in cfg.plugins.iter().enumerate() {
+        let path = format!("plugins[{i}].parameters");
+        let name = spec.instance_name().to_string();
+        if by_name.contains_key(&name) {
+            return Err(ConfigError::Field {
+                path: format!("plugins[{i}].name"),
+                message: format!("duplicate plugin name `{name}`"),
+            });
+        }
+        let plugin =
+            construct(&spec.type_name, spec.parameters.as_ref(), &path).map_err(|e| match e {
+                ConfigError::Invalid(m) => ConfigError::Invalid(
+                    m.replace(&format!("{path}:"), &format!("plugins[{i}].type:")),
+                ),
+                other => other,
+            })?;
+        by_name.insert(name.clone(), instances.len());
+        instances.push((name, spec.type_name.clone(), plugin));
+    }
+
+    // The profile handler: at most one, default single-profile-handler.
+    let handlers: Vec<&HandlerSpec> = instances
+        .iter()
+        .filter_map(|(_, _, p)| match p {
+            Plugin::ProfileHandler(h) => Some(h),
+            _ => None,
+        })
+        .collect();
+    if handlers.len() > 1 {
+        return Err(ConfigError::invalid(
+            "plugins: more than one profile handler configured",
+        ));
+    }
+    let handler_spec = handlers
+        .first()
+        .copied()
+        .cloned()
+        .unwrap_or(HandlerSpec::Single);
+
+    // First picker anywhere, or the default max-score-picker.
+    let first_picker = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::Picker(p) => Some(p.clone()),
+        _ => None,
+    });
+    let default_picker: Arc<dyn Picker> =
+        first_picker.unwrap_or_else(|| Arc::new(MaxScorePicker { max_endpoints: 1 }));
+
+    let profiles: Vec<Profile> = if cfg.scheduling_profiles.is_empty() {
+        // No profiles: one `default` profile with every filter/scorer/picker, weight 1.
+        let mut scorers = Vec::new();
+        let mut filters = Vec::new();
+        let mut picker = None;
+        for (name, _, p) in &instances {
+            if let Some(f) = p.as_filter() {
+                filters.push(f);
+            } else if let Some(scorer) = p.as_scorer() {
+                scorers.push(WeightedScorer {
+                    name: name.clone(),
+                    weight: 1.0,
+                    scorer,
+                });
+            } else if let Plugin::Picker(p) = p
+                && picker.is_none()
+            {
+                picker = Some(p.clone());
+            }
+        }
+        vec![Profile {
+            name: "default".into(),
+            filters,
+            scorers,
+            picker: picker.unwrap_or(default_picker),
+        }]
+    } else {
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for (k, spec) in cfg.scheduling_profiles.iter().enumerate() {
+            if !seen.insert(spec.name.as_str()) {
+                return Err(ConfigError::Field {
+                    path: format!("schedulingProfiles[{k}].name"),
+                    message: format!("duplicate profile name `{}`", spec.name),
+                });
+            }
+            out.push(build_profile(
+                k,
+                spec,
+                &instances,
+                &by_name,
+                &default_picker,
+            )?);
+        }
+        out
+    };
+
+    let handler = match handler_spec {
+        HandlerSpec::Single => {
+            if profiles.len() > 1 {
+                return Err(ConfigError::invalid(format!(
+                    "schedulingProfiles: {} profiles need a multi-profile handler; `{SINGLE_PROFILE_HANDLER}` runs exactly one",
+                    profiles.len()
+                )));
+            }
+            match profiles.into_iter().next() {
+                Some(p) => Handler::Single(p),
+                None => return Err(ConfigError::invalid("schedulingProfiles: no profile")),
+            }
+        }
+        HandlerSpec::Disagg(params) => {
+            let find = |name: &str, key: &str| {
+                profiles
+                    .iter()
+                    .find(|p| p.name == name)
+                    .cloned()
+                    .ok_or_else(|| {
+                        ConfigError::invalid(format!(
+                            "{DISAGG_PROFILE_HANDLER}: parameters.profiles.{key} names `{name}`, which is not a scheduling profile"
+                        ))
+                    })
+            };
+            let decode = find(&params.profiles.decode, "decode")?;
+            if params.deciders.encode.is_some() {
+                return Err(ConfigError::invalid(format!(
+                    "{DISAGG_PROFILE_HANDLER}: parameters.deciders.encode: encode disaggregation is not implemented by this build yet"
+                )));
+            }
+            let prefill = match &params.deciders.prefill {
+                None => {
+                    tracing::warn!(
+                        "{DISAGG_PROFILE_HANDLER} without deciders.prefill: every request is decode-only"
+                    );
+                    None
+                }
+                Some(name) => {
+                    let decider = by_name
+                        .get(name)
+                        .and_then(|i| match &instances[*i].2 {
+                            Plugin::Decider(d) => Some(*d),
+                            _ => None,
+                        })
+                        .ok_or_else(|| {
+                            ConfigError::invalid(format!(
+                                "{DISAGG_PROFILE_HANDLER}: parameters.deciders.prefill: `{name}` is not a P/D decider plugin"
+                            ))
+                        })?;
+                    Some((find(&params.profiles.prefill, "prefill")?, decider))
+                }
+            };
+            Handler::Disagg { decode, prefill }
+        }
+    };
+    let has_decider = matches!(
+        handler,
+        Handler::Disagg {
+            prefill: Some((_, PdDecider::PrefixBased { .. })),
+            ..
+        }
+    );
+    let scheduler_profiles: Vec<Profile> = match &handler {
+        Handler::Single(p) => vec![p.clone()],
+        Handler::Disagg { decode, prefill } => std::iter::once(decode.clone())
+            .chain(prefill.as_ref().map(|(p, _)| p.clone()))
+            .collect(),
+    };
+
+    // Data producers: the configured ones, plus llm-d's defaults for every consumer that needs one.
+    let uses = |t: &[&str]| {
+        scheduler_profiles.iter().any(|profile| {
+            profile
+                .scorers
+                .iter()
+                .any(|s| t.contains(&s.scorer.type_name()))
+                || profile.filters.iter().any(|f| t.contains(&f.type_name()))
+        })
+    };
+    let needs_prefix = has_decider || uses(&[prefix::SCORER_TYPE, prefix::AFFINITY_FILTER_TYPE]);
+    let needs_inflight = uses(&[
+        load_scorers::TOKEN_LOAD_TYPE,
+        load_scorers::ACTIVE_REQUEST_TYPE,
+        prefix::AFFINITY_FILTER_TYPE,
+        filters::UTILIZATION_TYPE,
+    ]);
+    let mut producers: Vec<Arc<dyn Producer>> = Vec::new();
+    let configured_prefix = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::PrefixProducer(p) => Some(p.clone()),
+        _ => None,
+    });
+    let prefix_index = match configured_prefix {
+        Some(p) => Some(p),
+        None if needs_prefix => Some(Arc::new(ApproxPrefixProducer::new(
+            prefix::ProducerParams::default(),
+        ))),
+        None => None,
+    };
+    if let Some(p) = &prefix_index {
+        producers.push(p.clone());
+    }
+    let configured_inflight = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::InflightProducer(p) => Some(p.clone()),
+        _ => None,
+    });
+    let inflight_params = match configured_inflight {
+        Some(p) => Some(p),
+        None if needs_inflight => Some(inflight::InflightParams::default()),
+        None => None,
+    };
+    let inflight = inflight_params.map(|params| {
+        let tracker = Arc::new(InflightTracker::default());
+        producers.push(Arc::new(InflightProducer {
+            params,
+            tracker: tracker.clone(),
+        }));
+        tracker
+    });
+
+    // Data layer: metrics-data-source (+ core-metrics-extractor) unless injectDefaults: false.
+    let mut metrics_source = None;
+    if let Some(dl) = &cfg.data_layer {
+        for (i, src) in dl.sources.iter().enumerate() {
+            let idx = by_name
+                .get(&src.plugin_ref)
+                .ok_or_else(|| ConfigError::Field {
+                    path: format!("dataLayer.sources[{i}].pluginRef"),
+                    message: format!("no plugin named `{}`", src.plugin_ref),
+                })?;
+            match &instances[*idx].2 {
+                Plugin::MetricsSource(p) => metrics_source = Some(p.clone()),
+                _ => {
+                    return Err(ConfigError::Field {
+                        path: format!("dataLayer.sources[{i}].pluginRef"),
+                        message: format!("`{}` is not a data source", src.plugin_ref),
+                    });
+                }
+            }
+            for (k, ex) in src.extractors.iter().enumerate() {
+                let ok = by_name
+                    .get(&ex.plugin_ref)
+                    .is_some_and(|i| matches!(instances[*i].2, Plugin::Extractor));
+                if !ok {
+                    return Err(ConfigError::Field {
+                        path: format!("dataLayer.sources[{i}].extractors[{k}].pluginRef"),
+                        message: format!("`{}` is not a metrics extractor", ex.plugin_ref),
+                    });
+                }
+            }
+        }
+        if dl.discovery.is_some() || dl.peer_discovery.is_some() {
+            return Err(ConfigError::invalid(
+                "dataLayer.discovery / peerDiscovery plugins are not implemented yet; use --endpoints-file",
+            ));
+        }
+    }
+    if metrics_source.is_none() {
+        metrics_source = instances.iter().find_map(|(_, _, p)| match p {
+            Plugin::MetricsSource(p) => Some(p.clone()),
+            _ => None,
+        });
+    }
+    let metrics_source = metrics_source.unwrap_or_default();
+
+    if let Some(rh) = &cfg.request_handler {
+        for (i, r) in rh.parsers.iter().enumerate() {
+            let known = by_name
+                .get(&r.plugin_ref)
+                .is_some_and(|i| matches!(instances[*i].2, Plugin::Parser(_)))
+                || PARSERS.contains(&r.plugin_ref.as_str());
+            if !known {
+                return Err(ConfigError::Field {
+                    path: format!("requestHandler.parsers[{i}].pluginRef"),
+                    message: format!("`{}` is not a parser", r.plugin_ref),
+                });
+            }
+        }
+    }
+    let admission = AdmissionConfig::from_config(cfg)?;
+
+    let profiles_summary = match &handler {
+        Handler::Single(p) => describe_profile(p),
+        Handler::Disagg { decode, prefill } => {
+            let mut s = format!(
+                "{DISAGG_PROFILE_HANDLER} decode: {}",
+                describe_profile(decode)
+            );
+            match prefill {
+                Some((p, d)) => {
+                    s += &format!(" | prefill when {}: {}", d.type_name(), describe_profile(p))
+                }
+                None => s += " | no prefill decider",
+            }
+            s
+        }
+    };
+    let summary = format!(
+        "producers=[{}] {} metrics={}://<pod>{} every {}",
+        producers
+            .iter()
+            .map(|p| p.type_name())
+            .collect::<Vec<_>>()
+            .join(", "),
+        profiles_summary,
+        metrics_source.scheme,
+        metrics_source.path,
+        metrics_source.interval.as_deref().unwrap_or("base tick"),
+    ) + " "
+        + &admission.summary();
+    // Session-affinity instances the profiles use: they record decisions and write tokens back.
+    let sessions: Vec<Arc<session::SessionAffinity>> = instances
+        .iter()
+        .filter_map(|(_, _, p)| match p {
+            Plugin::Session(s) => Some(s.clone()),
+            _ => None,
+        })
+        .filter(|s| {
+            let me = Arc::as_ptr(s) as *const ();
+            scheduler_profiles.iter().any(|profile| {
+                profile
+                    .scorers
+                    .iter()
+                    .any(|w| Arc::as_ptr(&w.scorer) as *const () == me)
+                    || profile
+                        .filters
+                        .iter()
+                        .any(|f| Arc::as_ptr(f) as *const () == me)
+            })
+        })
+        .collect();
+    let prefill_profile = match &handler {
+        Handler::Disagg {
+            prefill: Some((p, _)),
+            ..
+        } => Some(p.name.clone()),
+        _ => None,
+    };
+    Ok(Built {
+        scheduler: Scheduler {
+            producers,
+            handler,
+            prefix_index,
+            sessions,
+            prefill_profile,
+        },
+        metrics_source,
+        inflight,
+        admission,
+        summary,
+    })
+}
+
+fn describe_profile(profile: &Profile) -> String {
+    format!(
+        "profile={} filters=[{}] scorers=[{}] picker={}",
+        profile.name,
+        profile
+            .filters
+            .iter()
+            .map(|f| f.type_name())
+            .collect::<Vec<_>>()
+            .join(", "),
+        profile
+            .scorers
+            .iter()
+            .map(|s| format!("{}({})*{}", s.name, s.scorer.type_name(), s.weight))
+            .collect::<Vec<_>>()
+            .join(", "),
+        profile.picker.type_name(),
+    )
+}
+
+/// Build configured profile `k` from its plugin references.
+fn build_profile(
+    k: usize,
+    spec: &crate::config::ProfileSpec,
+    instances: &[(String, String, Plugin)],
+    by_name: &HashMap<String, usize>,
+    default_picker: &Arc<dyn Picker>,
+) -> Result<Profile, ConfigError> {
+    let mut scorers = Vec::new();
+    let mut filters = Vec::new();
+    let mut picker = None;
+    for (j, r) in spec.plugins.iter().enumerate() {
+        let path = format!("schedulingProfiles[{k}].plugins[{j}].pluginRef");
+        let idx = by_name
+            .get(&r.plugin_ref)
+            .ok_or_else(|| ConfigError::Field {
+                path: path.clone(),
+                message: format!("no plugin named `{}`", r.plugin_ref),
+            })?;
+        let (name, type_name, p) = &instances[*idx];
+        if let Some(f) = p.as_filter() {
+            filters.push(f);
+            continue;
+        }
+        if let Some(scorer) = p.as_scorer() {
+            let weight = r.weight.unwrap_or(1.0);
+            if !weight.is_finite() || weight < 0.0 {
+                return Err(ConfigError::Field {
+                    path: format!("schedulingProfiles[{k}].plugins[{j}].weight"),
+                    message: "weight must be a finite number >= 0".into(),
+                });
+            }
+            scorers.push(WeightedScorer {
+                name: name.clone(),
+                weight,
+                scorer,
+            });
+            continue;
+        }
+        match p {
+            Plugin::Picker(p) => {
+                if picker.is_some() {
+                    return Err(ConfigError::Field {
+                        path,
+                        message: "a profile takes one picker".into(),
+                    });
+                }
+                picker = Some(p.clone());
+            }
+            _ => {
+                return Err(ConfigError::Field {
+                    path,
+                    message: format!(
+                        "plugin `{name}` of type `{type_name}` cannot be used in a scheduling profile"
+                    ),
+                });
+            }
+        }
+    }
+    Ok(Profile {
+        name: spec.name.clone(),
+        filters,
+        scorers,
+        picker: picker.unwrap_or_else(|| default_picker.clone()),
+    })
+}

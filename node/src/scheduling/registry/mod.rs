@@ -1,0 +1,400 @@
+//! The plugin registry: llm-d type name → constructor ([`construct`]); [`build`] instantiates a
+//! whole `EndpointPickerConfig` with llm-d's default injection.
+
+mod build;
+#[cfg(test)]
+mod tests;
+
+pub use build::{Built, build};
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
+use crate::datalayer::inflight::InflightTracker;
+use crate::request::admission::AdmissionConfig;
+use crate::scheduling::filters::{self, LabelSelectorFilter, UtilizationFilter};
+use crate::scheduling::inflight::{self, InflightProducer};
+use crate::scheduling::kv_cache_scorer::{self, KvCacheScorer};
+use crate::scheduling::load_scorers::{
+    self, ActiveRequestScorer, RunningRequestsScorer, TokenLoadScorer,
+};
+use crate::scheduling::lora_affinity_scorer::{self, LoraAffinityScorer};
+use crate::scheduling::max_score_picker::{self, MaxScorePicker};
+use crate::scheduling::prefix::{
+    self, ApproxPrefixProducer, PrefixAffinityFilter, PrefixCacheScorer,
+};
+use crate::scheduling::queue_scorer::{self, QueueScorer};
+use crate::scheduling::random_picker::{self, RandomPicker};
+use crate::scheduling::scheduler::{
+    ALWAYS_DISAGG_PD_DECIDER, Handler, PREFIX_BASED_PD_DECIDER, PdDecider, Profile, Scheduler,
+    WeightedScorer,
+};
+use crate::scheduling::session;
+use crate::scheduling::weighted_random_picker::{self, WeightedRandomPicker};
+use crate::scheduling::{Filter, NoParams, Picker, PickerParams, Producer, Scorer, params};
+
+pub const SINGLE_PROFILE_HANDLER: &str = "single-profile-handler";
+pub const DISAGG_PROFILE_HANDLER: &str = "disagg-profile-handler";
+pub const METRICS_DATA_SOURCE: &str = "metrics-data-source";
+pub const CORE_METRICS_EXTRACTOR: &str = "core-metrics-extractor";
+pub const PARSERS: [&str; 4] = [
+    "openai-parser",
+    "anthropic-parser",
+    "vllmhttp-parser",
+    "passthrough-parser",
+];
+
+/// llm-d plugin types this build recognises but does not implement yet: a config naming one fails
+/// with a message saying so, rather than "unknown type".
+const NOT_YET: &[&str] = &[
+    "precise-prefix-cache-producer",
+    "load-aware-scorer",
+    "no-hit-lru-scorer",
+    "session-id-producer",
+    "agent-identity",
+    "encode-filter",
+    "always-disagg-multimodal-decider",
+    "data-parallel-profile-handler",
+    "header-profile-handler",
+    "latency-slo-admitter",
+    "probabilistic-admitter",
+    "predicted-latency-producer",
+    "latency-scorer",
+];
+
+/// A constructed plugin instance.
+#[derive(Debug, Clone)]
+pub enum Plugin {
+    Scorer(Arc<dyn Scorer>),
+    Filter(Arc<dyn Filter>),
+    /// `session-affinity-scorer` / `-filter` (a scorer or filter that also records decisions and
+    /// may write a token back).
+    Session(Arc<session::SessionAffinity>),
+    Picker(Arc<dyn Picker>),
+    PrefixProducer(Arc<ApproxPrefixProducer>),
+    InflightProducer(inflight::InflightParams),
+    /// `token-producer` (estimate backend: the count comes from the prompt's estimate tokens).
+    TokenProducer,
+    ProfileHandler(HandlerSpec),
+    /// A P/D decider of `disagg-profile-handler`.
+    Decider(PdDecider),
+    MetricsSource(MetricsSourceParams),
+    Extractor,
+    Parser(&'static str),
+    /// A flow-control policy or saturation detector: used through `flowControl` references, not by
+    /// the scheduler. Its parameters are validated at construction.
+    FlowControl,
+}
+
+impl Plugin {
+    /// The plugin as a scheduling filter, if it is one.
+    fn as_filter(&self) -> Option<Arc<dyn Filter>> {
+        match self {
+            Plugin::Filter(f) => Some(f.clone()),
+            Plugin::Session(s) if s.is_filter() => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    /// The plugin as a scorer, if it is one.
+    fn as_scorer(&self) -> Option<Arc<dyn Scorer>> {
+        match self {
+            Plugin::Scorer(s) => Some(s.clone()),
+            Plugin::Session(s) if !s.is_filter() => Some(s.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// `metrics-data-source` parameters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MetricsSourceParams {
+    #[serde(default = "default_scheme")]
+    pub scheme: String,
+    #[serde(default = "default_path")]
+    pub path: String,
+    #[serde(default = "default_true")]
+    pub insecure_skip_verify: bool,
+    #[serde(default)]
+    pub interval: Option<String>,
+}
+
+fn default_scheme() -> String {
+    "http".into()
+}
+fn default_path() -> String {
+    "/metrics".into()
+}
+fn default_true() -> bool {
+    true
+}
+
+impl Default for MetricsSourceParams {
+    fn default() -> Self {
+        MetricsSourceParams {
+            scheme: default_scheme(),
+            path: default_path(),
+            insecure_skip_verify: true,
+            interval: None,
+        }
+    }
+}
+
+/// `core-metrics-extractor` parameters: the label that selects the engine dialect.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ExtractorParams {
+    #[serde(default)]
+    pub engine_label_key: Option<String>,
+}
+
+/// `token-producer` parameters: only the tokenizer-free `estimate` backend exists here.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TokenProducerParams {
+    #[serde(default = "estimate")]
+    pub backend: String,
+}
+
+fn estimate() -> String {
+    "estimate".into()
+}
+
+/// Construct one plugin by llm-d type name. `path` locates its parameters for error messages.
+pub fn construct(
+    type_name: &str,
+    parameters: Option<&serde_json::Value>,
+    path: &str,
+) -> Result<Plugin, ConfigError> {
+    let plugin = match type_name {
+        queue_scorer::TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(QueueScorer))
+        }
+        kv_cache_scorer::TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(KvCacheScorer))
+        }
+        prefix::SCORER_TYPE => Plugin::Scorer(Arc::new(PrefixCacheScorer {
+            params: params(parameters, path)?,
+        })),
+        prefix::PRODUCER_TYPE => Plugin::PrefixProducer(Arc::new(ApproxPrefixProducer::new(
+            params(parameters, path)?,
+        ))),
+        prefix::AFFINITY_FILTER_TYPE => {
+            let p: prefix::AffinityParams = params(parameters, path)?;
+            if p.ttft_source != "prefillThroughput" {
+                return Err(ConfigError::Field {
+                    path: format!("{path}.ttftSource"),
+                    message: format!(
+                        "ttftSource `{}` is not supported (only prefillThroughput)",
+                        p.ttft_source
+                    ),
+                });
+            }
+            Plugin::Filter(Arc::new(PrefixAffinityFilter { params: p }))
+        }
+        load_scorers::RUNNING_TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(RunningRequestsScorer))
+        }
+        load_scorers::TOKEN_LOAD_TYPE => Plugin::Scorer(Arc::new(TokenLoadScorer {
+            params: params(parameters, path)?,
+        })),
+        load_scorers::ACTIVE_REQUEST_TYPE => Plugin::Scorer(Arc::new(ActiveRequestScorer {
+            params: params(parameters, path)?,
+        })),
+        lora_affinity_scorer::TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(LoraAffinityScorer))
+        }
+        inflight::TYPE => Plugin::InflightProducer(params(parameters, path)?),
+        t @ (session::SCORER_TYPE | session::FILTER_TYPE) => {
+            let p: session::SessionParams = params(parameters, path)?;
+            let type_name = if t == session::SCORER_TYPE {
+                session::SCORER_TYPE
+            } else {
+                session::FILTER_TYPE
+            };
+            Plugin::Session(Arc::new(session::SessionAffinity::new(
+                type_name, &p, path,
+            )?))
+        }
+        "token-producer" => {
+            let p: TokenProducerParams = params(parameters, path)?;
+            if p.backend != "estimate" {
+                return Err(ConfigError::Field {
+                    path: format!("{path}.backend"),
+                    message: format!("backend `{}` is not supported (only estimate)", p.backend),
+                });
+            }
+            Plugin::TokenProducer
+        }
+        filters::LABEL_SELECTOR_TYPE => Plugin::Filter(Arc::new(LabelSelectorFilter {
+            params: params(parameters, path)?,
+        })),
+        filters::DECODE_TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Filter(Arc::new(filters::decode_filter()))
+        }
+        filters::PREFILL_TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Filter(Arc::new(filters::prefill_filter()))
+        }
+        filters::UTILIZATION_TYPE => Plugin::Filter(Arc::new(UtilizationFilter {
+            params: params(parameters, path)?,
+        })),
+        weighted_random_picker::TYPE => {
+            let p: PickerParams = params(parameters, path)?;
+            Plugin::Picker(Arc::new(WeightedRandomPicker {
+                max_endpoints: p.max_num_of_endpoints,
+            }))
+        }
+        max_score_picker::TYPE => {
+            let p: PickerParams = params(parameters, path)?;
+            Plugin::Picker(Arc::new(MaxScorePicker {
+                max_endpoints: p.max_num_of_endpoints,
+            }))
+        }
+        random_picker::TYPE => {
+            let p: PickerParams = params(parameters, path)?;
+            Plugin::Picker(Arc::new(RandomPicker {
+                max_endpoints: p.max_num_of_endpoints,
+            }))
+        }
+        SINGLE_PROFILE_HANDLER => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::ProfileHandler(HandlerSpec::Single)
+        }
+        DISAGG_PROFILE_HANDLER => {
+            Plugin::ProfileHandler(HandlerSpec::Disagg(params(parameters, path)?))
+        }
+        PREFIX_BASED_PD_DECIDER => {
+            let p: PrefixDeciderParams = params(parameters, path)?;
+            Plugin::Decider(PdDecider::PrefixBased {
+                non_cached_tokens: p.non_cached_tokens,
+                prompt_tokens: p.prompt_tokens,
+            })
+        }
+        ALWAYS_DISAGG_PD_DECIDER => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Decider(PdDecider::Always)
+        }
+        METRICS_DATA_SOURCE => {
+            let p: MetricsSourceParams = params(parameters, path)?;
+            if let Some(i) = &p.interval {
+                parse_duration(i).map_err(|message| ConfigError::Field {
+                    path: format!("{path}.interval"),
+                    message,
+                })?;
+            }
+            if p.scheme != "http" {
+                return Err(ConfigError::Field {
+                    path: format!("{path}.scheme"),
+                    message: format!("scheme `{}` is not supported yet (only http)", p.scheme),
+                });
+            }
+            Plugin::MetricsSource(p)
+        }
+        CORE_METRICS_EXTRACTOR => {
+            let _: ExtractorParams = params(parameters, path)?;
+            Plugin::Extractor
+        }
+        t if PARSERS.contains(&t) => {
+            let _: NoParams = params(parameters, path)?;
+            let name = PARSERS
+                .iter()
+                .find(|p| **p == t)
+                .copied()
+                .unwrap_or("openai-parser");
+            Plugin::Parser(name)
+        }
+        flowctl::UTILIZATION_DETECTOR | flowctl::CONCURRENCY_DETECTOR => {
+            flowctl::SaturationDetector::from_plugin(type_name, parameters, path)?;
+            Plugin::FlowControl
+        }
+        flowctl::GLOBAL_STRICT_FAIRNESS
+        | flowctl::ROUND_ROBIN_FAIRNESS
+        | flowctl::WEIGHTED_FAIRNESS => {
+            flowctl::FairnessPolicy::from_plugin(type_name, parameters, path)?;
+            Plugin::FlowControl
+        }
+        flowctl::FCFS_ORDERING | flowctl::EDF_ORDERING | flowctl::SLO_DEADLINE_ORDERING => {
+            flowctl::OrderingPolicy::from_plugin(type_name, parameters, path)?;
+            Plugin::FlowControl
+        }
+        flowctl::STATIC_USAGE_LIMIT | flowctl::PRIORITY_HOLDBACK => {
+            flowctl::UsageLimit::from_plugin(type_name, parameters, path)?;
+            Plugin::FlowControl
+        }
+        t if NOT_YET.contains(&t) => {
+            return Err(ConfigError::invalid(format!(
+                "{path}: plugin type `{t}` is an llm-d plugin this build does not implement yet"
+            )));
+        }
+        t => {
+            return Err(ConfigError::invalid(format!(
+                "{path}: unknown plugin type `{t}`"
+            )));
+        }
+    };
+    Ok(plugin)
+}
+
+/// A configured profile handler.
+#[derive(Debug, Clone)]
+pub enum HandlerSpec {
+    Single,
+    Disagg(DisaggParams),
+}
+
+/// `disagg-profile-handler` parameters (llm-d's names and defaults).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DisaggParams {
+    #[serde(default)]
+    pub profiles: DisaggProfiles,
+    #[serde(default)]
+    pub deciders: DisaggDeciders,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct DisaggProfiles {
+    pub decode: String,
+    pub prefill: String,
+    pub encode: String,
+}
+
+impl Default for DisaggProfiles {
+    fn default() -> Self {
+        DisaggProfiles {
+            decode: "decode".into(),
+            prefill: "prefill".into(),
+            encode: "encode".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DisaggDeciders {
+    #[serde(default)]
+    pub prefill: Option<String>,
+    #[serde(default)]
+    pub encode: Option<String>,
+}
+
+/// `prefix-based-pd-decider` parameters.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PrefixDeciderParams {
+    #[serde(default)]
+    pub non_cached_tokens: usize,
+    #[serde(default)]
+    pub prompt_tokens: usize,
+}

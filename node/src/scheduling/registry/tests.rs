@@ -1,0 +1,376 @@
+//! The registry's builds, and the schedulers they make, run end to end on candidates.
+
+use super::*;
+use crate::config::EndpointPickerConfig;
+use crate::datalayer::store::Candidate;
+use crate::scheduling::SchedError;
+use crate::scheduling::scheduler::Decision;
+use crate::scheduling::testutil::*;
+
+fn load(yaml: &str) -> Result<Built, ConfigError> {
+    build(&EndpointPickerConfig::from_yaml(yaml)?)
+}
+
+const SAMPLE: &str = r#"
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- name: picker
+  type: max-score-picker
+  parameters:
+    maxNumOfEndpoints: 2
+- type: single-profile-handler
+- type: metrics-data-source
+  parameters: {path: /metrics, interval: 50ms}
+- type: core-metrics-extractor
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+  - pluginRef: picker
+dataLayer:
+  sources:
+  - pluginRef: metrics-data-source
+    extractors: [{pluginRef: core-metrics-extractor}]
+"#;
+
+#[test]
+fn sample_config_loads() {
+    let b = load(SAMPLE).unwrap();
+    let p = b.scheduler.primary();
+    assert_eq!(p.scorers.len(), 2);
+    assert_eq!(p.scorers[0].weight, 2.0);
+    assert_eq!(p.scorers[1].weight, 1.0);
+    assert_eq!(p.picker.type_name(), "max-score-picker");
+    assert_eq!(b.metrics_source.interval.as_deref(), Some("50ms"));
+}
+
+#[test]
+fn defaults_injected_without_profiles() {
+    let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\n").unwrap();
+    let p = b.scheduler.primary();
+    assert_eq!(p.name, "default");
+    assert_eq!(p.scorers.len(), 1);
+    assert_eq!(p.scorers[0].weight, 1.0);
+    assert_eq!(p.picker.type_name(), "max-score-picker");
+}
+
+#[test]
+fn builtin_default_builds() {
+    let b = build(&EndpointPickerConfig::builtin_default().unwrap()).unwrap();
+    let p = b.scheduler.primary();
+    let weights: Vec<_> = p
+        .scorers
+        .iter()
+        .map(|s| (s.scorer.type_name(), s.weight))
+        .collect();
+    assert_eq!(
+        weights,
+        vec![
+            ("queue-scorer", 2.0),
+            ("kv-cache-utilization-scorer", 2.0),
+            ("prefix-cache-scorer", 3.0)
+        ]
+    );
+    // the prefix scorer's producer was injected
+    let producers: Vec<_> = b
+        .scheduler
+        .producers
+        .iter()
+        .map(|p| p.type_name())
+        .collect();
+    assert_eq!(producers, vec!["approx-prefix-cache-producer"]);
+    assert!(b.inflight.is_none());
+}
+
+#[test]
+fn unknown_plugin_type_named() {
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: fancy-scorer\n").unwrap_err().to_string();
+    assert!(
+        e.contains("fancy-scorer") && e.contains("unknown plugin type"),
+        "{e}"
+    );
+    assert!(e.contains("plugins[0]"), "{e}");
+}
+
+#[test]
+fn not_yet_plugin_says_so() {
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: no-hit-lru-scorer\n").unwrap_err().to_string();
+    assert!(e.contains("does not implement yet"), "{e}");
+}
+
+#[test]
+fn unknown_parameter_named() {
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: max-score-picker\n  parameters: {maxNumOfEndpoint: 2}\n").unwrap_err().to_string();
+    assert!(
+        e.contains("plugins[0].parameters") && e.contains("maxNumOfEndpoint"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_profile_ref() {
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: x\n  plugins: [{pluginRef: nope}]\n").unwrap_err().to_string();
+    assert!(
+        e.contains("schedulingProfiles[0].plugins[0].pluginRef"),
+        "{e}"
+    );
+}
+
+#[test]
+fn flow_control_gate_builds_the_controller_config() {
+    let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nfeatureGates: [flowControl]\nplugins:\n- {name: rr, type: round-robin-fairness-policy}\n- {name: conc, type: concurrency-detector, parameters: {maxConcurrency: 4}}\nflowControl:\n  maxRequests: 1k\n  defaultRequestTTL: 30s\n  priorityBands: [{priority: 10, fairnessPolicyRef: rr}, {priority: -1}]\n  saturationDetector: {pluginRef: conc}\n").unwrap();
+    let AdmissionConfig::FlowControl(c) = b.admission else {
+        panic!("gate on must build flow control")
+    };
+    assert_eq!(
+        (c.max_requests, c.default_request_ttl),
+        (1000, 30_000_000_000)
+    );
+    assert_eq!(c.bands.len(), 2);
+    assert_eq!(
+        c.bands[0].settings.fairness,
+        flowctl::FairnessPolicy::RoundRobin
+    );
+    assert!(
+        b.summary
+            .contains("flow-control(bands=[10,-1] detector=concurrency-detector"),
+        "{}",
+        b.summary
+    );
+    // Bad references and parameters are named by path.
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nfeatureGates: [flowControl]\nflowControl:\n  priorityBands: [{priority: 1, fairnessPolicyRef: nope}]\n").unwrap_err().to_string();
+    assert!(
+        e.contains("flowControl.priorityBands[0].fairnessPolicyRef"),
+        "{e}"
+    );
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {type: utilization-detector, parameters: {queueDepthThreshhold: 3}}\n").unwrap_err().to_string();
+    assert!(
+        e.contains("plugins[0].parameters.queueDepthThreshhold"),
+        "{e}"
+    );
+}
+
+#[test]
+fn gate_off_uses_the_legacy_controller_with_the_configured_detector() {
+    let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {name: u, type: utilization-detector, parameters: {queueDepthThreshold: 3}}\nflowControl:\n  saturationDetector: {pluginRef: u}\n").unwrap();
+    let AdmissionConfig::Legacy(flowctl::SaturationDetector::Utilization(d)) = b.admission else {
+        panic!("gate off must build the legacy controller")
+    };
+    assert_eq!(d.queue_depth_threshold, 3.0);
+    // The deprecated top-level location still works.
+    let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {name: c, type: concurrency-detector}\nsaturationDetector: {pluginRef: c}\n").unwrap();
+    assert!(matches!(
+        b.admission,
+        AdmissionConfig::Legacy(flowctl::SaturationDetector::Concurrency(_))
+    ));
+}
+
+/// The built-in default profile on four pods: queue ×2 + kv-cache ×2 + prefix ×3, summed.
+#[test]
+fn four_pod_weighted_sum() {
+    let built =
+        crate::scheduling::build(&EndpointPickerConfig::builtin_default().unwrap()).unwrap();
+    let s = &built.scheduler;
+    let cs = vec![
+        cand_at("a", "10.0.0.1:8000", metrics(0.0, 1.0, 0.5), false, &[]),
+        cand_at("b", "10.0.0.2:8000", metrics(2.0, 1.0, 0.25), false, &[]),
+        cand_at("c", "10.0.0.3:8000", metrics(4.0, 1.0, 0.0), false, &[]),
+        cand_at("d", "10.0.0.4:8000", None, false, &[]),
+    ];
+    // 1024 bytes = 256 estimate tokens = 4 blocks of 64; route it once to c so c holds it.
+    let text: Vec<u8> = (0..1024u32).map(|i| b'a' + (i % 23) as u8).collect();
+    let prompt = crate::request::parse::Prompt::Text(text);
+    let mut r = req();
+    r.prompt = &prompt;
+    let mut rng = rand::rng();
+    let first = s.schedule(&r, &cs, &mut rng).unwrap();
+    s.pre_request(
+        &r,
+        &Decision {
+            picked: vec![2],
+            ..first
+        },
+        &cs,
+    );
+
+    let d = s.schedule(&r, &cs, &mut rng).unwrap();
+    // queue: (4-q)/4 → a 1, b 0.5, c 0, d 0 (no metrics)
+    // kv:    1-u      → a 0.5, b 0.75, c 1, d 0
+    // prefix: matched/total → c 4/4, others 0
+    let want = [
+        2.0 * 1.0 + 2.0 * 0.5,
+        2.0 * 0.5 + 2.0 * 0.75,
+        2.0 * 0.0 + 2.0 * 1.0 + 3.0 * 1.0,
+        0.0,
+    ];
+    for (got, want) in d.scores.iter().zip(want) {
+        assert!((got - want).abs() < 1e-9, "{:?} vs {want:?}", d.scores);
+    }
+    assert_eq!(d.picked, vec![2]);
+    assert_eq!(d.data.prompt_tokens, 256);
+}
+
+/// Session plugins the profiles use record decisions and write their token back; an
+/// instance no profile uses does neither.
+#[test]
+fn session_plugins_in_profiles_write_tokens() {
+    let cfg = EndpointPickerConfig::from_yaml(
+        "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: session-affinity-scorer
+- {name: unused, type: session-affinity-filter, parameters: {strategy: session_id}}
+- type: queue-scorer
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: session-affinity-scorer, weight: 5}, {pluginRef: queue-scorer}]
+",
+    )
+    .unwrap();
+    let s = crate::scheduling::build(&cfg).unwrap().scheduler;
+    assert_eq!(s.sessions.len(), 1);
+    let cs = vec![
+        cand("a", metrics(0.0, 0.0, 0.0), false),
+        cand("b", metrics(3.0, 0.0, 0.0), false),
+    ];
+    let headers: std::collections::HashMap<String, String> = [(
+        "x-session-token".to_string(),
+        crate::scheduling::session::encode_token("b"),
+    )]
+    .into_iter()
+    .collect();
+    let mut r = req();
+    r.headers = &headers;
+    // b scores 5 (its session) plus its queue score, the idle a at most 1: b wins.
+    let d = s.schedule(&r, &cs, &mut rand::rng()).unwrap();
+    assert_eq!(d.picked, vec![1], "{:?}", d.scores);
+    assert_eq!(
+        s.session_tokens(&d, &cs),
+        vec![(
+            "x-session-token".to_string(),
+            crate::scheduling::session::encode_token("b")
+        )]
+    );
+}
+
+const PD_CONFIG: &str = "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: decode-filter
+- type: prefill-filter
+- type: prefix-cache-scorer
+- type: queue-scorer
+- {name: pd, type: prefix-based-pd-decider, parameters: {nonCachedTokens: 100}}
+- {type: disagg-profile-handler, parameters: {deciders: {prefill: pd}}}
+schedulingProfiles:
+- name: decode
+  plugins: [{pluginRef: decode-filter}, {pluginRef: prefix-cache-scorer, weight: 2}, {pluginRef: queue-scorer}]
+- name: prefill
+  plugins: [{pluginRef: prefill-filter}, {pluginRef: queue-scorer}]
+";
+
+fn pd_pods() -> Vec<Candidate> {
+    vec![
+        cand_at(
+            "d1",
+            "10.0.0.1:8000",
+            metrics(0.0, 0.0, 0.0),
+            false,
+            &[("llm-d.ai/role", "decode")],
+        ),
+        cand_at(
+            "d2",
+            "10.0.0.2:8000",
+            metrics(1.0, 0.0, 0.0),
+            false,
+            &[("llm-d.ai/role", "decode")],
+        ),
+        cand_at(
+            "p1",
+            "10.0.0.3:8000",
+            metrics(2.0, 0.0, 0.0),
+            false,
+            &[("llm-d.ai/role", "prefill")],
+        ),
+        cand_at(
+            "p2",
+            "10.0.0.4:8000",
+            metrics(0.0, 0.0, 0.0),
+            false,
+            &[("llm-d.ai/role", "prefill")],
+        ),
+    ]
+}
+
+/// A long uncached prompt is prefilled on the least-queued prefill pod and decoded on a decode
+/// pod; the same prompt again is cached on that decode pod and stays decode-only.
+#[test]
+fn prefix_based_pd_decider_splits_only_uncached_prompts() {
+    let cfg = EndpointPickerConfig::from_yaml(PD_CONFIG).unwrap();
+    let s = crate::scheduling::build(&cfg).unwrap().scheduler;
+    let cs = pd_pods();
+    // 2048 bytes = 512 estimate tokens, all uncached at first.
+    let text: Vec<u8> = (0..2048u32).map(|i| b'a' + (i % 19) as u8).collect();
+    let prompt = crate::request::parse::Prompt::Text(text);
+    let mut r = req();
+    r.prompt = &prompt;
+    let mut rng = rand::rng();
+    let first = s.schedule(&r, &cs, &mut rng).unwrap();
+    assert_eq!(first.picked, vec![0], "decode: d1 has the shorter queue");
+    assert_eq!(first.prefill, Some(3), "prefill: p2 has the shorter queue");
+    s.pre_request(&r, &first, &cs);
+    let again = s.schedule(&r, &cs, &mut rng).unwrap();
+    assert_eq!(again.picked, vec![0]);
+    assert_eq!(again.prefill, None, "cached on d1: decode-only");
+    // A short prompt (below nonCachedTokens) never splits.
+    let short = crate::request::parse::Prompt::Text(b"hello there".to_vec());
+    r.prompt = &short;
+    assert_eq!(s.schedule(&r, &cs, &mut rng).unwrap().prefill, None);
+}
+
+#[test]
+fn disagg_config_errors_are_clear() {
+    let e = crate::scheduling::build(
+        &EndpointPickerConfig::from_yaml(&PD_CONFIG.replace("name: decode\n", "name: dec\n"))
+            .unwrap(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("profiles.decode") && e.contains("`decode`"),
+        "{e}"
+    );
+    let e = crate::scheduling::build(
+        &EndpointPickerConfig::from_yaml(
+            &PD_CONFIG.replace("prefill: pd}", "prefill: queue-scorer}"),
+        )
+        .unwrap(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("not a P/D decider"), "{e}");
+}
+
+#[test]
+fn filters_that_empty_the_set_are_429_and_no_candidates_503() {
+    let cfg = EndpointPickerConfig::from_yaml(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: prefill-filter\n- type: queue-scorer\n",
+    )
+    .unwrap();
+    let s = crate::scheduling::build(&cfg).unwrap().scheduler;
+    let cs = vec![cand("a", metrics(0.0, 0.0, 0.0), false)];
+    let mut rng = rand::rng();
+    assert_eq!(
+        s.schedule(&req(), &cs, &mut rng).unwrap_err(),
+        SchedError::AllFiltered
+    );
+    assert_eq!(
+        s.schedule(&req(), &[], &mut rng).unwrap_err(),
+        SchedError::NoCandidates
+    );
+}

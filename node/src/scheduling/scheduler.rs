@@ -1,0 +1,303 @@
+//! Runs the scheduling profiles for one request: producers once, then per profile filters,
+//! weighted scorers and the picker; the profile handler decides which profiles run.
+//!
+//! Aggregation follows llm-d: every scorer's per-endpoint score is clamped to [0, 1], multiplied by
+//! its weight and summed (not normalised by the sum of weights). Filters run in order and stop the
+//! profile when they leave nothing (→ 429 `rejected-saturated`).
+
+use std::sync::Arc;
+
+use super::{Filter, Picker, Producer, RequestData, SchedRequest, Scorer};
+use crate::datalayer::store::Candidate;
+
+#[derive(Debug, Clone)]
+pub struct WeightedScorer {
+    pub name: String,
+    pub weight: f64,
+    pub scorer: Arc<dyn Scorer>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Profile {
+    pub name: String,
+    pub filters: Vec<Arc<dyn Filter>>,
+    pub scorers: Vec<WeightedScorer>,
+    pub picker: Arc<dyn Picker>,
+}
+
+/// Whether a prefill/decode split is worth it for this request (llm-d's P/D deciders).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PdDecider {
+    /// `prefix-based-pd-decider`: disaggregate when the prompt has at least `prompt_tokens` tokens
+    /// (0 = no gate) and at least `non_cached_tokens` of them are not cached on the chosen decode
+    /// pod (0 = never disaggregate).
+    PrefixBased {
+        non_cached_tokens: usize,
+        prompt_tokens: usize,
+    },
+    /// `always-disagg-pd-decider`.
+    Always,
+}
+
+impl PdDecider {
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            PdDecider::PrefixBased { .. } => PREFIX_BASED_PD_DECIDER,
+            PdDecider::Always => ALWAYS_DISAGG_PD_DECIDER,
+        }
+    }
+
+    /// Decide for the request routed to decode candidate `decode`.
+    pub fn disaggregate(&self, data: &RequestData, decode: usize) -> bool {
+        match *self {
+            PdDecider::Always => true,
+            PdDecider::PrefixBased {
+                non_cached_tokens,
+                prompt_tokens,
+            } => {
+                non_cached_tokens > 0
+                    && data.prompt_tokens >= prompt_tokens
+                    && data.uncached_tokens(decode) >= non_cached_tokens
+            }
+        }
+    }
+}
+
+pub const PREFIX_BASED_PD_DECIDER: &str = "prefix-based-pd-decider";
+pub const ALWAYS_DISAGG_PD_DECIDER: &str = "always-disagg-pd-decider";
+
+/// The profile handler.
+#[derive(Debug, Clone)]
+pub enum Handler {
+    /// `single-profile-handler`: run the one profile.
+    Single(Profile),
+    /// `disagg-profile-handler`: run the decode profile; then, if the decider approves, the
+    /// prefill profile, whose pick is sent upstream as `x-prefiller-host-port`.
+    Disagg {
+        decode: Profile,
+        prefill: Option<(Profile, PdDecider)>,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    pub producers: Vec<Arc<dyn Producer>>,
+    pub handler: Handler,
+    /// The approximate prefix index, when one runs (its size is a metric).
+    pub prefix_index: Option<Arc<super::prefix::ApproxPrefixProducer>>,
+    /// Session-affinity plugins in use (they bind sessions and write tokens back).
+    pub sessions: Vec<Arc<super::session::SessionAffinity>>,
+    /// The prefill profile's name (a session plugin's `profileName` may point at it).
+    pub prefill_profile: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SchedError {
+    #[error("no candidate endpoints")]
+    NoCandidates,
+    #[error("all endpoints were filtered out")]
+    AllFiltered,
+}
+
+/// The outcome: chosen candidate indices, best first, each candidate's total score (0 for
+/// filtered-out candidates) and the data the producers computed.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    pub picked: Vec<usize>,
+    pub scores: Vec<f64>,
+    pub data: RequestData,
+    /// The prefill pod of a disaggregated request.
+    pub prefill: Option<usize>,
+}
+
+impl Scheduler {
+    /// The primary profile (the single one, or the decode profile).
+    pub fn primary(&self) -> &Profile {
+        match &self.handler {
+            Handler::Single(p) => p,
+            Handler::Disagg { decode, .. } => decode,
+        }
+    }
+
+    /// Every profile, primary first.
+    pub fn profiles(&self) -> impl Iterator<Item = &Profile> {
+        let prefill = match &self.handler {
+            Handler::Disagg {
+                prefill: Some((p, _)),
+                ..
+            } => Some(p),
+            _ => None,
+        };
+        std::iter::once(self.primary()).chain(prefill)
+    }
+
+    pub fn schedule(
+        &self,
+        req: &SchedRequest<'_>,
+        candidates: &[Candidate],
+        rng: &mut dyn rand::RngCore,
+    ) -> Result<Decision, SchedError> {
+        if candidates.is_empty() {
+            return Err(SchedError::NoCandidates);
+        }
+        let mut data = RequestData {
+            prompt_tokens: req.prompt.estimated_tokens() as usize,
+            ..RequestData::default()
+        };
+        for p in &self.producers {
+            p.produce(req, candidates, &mut data);
+        }
+        let mut scores = vec![0.0; candidates.len()];
+        let picked = run_profile(self.primary(), req, &data, candidates, rng, &mut scores)?;
+        let mut prefill = None;
+        if let Handler::Disagg {
+            prefill: Some((profile, decider)),
+            ..
+        } = &self.handler
+            && decider.disaggregate(&data, picked[0])
+        {
+            let mut unused = vec![0.0; candidates.len()];
+            // No prefill pod left (all filtered): decode does the prefill itself, as llm-d.
+            prefill = run_profile(profile, req, &data, candidates, rng, &mut unused)
+                .ok()
+                .and_then(|p| p.first().copied())
+                .filter(|p| *p != picked[0]);
+        }
+        Ok(Decision {
+            picked,
+            scores,
+            data,
+            prefill,
+        })
+    }
+
+    /// Let producers record the decision (prefix blocks → the chosen pod, in-flight load).
+    pub fn pre_request(
+        &self,
+        req: &SchedRequest<'_>,
+        decision: &Decision,
+        candidates: &[Candidate],
+    ) {
+        let Some(&primary) = decision.picked.first() else {
+            return;
+        };
+        if primary >= candidates.len() {
+            return;
+        }
+        let prefill = decision.prefill.filter(|p| *p < candidates.len());
+        for p in &self.producers {
+            p.pre_request(req, &decision.data, candidates, primary, prefill);
+        }
+        if decision.picked.len() > 1
+            && let Some(index) = &self.prefix_index
+        {
+            // Envoy may serve it from a fallback: the response will say (served endpoint).
+            index.remember_for_fallback(req.request_id, &decision.data);
+        }
+        for s in &self.sessions {
+            if let Some(pod) = s.pinned(self.prefill_profile.as_deref(), primary, prefill) {
+                s.pre_request(req, candidates, pod);
+            }
+        }
+    }
+
+    /// Session tokens to write back on the response, `(header, token)`.
+    pub fn session_tokens(
+        &self,
+        decision: &Decision,
+        candidates: &[Candidate],
+    ) -> Vec<(String, String)> {
+        let Some(&primary) = decision.picked.first() else {
+            return Vec::new();
+        };
+        self.sessions
+            .iter()
+            .filter_map(|s| {
+                let pod = s.pinned(self.prefill_profile.as_deref(), primary, decision.prefill)?;
+                s.response_token(candidates, pod)
+            })
+            .collect()
+    }
+}
+
+/// One profile: filters in order, weighted scorers summed, the picker. `scores` receives every
+/// kept candidate's total.
+fn run_profile(
+    profile: &Profile,
+    req: &SchedRequest<'_>,
+    data: &RequestData,
+    candidates: &[Candidate],
+    rng: &mut dyn rand::RngCore,
+    scores: &mut [f64],
+) -> Result<Vec<usize>, SchedError> {
+    let mut keep: Vec<usize> = (0..candidates.len()).collect();
+    for f in &profile.filters {
+        f.filter(req, data, candidates, &mut keep);
+        if keep.is_empty() {
+            return Err(SchedError::AllFiltered);
+        }
+    }
+    let mut total = vec![0.0f64; keep.len()];
+    let mut buf = vec![0.0f64; keep.len()];
+    for ws in &profile.scorers {
+        buf.iter_mut().for_each(|s| *s = 0.0);
+        ws.scorer.score(req, data, candidates, &keep, &mut buf);
+        for (t, s) in total.iter_mut().zip(&buf) {
+            let s = if s.is_finite() {
+                s.clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
+            *t += s * ws.weight;
+        }
+    }
+    let mut scored: Vec<(usize, f64)> = keep.iter().copied().zip(total).collect();
+    for (i, s) in &scored {
+        scores[*i] = *s;
+    }
+    let picked = profile.picker.pick(&mut scored, rng);
+    if picked.is_empty() {
+        return Err(SchedError::AllFiltered);
+    }
+    Ok(picked)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pd_decider_formula() {
+        let data = RequestData {
+            prompt_tokens: 1000,
+            prefix: Some(crate::scheduling::PrefixMatchInfo {
+                block_size: 64,
+                total_blocks: 15,
+                matched: vec![10, 0],
+                hashes: vec![],
+            }),
+            inflight: vec![],
+        };
+        let d = PdDecider::PrefixBased {
+            non_cached_tokens: 400,
+            prompt_tokens: 0,
+        };
+        // 1000 − 10·64 = 360 uncached on pod 0 (< 400), 1000 on pod 1.
+        assert!(!d.disaggregate(&data, 0));
+        assert!(d.disaggregate(&data, 1));
+        let gated = PdDecider::PrefixBased {
+            non_cached_tokens: 400,
+            prompt_tokens: 2000,
+        };
+        assert!(
+            !gated.disaggregate(&data, 1),
+            "prompt below the promptTokens gate"
+        );
+        let never = PdDecider::PrefixBased {
+            non_cached_tokens: 0,
+            prompt_tokens: 0,
+        };
+        assert!(!never.disaggregate(&data, 1), "nonCachedTokens 0 = never");
+        assert!(PdDecider::Always.disaggregate(&data, 0));
+    }
+}
