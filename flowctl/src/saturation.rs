@@ -26,6 +26,10 @@ pub struct EndpointSnapshot {
     pub kv_cache_usage: f64,
     /// When the sample was taken; `None` = no sample yet (counts as saturated).
     pub sampled_at: Option<Nanos>,
+    /// The requests the engine runs at once, as the pod has shown it (the most it ran while others
+    /// waited); `None` until known. The concurrency detector never counts more than this per pod.
+    #[serde(default)]
+    pub batch_capacity: Option<u64>,
 }
 
 /// In-flight work on one endpoint, for the concurrency detector.
@@ -275,15 +279,45 @@ impl ConcurrencyDetector {
         inflight_requests: u64,
         inflight_tokens: u64,
     ) -> f64 {
-        if endpoints == 0 {
+        self.saturation_with_capacity(
+            endpoints,
+            self.max_concurrency.saturating_mul(endpoints),
+            inflight_requests,
+            inflight_tokens,
+        )
+    }
+
+    /// The pool's request capacity: per endpoint `maxConcurrency`, or the pod's own batch limit
+    /// when it has shown a smaller one (a larger `maxConcurrency` would let requests queue inside
+    /// the pods, where priorities no longer apply).
+    pub fn request_capacity(&self, endpoints: &[EndpointSnapshot]) -> u64 {
+        endpoints
+            .iter()
+            .map(|e| {
+                e.batch_capacity
+                    .filter(|c| *c > 0)
+                    .map_or(self.max_concurrency, |c| c.min(self.max_concurrency))
+            })
+            .sum()
+    }
+
+    /// [`Self::saturation_from_totals`] against an explicit request capacity (see
+    /// [`Self::request_capacity`]).
+    pub fn saturation_with_capacity(
+        &self,
+        endpoints: u64,
+        request_capacity: u64,
+        inflight_requests: u64,
+        inflight_tokens: u64,
+    ) -> f64 {
+        if endpoints == 0 || request_capacity == 0 {
             return 1.0;
         }
+        let req = inflight_requests as f64 / request_capacity as f64;
         match self.concurrency_mode {
-            ConcurrencyMode::Requests => self.req_ratio(inflight_requests, endpoints),
+            ConcurrencyMode::Requests => req,
             ConcurrencyMode::Tokens => self.tok_ratio(inflight_tokens, endpoints),
-            ConcurrencyMode::Hybrid => self
-                .req_ratio(inflight_requests, endpoints)
-                .max(self.tok_ratio(inflight_tokens, endpoints)),
+            ConcurrencyMode::Hybrid => req.max(self.tok_ratio(inflight_tokens, endpoints)),
         }
     }
 
@@ -319,6 +353,7 @@ mod tests {
 
     fn ep(waiting: u64, kv: f64, at: Option<Nanos>) -> EndpointSnapshot {
         EndpointSnapshot {
+            batch_capacity: None,
             waiting_queue: waiting,
             kv_cache_usage: kv,
             sampled_at: at,
@@ -396,6 +431,21 @@ mod tests {
         assert_eq!(d.saturation(&[]), 1.0);
         assert_eq!(d.saturation_from_totals(0, 0, 0), 1.0);
         assert!((d.saturation_from_totals(2, 15, 0) - 0.75).abs() < 1e-12);
+        // Pods that have shown a batch limit below maxConcurrency count with theirs.
+        let pods = [
+            EndpointSnapshot {
+                batch_capacity: Some(4),
+                ..EndpointSnapshot::default()
+            },
+            EndpointSnapshot::default(),
+            EndpointSnapshot {
+                batch_capacity: Some(1_000),
+                ..EndpointSnapshot::default()
+            },
+        ];
+        let cap = d.request_capacity(&pods);
+        assert_eq!(cap, 4 + d.max_concurrency * 2);
+        assert_eq!(d.saturation_with_capacity(3, cap, cap, 0), 1.0);
         assert_eq!(d.filter(&loads), vec![0]);
         assert_eq!(hybrid.filter(&loads), vec![0]);
     }

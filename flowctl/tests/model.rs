@@ -408,6 +408,7 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                         waiting_queue: *q,
                         kv_cache_usage: *kv,
                         sampled_at: Some(now),
+                        batch_capacity: None,
                     })
                     .collect(),
             },

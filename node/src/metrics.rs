@@ -500,6 +500,8 @@ pub struct FlowMetrics {
     pub queue_bytes: Family<BandLabels, Gauge>,
     pub inflight: Family<BandLabels, Gauge>,
     pub saturation: Family<SaturationLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// Pods whose own batch limit is below the concurrency detector's `maxConcurrency`.
+    pub pods_below_max_concurrency: Gauge,
 }
 
 /// llm-d's token buckets: powers of two, 1 … 1048576 (prompt) and 1 … 8192 (output).
@@ -611,6 +613,7 @@ impl Metrics {
             queue_bytes: Family::default(),
             inflight: Family::default(),
             saturation: Family::default(),
+            pods_below_max_concurrency: Gauge::default(),
         };
         registry.register(
             "flow_control_request_queue_duration_seconds",
@@ -641,6 +644,11 @@ impl Metrics {
             "flow_control_pool_saturation",
             "Pool saturation as the flow-control dispatcher sees it",
             flow.saturation.clone(),
+        );
+        registry.register(
+            "flow_control_pods_below_max_concurrency",
+            "Pods that have shown a batch limit below the concurrency detector's maxConcurrency (the detector counts theirs)",
+            flow.pods_below_max_concurrency.clone(),
         );
         let disagg_decisions = Family::<DisaggLabels, Counter>::default();
         registry.register(

@@ -12,16 +12,20 @@ use crate::saturation::{ConcurrencyDetector, SaturationDetector};
 /// Saturation for one dispatch run: constant, or recomputed from the in-flight ledger.
 pub(super) enum Probe {
     Const(f64),
-    Concurrency(ConcurrencyDetector, u64),
+    /// The detector, the endpoints, their request capacity.
+    Concurrency(ConcurrencyDetector, u64, u64),
 }
 
 impl Probe {
     pub(super) fn eval(&self, totals: &Totals) -> f64 {
         match self {
             Probe::Const(v) => *v,
-            Probe::Concurrency(d, n) => {
-                d.saturation_from_totals(*n, totals.inflight_requests, totals.inflight_tokens)
-            }
+            Probe::Concurrency(d, n, cap) => d.saturation_with_capacity(
+                *n,
+                *cap,
+                totals.inflight_requests,
+                totals.inflight_tokens,
+            ),
         }
     }
 }
@@ -42,7 +46,7 @@ impl FlowController {
                 Probe::Const(d.saturation(eps, now))
             }
             (Pool::Endpoints(eps), SaturationDetector::Concurrency(d)) => {
-                Probe::Concurrency(*d, eps.len() as u64)
+                Probe::Concurrency(*d, eps.len() as u64, d.request_capacity(eps))
             }
         }
     }

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
@@ -51,6 +52,9 @@ pub struct EndpointMetrics {
     pub started_ms: Option<u64>,
 }
 
+/// Largest batch limit believed (vLLM caps `max_num_seqs` far below this).
+pub const MAX_BATCH: u64 = 65_536;
+
 /// The metrics together with when they were scraped.
 #[derive(Debug, Clone)]
 pub struct MetricsSample {
@@ -68,6 +72,12 @@ pub struct Endpoint {
     pub labels: BTreeMap<String, String>,
     pub engine: Engine,
     sample: RwLock<Option<Arc<MetricsSample>>>,
+    /// The most requests seen running while others waited: the engine's batch limit (vLLM's
+    /// `max_num_seqs`, or fewer when its KV cache filled first) as the pod itself shows it. 0 until
+    /// the pod has been seen saturated; reset when the server restarts.
+    batch_capacity: AtomicU64,
+    /// `started_ms` of the incarnation `batch_capacity` belongs to.
+    capacity_epoch: AtomicU64,
 }
 
 impl Endpoint {
@@ -80,10 +90,13 @@ impl Endpoint {
             labels,
             engine,
             sample: RwLock::new(None),
+            batch_capacity: AtomicU64::new(0),
+            capacity_epoch: AtomicU64::new(0),
         }
     }
 
     pub fn set_metrics(&self, metrics: EndpointMetrics, scraped_at: Instant) {
+        self.learn_capacity(&metrics);
         let sample = Arc::new(MetricsSample {
             metrics,
             scraped_at,
@@ -94,10 +107,90 @@ impl Endpoint {
         }
     }
 
+    /// Requests the engine runs at once, once it has been seen saturated (requests waiting while
+    /// others run); `None` before.
+    pub fn batch_capacity(&self) -> Option<u64> {
+        match self.batch_capacity.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n),
+        }
+    }
+
+    fn learn_capacity(&self, m: &EndpointMetrics) {
+        let epoch = m.started_ms.unwrap_or(0);
+        if self.capacity_epoch.swap(epoch, Ordering::Relaxed) != epoch {
+            self.batch_capacity.store(0, Ordering::Relaxed);
+        }
+        // Bounded: a garbage gauge must not make a pod look like it runs billions at once.
+        let running = m.running_requests.unwrap_or(0.0);
+        if !running.is_finite() || running < 1.0 || running > MAX_BATCH as f64 {
+            return;
+        }
+        let running = running as u64;
+        let known = self.batch_capacity.load(Ordering::Relaxed);
+        let saturated = m
+            .waiting_queue_size
+            .is_some_and(|w| w.is_finite() && w >= 1.0);
+        // Waiting requests mean the batch is full; more running than a known limit means the limit
+        // was learned while the KV cache, not the batch, was the bound.
+        if running > known && (saturated || known > 0) {
+            self.batch_capacity.fetch_max(running, Ordering::Relaxed);
+        }
+    }
+
     pub fn sample(&self) -> Option<Arc<MetricsSample>> {
         match self.sample.read() {
             Ok(guard) => guard.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(running: f64, waiting: f64, started_ms: u64) -> EndpointMetrics {
+        EndpointMetrics {
+            running_requests: Some(running),
+            waiting_queue_size: Some(waiting),
+            started_ms: Some(started_ms),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn batch_capacity_is_learned_when_the_pod_saturates() {
+        let e = Endpoint::new(
+            "p".into(),
+            "127.0.0.1:1".parse().unwrap(),
+            Default::default(),
+        );
+        let now = Instant::now();
+        e.set_metrics(m(3.0, 0.0, 1), now);
+        assert_eq!(e.batch_capacity(), None, "never saturated: unknown");
+        e.set_metrics(m(4.0, 2.0, 1), now);
+        assert_eq!(e.batch_capacity(), Some(4));
+        e.set_metrics(m(2.0, 1.0, 1), now);
+        assert_eq!(
+            e.batch_capacity(),
+            Some(4),
+            "the largest saturated batch stays"
+        );
+        e.set_metrics(m(6.0, 0.0, 1), now);
+        assert_eq!(
+            e.batch_capacity(),
+            Some(6),
+            "more running than believed raises it"
+        );
+        e.set_metrics(m(f64::NAN, 3.0, 1), now);
+        e.set_metrics(m(1e12, 3.0, 1), now);
+        assert_eq!(e.batch_capacity(), Some(6), "garbage gauges are ignored");
+        e.set_metrics(m(1.0, 0.0, 2), now);
+        assert_eq!(
+            e.batch_capacity(),
+            None,
+            "a restarted server is learned again"
+        );
     }
 }

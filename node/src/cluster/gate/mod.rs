@@ -46,7 +46,7 @@ use crate::datalayer::Datastore;
 use crate::datalayer::inflight::RemoteLoadFeed;
 use crate::metrics::Metrics;
 use crate::request::admission::{
-    Admit, AdmitRequest, Cancel, Gate, Pending, Ticket, Verdict, Waiter,
+    Admit, AdmitRequest, Cancel, CapacityCheck, Gate, Pending, Ticket, Verdict, Waiter,
 };
 
 /// Settings of cluster-wide flow control.
@@ -142,6 +142,7 @@ pub struct GlobalGate {
     member: OnceLock<Arc<ClusterMember>>,
     state: Mutex<State>,
     wake: Notify,
+    capacity: CapacityCheck,
 }
 
 impl std::fmt::Debug for GlobalGate {
@@ -187,6 +188,7 @@ impl GlobalGate {
                 ..State::default()
             }),
             wake: Notify::new(),
+            capacity: CapacityCheck::default(),
         })
     }
 

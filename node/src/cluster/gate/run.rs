@@ -384,6 +384,9 @@ impl GlobalGate {
     /// Flow-control gauges from the replicated state (cluster-wide queue and in-flight), and the
     /// other replicas' per-pod load for the scorers.
     async fn gauges(&self, member: &ClusterMember) {
+        let candidates = self.store.candidates(Instant::now());
+        self.capacity
+            .check(&self.config.detector, &candidates, &self.metrics);
         let now_ns = wall_us().saturating_mul(1000);
         let me = self.node_id;
         let (stats, _) = member

@@ -18,7 +18,8 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Admit, AdmitRequest, Cancel, Gate, Pending, Ticket, Verdict, Waiter, nanos_since, snapshot,
+    Admit, AdmitRequest, Cancel, CapacityCheck, Gate, Pending, Ticket, Verdict, Waiter,
+    nanos_since, snapshot,
 };
 use crate::config::ConfigError;
 use crate::datalayer::Datastore;
@@ -51,6 +52,8 @@ pub struct FlowGate {
     state: Mutex<GateState>,
     metrics: Arc<Metrics>,
     store: Arc<Datastore>,
+    detector: flowctl::SaturationDetector,
+    capacity: CapacityCheck,
 }
 
 impl std::fmt::Debug for FlowGate {
@@ -71,6 +74,8 @@ impl FlowGate {
         Ok(FlowGate {
             epoch: Instant::now(),
             evicts: config.eviction.enabled,
+            detector: config.detector.clone(),
+            capacity: CapacityCheck::default(),
             state: Mutex::new(GateState {
                 fc: FlowController::new(config)?,
                 next_id: 1,
@@ -201,6 +206,8 @@ impl FlowGate {
     /// Feed the pool's latest metrics (and the passage of time) to the controller; refresh gauges.
     pub fn observe(&self) {
         let candidates = self.store.candidates(Instant::now());
+        self.capacity
+            .check(&self.detector, &candidates, &self.metrics);
         let endpoints: Vec<EndpointSnapshot> =
             candidates.iter().map(|c| snapshot(self.epoch, c)).collect();
         let now = self.now();

@@ -251,7 +251,52 @@ pub fn snapshot_with(c: &Candidate, clock: impl Fn(Instant) -> Nanos) -> Endpoin
             kv_cache_usage: s.metrics.kv_cache_usage.unwrap_or(0.0),
             // Never 0 for a real sample: 0 would read as "just taken" at the epoch.
             sampled_at: Some(clock(s.scraped_at).max(1)),
+            batch_capacity: c.endpoint.batch_capacity(),
         },
         None => EndpointSnapshot::default(),
+    }
+}
+
+/// Checks the concurrency detector's `maxConcurrency` against what the pods show they run at once:
+/// a limit above a pod's batch lets requests queue inside the pod, where priorities no longer
+/// apply. The detector already counts the pod's own limit; this says so once per pod (a warning)
+/// and keeps the count in `llm_d_epp_flow_control_pods_below_max_concurrency`.
+#[derive(Debug, Default)]
+pub struct CapacityCheck {
+    warned: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl CapacityCheck {
+    pub fn check(
+        &self,
+        detector: &flowctl::SaturationDetector,
+        candidates: &[Candidate],
+        metrics: &Metrics,
+    ) {
+        let flowctl::SaturationDetector::Concurrency(d) = detector else {
+            return;
+        };
+        let mut below = 0i64;
+        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        for c in candidates {
+            let Some(cap) = c.endpoint.batch_capacity() else {
+                continue;
+            };
+            if cap >= d.max_concurrency {
+                continue;
+            }
+            below += 1;
+            if warned.len() < 4096 && warned.insert(c.endpoint.hostport.clone()) {
+                tracing::warn!(
+                    pod = %c.endpoint.hostport,
+                    batch = cap,
+                    max_concurrency = d.max_concurrency,
+                    "flow control: this pod runs at most {cap} requests at once, below the \
+                     concurrency detector's maxConcurrency; the detector counts {cap} for it \
+                     (set maxConcurrency to what the pods batch)"
+                );
+            }
+        }
+        metrics.flow.pods_below_max_concurrency.set(below);
     }
 }
