@@ -15,7 +15,11 @@
 //! - [`wait`]: waiting on observable conditions with a deadline (never fixed sleeps).
 //! - [`raft`]: EPP replicas in cluster mode with a controllable proxy on every peer link;
 //! - [`netproxy`]: a controllable TCP link (partition, latency, blackhole) to put between processes;
-//! - [`workloads`]: pod fleets and load shapes shared by tests, benchmarks and the demo.
+//! - [`workloads`]: pod fleets and load shapes shared by tests, benchmarks and the demo;
+//! - [`noregret`]: the no-regret admission benchmark (premium latency under a best-effort burst);
+//! - [`peers`]: `sglang-router` and `vllm-router` (from PyPI) as child processes;
+//! - [`peerbench`]: the peer benchmark (EPP vs round robin vs those routers), with [`plot`] for
+//!   its SVG.
 
 pub mod cluster;
 pub mod envoy;
@@ -23,6 +27,10 @@ pub mod epp;
 pub mod extproc;
 pub mod locate;
 pub mod netproxy;
+pub mod noregret;
+pub mod peerbench;
+pub mod peers;
+pub mod plot;
 pub mod raft;
 pub mod wait;
 pub mod workloads;

@@ -26,7 +26,7 @@ fn spec(replicas: usize, extra: &[&str]) -> ClusterSpec {
     let mut epp_args = vec![
         "--config-file".to_string(),
         workspace_root()
-            .join("deploy/local/epp-config.yaml")
+            .join("deploy/examples/llm-d-affinity.yaml")
             .display()
             .to_string(),
     ];

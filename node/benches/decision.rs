@@ -1,5 +1,7 @@
-//! One full scheduling decision with the default profile plus LoRA affinity (approximate prefix
-//! producer + prefix, queue, KV-cache and LoRA scorers + max-score picker) over 100 candidate pods.
+//! One full scheduling decision over 100 candidate pods, with llm-d's default profile plus LoRA
+//! affinity (approximate prefix producer + prefix, queue, KV-cache and LoRA scorers + max-score
+//! picker) and with the project's default (the cost model: prefix producer, in-flight ledger,
+//! TTFT prediction + its scorer + max-score picker).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
@@ -70,12 +72,21 @@ fn candidates(n: usize) -> Vec<Candidate> {
 }
 
 fn bench(c: &mut Criterion) {
-    let built = node::scheduling::build(&EndpointPickerConfig::from_yaml(CONFIG).unwrap()).unwrap();
+    for (profile, config) in [
+        ("llm-d profile + LoRA", CONFIG),
+        ("cost model (default)", node::config::BUILTIN_DEFAULT),
+    ] {
+        bench_profile(c, profile, config);
+    }
+}
+
+fn bench_profile(c: &mut Criterion, profile: &str, config: &str) {
+    let built = node::scheduling::build(&EndpointPickerConfig::from_yaml(config).unwrap()).unwrap();
     let sched = built.scheduler;
     let cands = candidates(100);
     let headers = HashMap::new();
     let mut rng = rand::rng();
-    let mut g = c.benchmark_group("decision, 100 pods");
+    let mut g = c.benchmark_group(format!("decision, 100 pods, {profile}"));
     for (label, tokens) in [
         ("16k-token prompt", 16_384usize),
         ("100k-token prompt", 100_000),

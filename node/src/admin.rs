@@ -39,6 +39,8 @@ pub async fn run(
         .route("/debug/prefix-index", get(prefix_index))
         .route("/debug/scrape", get(scrape_view))
         .route("/debug/flow", get(flow_view))
+        .route("/debug/cost-model", get(cost_model_view))
+        .route("/debug/inflight", get(inflight_view))
         .with_state(admin);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
@@ -129,6 +131,28 @@ async fn prefix_index(State(admin): State<Arc<Admin>>) -> axum::response::Respon
         })
         .collect();
     axum::Json(serde_json::json!({ "entries": p.entries(), "pods": pods })).into_response()
+}
+
+/// `GET /debug/cost-model`: what the cost model has learned — the fleet's and each pod's fit
+/// (base ms, ms per prefill token, ms per running request), prefill tokens/s and service time.
+async fn cost_model_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {
+    match &admin.ctx.scheduler.cost_model {
+        Some(m) => axum::Json(m.view()).into_response(),
+        None => (StatusCode::NOT_FOUND, "no cost-model-producer configured").into_response(),
+    }
+}
+
+/// `GET /debug/inflight`: the in-flight ledger — requests and unprefilled tokens per pod, this
+/// replica's own and (cluster mode) the other replicas'.
+async fn inflight_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {
+    match &admin.ctx.inflight {
+        Some(t) => axum::Json(t.view()).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            "no in-flight ledger (no plugin uses one)",
+        )
+            .into_response(),
+    }
 }
 
 async fn cluster_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {

@@ -28,7 +28,23 @@ fn sample_config_validates() {
     let (ok, out) = epp(&["validate-config", "--config-file", &sample()]);
     assert!(ok, "{out}");
     assert!(
-        out.contains("queue-scorer(queue-scorer)*2") && out.contains("max-score-picker"),
+        out.contains("cost-model-scorer(cost-model-scorer)*1")
+            && out.contains("max-score-picker")
+            && out.contains(
+                "producers=[approx-prefix-cache-producer, inflight-load-producer, cost-model-producer]"
+            ),
+        "{out}"
+    );
+    // llm-d's own default profile, written out, loads as llm-d's.
+    let llmd = format!(
+        "{}/../deploy/examples/llm-d-affinity.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let (ok, out) = epp(&["validate-config", "--config-file", &llmd]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("queue-scorer(queue-scorer)*2")
+            && out.contains("prefix-cache-scorer(prefix-cache-scorer)*3"),
         "{out}"
     );
 }
@@ -47,11 +63,11 @@ fn unknown_key_and_type_are_named() {
         "{out}"
     );
 
-    let bad_type = text.replace("type: queue-scorer", "type: queue-scorer-v9");
+    let bad_type = text.replace("type: cost-model-scorer", "type: cost-model-scorer-v9");
     let (ok, out) = epp(&["validate-config", "--config-text", &bad_type]);
     assert!(!ok);
     assert!(
-        out.contains("unknown plugin type `queue-scorer-v9`"),
+        out.contains("unknown plugin type `cost-model-scorer-v9`"),
         "{out}"
     );
 }
@@ -113,7 +129,8 @@ fn example_configs_validate() {
     let (ok, out) = epp(&["validate-config"]);
     assert!(ok, "{out}");
     assert!(
-        out.contains("admission=legacy(utilization-detector)"),
+        out.contains("admission=legacy(utilization-detector)")
+            && out.contains("cost-model-scorer(cost-model-scorer)*1"),
         "{out}"
     );
 }

@@ -11,6 +11,11 @@
 //!   admissions per second and Raft entries per admission; then, with one slot and no credit,
 //!   the time from a slot freeing (settlement sent to a third replica) to the waiting request's
 //!   dispatch on another.
+//! - `no-regret`: a premium tenant's p95 TTFT alone and under a best-effort burst of 60, through
+//!   the flow-control example, with one and three replicas ([`chaos::noregret`]).
+//! - `peers`: the same seeded workloads through Envoy → EPP, Envoy round robin, `sglang-router`
+//!   and `vllm-router` on one simulated pool ([`chaos::peerbench`]); Markdown tables, a JSON
+//!   file and an SVG plot.
 
 use std::time::{Duration, Instant};
 
@@ -55,6 +60,34 @@ enum Cmd {
         #[arg(long, default_value_t = 4096)]
         prompt_tokens: usize,
     },
+    Peers {
+        /// Repetitions of every workload.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Only these workloads (shared-prompt, long-prefixes, agentic, bursty).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+        /// Without the PyPI routers (EPP and round robin only).
+        #[arg(long)]
+        no_peers: bool,
+        /// Where to write every report as JSON.
+        #[arg(long, default_value = "target/peer-bench.json")]
+        json: std::path::PathBuf,
+        /// Where to write the plot.
+        #[arg(long, default_value = "target/peer-bench.svg")]
+        svg: std::path::PathBuf,
+    },
+    /// Premium p95 TTFT alone and under a best-effort burst, through the flow-control example.
+    NoRegret {
+        #[arg(long, default_value_t = 1)]
+        runs: usize,
+        /// Replica counts to measure.
+        #[arg(long, value_delimiter = ',', default_value = "1,3")]
+        replicas: Vec<usize>,
+        /// `maxConcurrency` values to configure (the pods batch 4).
+        #[arg(long, value_delimiter = ',', default_value = "4,8")]
+        max_concurrency: Vec<u64>,
+    },
     GlobalFlow {
         #[arg(long, default_value_t = 20000)]
         requests: usize,
@@ -88,7 +121,56 @@ async fn main() -> anyhow::Result<()> {
             handoffs,
             credit_slack,
         } => global_flow(requests, concurrency, handoffs, credit_slack).await,
+        Cmd::Peers {
+            runs,
+            only,
+            no_peers,
+            json,
+            svg,
+        } => peers(runs, only, no_peers, &json, &svg).await,
+        Cmd::NoRegret {
+            runs,
+            replicas,
+            max_concurrency,
+        } => {
+            let mut rows = Vec::new();
+            for _ in 0..runs {
+                for &r in &replicas {
+                    for &mc in &max_concurrency {
+                        eprintln!("replicas {r}, maxConcurrency {mc} ...");
+                        rows.push(chaos::noregret::measure(r, mc).await?);
+                    }
+                }
+            }
+            print!("{}", chaos::noregret::render(&rows));
+            Ok(())
+        }
     }
+}
+
+async fn peers(
+    runs: usize,
+    only: Vec<String>,
+    no_peers: bool,
+    json: &std::path::Path,
+    svg: &std::path::Path,
+) -> anyhow::Result<()> {
+    use chaos::peerbench;
+    let ms = peerbench::run(&peerbench::Options {
+        runs,
+        only,
+        no_peers,
+    })
+    .await?;
+    let summaries = peerbench::summarize(&ms);
+    println!("\n## Medians over {runs} runs\n");
+    print!("{}", peerbench::render(&summaries, runs));
+    std::fs::write(json, serde_json::to_string_pretty(&ms)?)
+        .with_context(|| format!("writing {}", json.display()))?;
+    std::fs::write(svg, peerbench::svg(&summaries, runs))
+        .with_context(|| format!("writing {}", svg.display()))?;
+    println!("\nreports: {}  plot: {}", json.display(), svg.display());
+    Ok(())
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {

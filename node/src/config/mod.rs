@@ -14,8 +14,25 @@ pub const API_VERSION: &str = "llm-d.ai/v1alpha1";
 pub const DEPRECATED_API_VERSION: &str = "inference.networking.x-k8s.io/v1alpha1";
 pub const KIND: &str = "EndpointPickerConfig";
 
-/// llm-d's built-in default configuration (and its Helm chart's `default-plugins.yaml`).
+/// What `epp serve` runs without a config file: the cost model (`cost-model-scorer`, with its
+/// producers injected: approximate prefix matches, the in-flight ledger, the TTFT prediction)
+/// behind the max-score picker. Our own default — see `docs/configuration.md` for the reasoning
+/// and the measurements; [`LLMD_DEFAULT`] is llm-d's.
 pub const BUILTIN_DEFAULT: &str = r#"
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: cost-model-scorer
+- type: metrics-data-source
+- type: core-metrics-extractor
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: cost-model-scorer
+"#;
+
+/// llm-d's built-in default configuration (and its Helm chart's `default-plugins.yaml`).
+pub const LLMD_DEFAULT: &str = r#"
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
 plugins:
@@ -202,6 +219,11 @@ impl EndpointPickerConfig {
     /// The configuration llm-d uses when no file is given: queue ×2, kv-cache ×2, prefix ×3.
     pub fn builtin_default() -> Result<Self, ConfigError> {
         Self::from_yaml(BUILTIN_DEFAULT)
+    }
+
+    /// llm-d's default configuration ([`LLMD_DEFAULT`]).
+    pub fn llm_d_default() -> Result<Self, ConfigError> {
+        Self::from_yaml(LLMD_DEFAULT)
     }
 
     /// Feature gates as (name, enabled); `name`, `name=true`, `name=false`.

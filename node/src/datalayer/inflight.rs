@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 /// In-flight load of one endpoint.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct InflightLoad {
     pub requests: u64,
     pub tokens: u64,
@@ -250,6 +250,45 @@ impl InflightTracker {
     pub fn tracked_requests(&self) -> usize {
         self.lock().by_request.len()
     }
+
+    /// `/debug/inflight`: this replica's own load per endpoint and the other replicas' (cluster
+    /// mode), sorted by endpoint.
+    pub fn view(&self) -> InflightView {
+        let st = self.lock();
+        let mut own: Vec<(String, InflightLoad)> = st
+            .per_endpoint
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        own.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut others: Vec<(String, InflightLoad)> = self
+            .remote
+            .get()
+            .map(|r| {
+                r.others
+                    .borrow()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect()
+            })
+            .unwrap_or_default();
+        others.sort_by(|a, b| a.0.cmp(&b.0));
+        InflightView {
+            tracked_requests: st.by_request.len(),
+            own,
+            others,
+        }
+    }
+}
+
+/// What `/debug/inflight` shows.
+#[derive(Debug, serde::Serialize)]
+pub struct InflightView {
+    pub tracked_requests: usize,
+    /// This replica's requests per endpoint (requests, unprefilled tokens).
+    pub own: Vec<(String, InflightLoad)>,
+    /// The other replicas' per endpoint, from the replicated ledger.
+    pub others: Vec<(String, InflightLoad)>,
 }
 
 #[cfg(test)]

@@ -7,6 +7,8 @@
 
 use serde_json::Value;
 
+use crate::scheduling::Prediction;
+
 /// Largest non-streaming body kept for parsing; larger ones report no usage.
 const MAX_JSON_BODY: usize = 4 << 20;
 /// Longest SSE line kept while waiting for its end.
@@ -35,6 +37,11 @@ impl UsageScanner {
             sse: content_type.is_some_and(|c| c.contains("text/event-stream")),
             ..Default::default()
         }
+    }
+
+    /// The response is a server-sent event stream (its first bytes are its first token).
+    pub fn is_sse(&self) -> bool {
+        self.sse
     }
 
     pub fn feed(&mut self, chunk: &[u8]) {
@@ -224,23 +231,30 @@ mod tests {
 /// server — as `key=value` pairs joined by `;`, values percent-encoded.
 pub const ROUTE_INFO_HEADER: &str = "x-llm-d-epp-route";
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct RouteInfo {
     pub model: String,
     pub target_model: String,
     pub fairness_id: String,
     pub priority: i32,
+    /// The cost model's prediction for the chosen pod, when it ran (the observer learns from it).
+    pub cost: Option<Prediction>,
 }
 
 impl RouteInfo {
     pub fn encode(&self) -> String {
-        format!(
+        let mut s = format!(
             "m={};t={};f={};p={}",
             pct(&self.model),
             pct(&self.target_model),
             pct(&self.fairness_id),
             self.priority
-        )
+        );
+        if let Some(c) = &self.cost {
+            s.push_str(";c=");
+            s.push_str(&c.encode());
+        }
+        s
     }
 
     pub fn decode(s: &str) -> Option<RouteInfo> {
@@ -252,6 +266,8 @@ impl RouteInfo {
                 "t" => info.target_model = unpct(v)?,
                 "f" => info.fairness_id = unpct(v)?,
                 "p" => info.priority = v.parse().ok()?,
+                // Advisory: a malformed prediction is dropped, not the route info.
+                "c" => info.cost = Prediction::decode(v),
                 _ => {}
             }
         }
@@ -299,11 +315,43 @@ mod route_info_tests {
             target_model: "lora;a=b %".into(),
             fairness_id: "tenant é 1".into(),
             priority: -7,
+            cost: None,
         };
         let enc = info.encode();
         assert!(enc.is_ascii() && !enc.contains(' '), "{enc}");
         assert_eq!(RouteInfo::decode(&enc), Some(info));
         assert_eq!(RouteInfo::decode("m=a;p=x"), None);
         assert_eq!(RouteInfo::decode("m=%zz"), None);
+    }
+
+    #[test]
+    fn the_prediction_rides_along_and_garbage_is_dropped() {
+        let info = RouteInfo {
+            model: "m".into(),
+            priority: 1,
+            cost: Some(Prediction {
+                ttft_ms: 12.5,
+                queue_ms: 0.0,
+                others_ms: 0.0,
+                uncached_tokens: 300,
+                queued_tokens: 40,
+                running: 2,
+            }),
+            ..Default::default()
+        };
+        let enc = info.encode();
+        assert!(enc.ends_with(";c=12.5,0.0,300,40,2"), "{enc}");
+        assert_eq!(RouteInfo::decode(&enc), Some(info.clone()));
+        for bad in [
+            "1,2",
+            "nan,0,1,1,1",
+            "-1,0,1,1,1",
+            "1,0,1,1,1,9",
+            "1e300,0,1,1,1",
+        ] {
+            let d = RouteInfo::decode(&format!("m=m;p=1;c={bad}")).unwrap();
+            assert_eq!(d.cost, None, "{bad}");
+            assert_eq!(d.model, "m");
+        }
     }
 }

@@ -107,6 +107,7 @@ mod tests {
                 hashes: vec![],
             }),
             inflight: vec![],
+            ..Default::default()
         };
         p.pre_request(&req(), &data, &cs, 1, None);
         assert_eq!(

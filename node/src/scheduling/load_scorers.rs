@@ -172,6 +172,7 @@ mod tests {
                     tokens: 2000,
                 },
             ],
+            ..Default::default()
         };
         // a: (244 + 256)/1000 → 0.5; b: (2000 + 0)/1000 → capped at 1 → 0
         assert_eq!(score_all(&s, &data, &cs), vec![0.5, 0.0]);

@@ -9,6 +9,7 @@
 //! every candidate; the profile's filters narrow the candidate indices, scorers score them, the
 //! picker orders them; after the answer is sent, producers record the decision (`pre_request`).
 
+pub mod cost_model;
 pub mod filters;
 pub mod inflight;
 pub mod kv_cache_scorer;
@@ -25,6 +26,8 @@ pub mod weighted_random_picker;
 
 use std::collections::HashMap;
 use std::fmt::Debug;
+
+use serde::Serialize;
 
 pub use crate::datalayer::inflight::InflightLoad;
 use crate::datalayer::store::Candidate;
@@ -63,6 +66,8 @@ pub struct RequestData {
     pub prefix: Option<PrefixMatchInfo>,
     /// Empty unless an in-flight producer runs.
     pub inflight: Vec<InflightLoad>,
+    /// Predicted time to first token per candidate; empty unless the cost-model producer runs.
+    pub predicted: Vec<Prediction>,
 }
 
 impl RequestData {
@@ -91,6 +96,83 @@ pub trait Producer: Send + Sync + Debug {
         primary: usize,
         prefill: Option<usize>,
     );
+    /// A response ended and was observed here (whichever replica routed it): what it took.
+    fn observed(&self, _obs: &Observation<'_>) {}
+}
+
+/// What the data plane saw of one request's response, for producers that learn from outcomes.
+#[derive(Debug, Clone, Copy)]
+pub struct Observation<'a> {
+    /// The pod that served it (`ip:port`).
+    pub pod: &'a str,
+    /// Request start to the first response bytes, for a streamed response.
+    pub ttft_ms: Option<f64>,
+    /// Request start to the end of the response.
+    pub e2e_ms: f64,
+    /// Prompt tokens and how many of them the pod had cached (from the response's usage).
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    /// What the cost model predicted when the request was routed.
+    pub predicted: Option<Prediction>,
+}
+
+/// Longest TTFT or duration a prediction or an observation may carry, ms.
+pub const MAX_SAMPLE_MS: f64 = 600_000.0;
+
+/// One candidate's prediction and what it was computed from. The chosen pod's rides to the
+/// response's observer in the route header, so the model learns from its own predictions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Prediction {
+    /// Predicted time to first token, ms.
+    pub ttft_ms: f64,
+    /// Of which: waiting for a slot in a full batch, ms.
+    pub queue_ms: f64,
+    /// Not part of the TTFT: what this request costs the others later, ms — re-prefilling what it
+    /// pushes out of a full cache, and its share of the pod's batch (not carried in the route
+    /// header).
+    pub others_ms: f64,
+    /// This request's prompt tokens not cached on the pod (prefix match).
+    pub uncached_tokens: u64,
+    /// Prefill tokens routed to the pod before it and not yet prefilled.
+    pub queued_tokens: u64,
+    /// Requests running beside it.
+    pub running: u64,
+}
+
+impl Prediction {
+    /// What the scorer minimises: the TTFT plus what it costs the others.
+    pub fn cost_ms(&self) -> f64 {
+        self.ttft_ms + self.others_ms
+    }
+
+    /// `ttft,queue,uncached,queued,running` (the route header's `c=` item).
+    pub fn encode(&self) -> String {
+        format!(
+            "{:.1},{:.1},{},{},{}",
+            self.ttft_ms, self.queue_ms, self.uncached_tokens, self.queued_tokens, self.running
+        )
+    }
+
+    /// The inverse of [`Self::encode`]; `None` for anything malformed or implausible.
+    pub fn decode(s: &str) -> Option<Prediction> {
+        let mut it = s.split(',');
+        let ms = |v: Option<&str>| {
+            v?.trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite() && (0.0..=MAX_SAMPLE_MS).contains(x))
+        };
+        let n = |v: Option<&str>| v?.trim().parse::<u64>().ok().filter(|x| *x <= 1 << 40);
+        let p = Prediction {
+            ttft_ms: ms(it.next())?,
+            queue_ms: ms(it.next())?,
+            others_ms: 0.0,
+            uncached_tokens: n(it.next())?,
+            queued_tokens: n(it.next())?,
+            running: n(it.next())?,
+        };
+        it.next().is_none().then_some(p)
+    }
 }
 
 /// Narrows the candidate set: `keep` holds candidate indices and is edited in place.

@@ -451,8 +451,14 @@ fn d_peak() -> f64 {
     15_928.0
 }
 fn d_source() -> String {
-    "prefillThroughput".into()
+    TTFT_SOURCE_PREFILL.into()
 }
+
+/// llm-d's estimate: the pod's in-flight prefill tokens at `peakPrefillThroughput`.
+pub const TTFT_SOURCE_PREFILL: &str = "prefillThroughput";
+/// The cost model's prediction (`cost-model-producer`, injected when this is used).
+pub const TTFT_SOURCE_COST_MODEL: &str = "costModel";
+pub const TTFT_SOURCES: [&str; 2] = [TTFT_SOURCE_PREFILL, TTFT_SOURCE_COST_MODEL];
 
 /// Keeps the endpoints whose cached share of the prompt reaches the threshold ("sticky"), unless
 /// none does, the exploration coin says skip, or the best sticky endpoint's estimated TTFT exceeds
@@ -465,6 +471,11 @@ pub struct PrefixAffinityFilter {
 
 impl PrefixAffinityFilter {
     fn ttft_ms(&self, data: &RequestData, i: usize) -> f64 {
+        if self.params.ttft_source == TTFT_SOURCE_COST_MODEL
+            && let Some(p) = data.predicted.get(i)
+        {
+            return p.ttft_ms;
+        }
         let tokens = data.inflight.get(i).map_or(0, |l| l.tokens) as f64;
         tokens / self.params.peak_prefill_throughput * 1000.0
     }
@@ -530,6 +541,7 @@ mod tests {
                 hashes: vec![],
             }),
             inflight: vec![],
+            ..Default::default()
         }
     }
 

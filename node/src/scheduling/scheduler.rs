@@ -85,6 +85,8 @@ pub struct Scheduler {
     pub handler: Handler,
     /// The approximate prefix index, when one runs (its size is a metric).
     pub prefix_index: Option<Arc<super::prefix::ApproxPrefixProducer>>,
+    /// The cost model, when one runs (`/debug/cost-model`).
+    pub cost_model: Option<Arc<super::cost_model::CostModel>>,
     /// Session-affinity plugins in use (they bind sessions and write tokens back).
     pub sessions: Vec<Arc<super::session::SessionAffinity>>,
     /// The prefill profile's name (a session plugin's `profileName` may point at it).
@@ -201,6 +203,13 @@ impl Scheduler {
         }
     }
 
+    /// A response ended and was observed here: producers that learn from outcomes learn.
+    pub fn observed(&self, obs: &super::Observation<'_>) {
+        for p in &self.producers {
+            p.observed(obs);
+        }
+    }
+
     /// Session tokens to write back on the response, `(header, token)`.
     pub fn session_tokens(
         &self,
@@ -277,6 +286,7 @@ mod tests {
                 hashes: vec![],
             }),
             inflight: vec![],
+            ..Default::default()
         };
         let d = PdDecider::PrefixBased {
             non_cached_tokens: 400,

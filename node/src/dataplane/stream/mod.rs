@@ -60,7 +60,10 @@ struct StreamState {
     running: bool,
     /// This stream sees the response, so it settles the request's in-flight charge.
     settles: bool,
-    first_response_byte: bool,
+    /// When the first response bytes arrived.
+    first_byte_at: Option<Instant>,
+    /// The endpoint the proxy reports serving the request (a fallback, perhaps).
+    served: Option<String>,
     /// Set by the routing stream; decoded from the request headers by an observing stream.
     route_info: Option<RouteInfo>,
     usage: Option<UsageScanner>,
@@ -88,7 +91,8 @@ pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingReque
         labels: None,
         running: false,
         settles: false,
-        first_response_byte: false,
+        first_byte_at: None,
+        served: None,
         route_info: None,
         usage: None,
         subset: None,

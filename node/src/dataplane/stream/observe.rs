@@ -15,7 +15,8 @@ use super::{FULL_DUPLEX, Phase, StreamState};
 use crate::dataplane::reply::{
     DESTINATION_HEADER, ENVOY_LB_NAMESPACE, header_value, streamed_body,
 };
-use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo, UsageScanner};
+use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo, Usage, UsageScanner};
+use crate::scheduling::Observation;
 
 /// The endpoint that served the request, as the proxy reports it in `envoy.lb` metadata.
 pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
@@ -70,9 +71,9 @@ impl StreamState {
         if let Some(u) = &mut self.usage {
             u.feed(&b.body);
         }
-        if !self.first_response_byte && !b.body.is_empty() {
+        if self.first_byte_at.is_none() && !b.body.is_empty() {
             // Prefill is over once bytes flow: release the prompt tokens.
-            self.first_response_byte = true;
+            self.first_byte_at = Some(Instant::now());
             if let Some(t) = &self.ctx.inflight {
                 t.release_tokens(&self.request_id);
             }
@@ -118,6 +119,7 @@ impl StreamState {
         }) else {
             return;
         };
+        self.served = Some(served.to_string());
         let primary = primary.as_str();
         let corrected = match &self.ctx.scheduler.prefix_index {
             Some(ix) => {
@@ -151,7 +153,9 @@ impl StreamState {
     fn settle(&mut self) {
         if self.settles {
             self.settles = false;
+            let streamed = self.usage.as_ref().is_some_and(UsageScanner::is_sse);
             let usage = self.usage.take().and_then(|mut u| u.finish());
+            self.observed(usage, streamed);
             if let (Some(u), Some(info)) = (usage, &self.route_info) {
                 let labels = self.ctx.metrics.token_labels(
                     &info.model,
@@ -168,6 +172,34 @@ impl StreamState {
                 .gate
                 .complete(&self.request_id, usage.map(|u| u.input + u.output));
         }
+    }
+
+    /// Tell the scheduler what the response took (producers that learn from outcomes).
+    fn observed(&self, usage: Option<Usage>, streamed: bool) {
+        // Only complete responses of routed requests teach anything.
+        let (Some(info), Some(first)) = (&self.route_info, self.first_byte_at) else {
+            return;
+        };
+        let Some(pod) = self
+            .served
+            .clone()
+            .or_else(|| self.primary.clone())
+            .or_else(|| {
+                let d = self.headers.get(DESTINATION_HEADER)?;
+                d.split(',').next().map(|p| p.trim().to_string())
+            })
+        else {
+            return;
+        };
+        let ms = |t: Instant| t.saturating_duration_since(self.started).as_secs_f64() * 1000.0;
+        self.ctx.scheduler.observed(&Observation {
+            pod: &pod,
+            ttft_ms: streamed.then(|| ms(first)),
+            e2e_ms: ms(Instant::now()),
+            prompt_tokens: usage.map(|u| u.input),
+            cached_tokens: usage.map(|u| u.cached),
+            predicted: info.cost,
+        });
     }
 
     pub(super) fn finish(&mut self) {

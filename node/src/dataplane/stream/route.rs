@@ -191,11 +191,13 @@ impl StreamState {
             .collect::<Vec<_>>()
             .join(",");
         tracing::debug!(request_id = %self.request_id, %destination, model = %req.model, "routed");
+        let primary = decision.picked.first().copied();
         let info = RouteInfo {
             model: req.model.clone(),
             target_model: req.target_model.clone(),
             fairness_id: req.meta.fairness_id.clone(),
             priority: req.meta.priority,
+            cost: primary.and_then(|i| decision.data.predicted.get(i).copied()),
         };
         let mut set_headers = vec![
             header(DESTINATION_HEADER, &destination),
@@ -260,10 +262,7 @@ impl StreamState {
             ),
             on_headers,
             info,
-            primary: decision
-                .picked
-                .first()
-                .map(|i| candidates[*i].endpoint.hostport.clone()),
+            primary: primary.map(|i| candidates[i].endpoint.hostport.clone()),
         }
     }
 }

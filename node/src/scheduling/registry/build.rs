@@ -200,13 +200,25 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
                 || profile.filters.iter().any(|f| t.contains(&f.type_name()))
         })
     };
-    let needs_prefix = has_decider || uses(&[prefix::SCORER_TYPE, prefix::AFFINITY_FILTER_TYPE]);
-    let needs_inflight = uses(&[
-        load_scorers::TOKEN_LOAD_TYPE,
-        load_scorers::ACTIVE_REQUEST_TYPE,
-        prefix::AFFINITY_FILTER_TYPE,
-        filters::UTILIZATION_TYPE,
-    ]);
+    // The cost model: for its scorer, or for an affinity filter that takes its TTFT from it.
+    let affinity_on_cost = cfg.plugins.iter().any(|p| {
+        p.type_name == prefix::AFFINITY_FILTER_TYPE
+            && p.parameters
+                .as_ref()
+                .and_then(|v| v.get("ttftSource"))
+                .and_then(|v| v.as_str())
+                == Some(prefix::TTFT_SOURCE_COST_MODEL)
+    });
+    let needs_cost = affinity_on_cost || uses(&[cost_model::SCORER_TYPE]);
+    let needs_prefix =
+        has_decider || needs_cost || uses(&[prefix::SCORER_TYPE, prefix::AFFINITY_FILTER_TYPE]);
+    let needs_inflight = needs_cost
+        || uses(&[
+            load_scorers::TOKEN_LOAD_TYPE,
+            load_scorers::ACTIVE_REQUEST_TYPE,
+            prefix::AFFINITY_FILTER_TYPE,
+            filters::UTILIZATION_TYPE,
+        ]);
     let mut producers: Vec<Arc<dyn Producer>> = Vec::new();
     let configured_prefix = instances.iter().find_map(|(_, _, p)| match p {
         Plugin::PrefixProducer(p) => Some(p.clone()),
@@ -239,6 +251,21 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         }));
         tracker
     });
+    // After the prefix and in-flight producers: it predicts from their data.
+    let configured_cost = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::CostModel(c) => Some(c.clone()),
+        _ => None,
+    });
+    let cost_model = match configured_cost {
+        Some(c) => Some(c),
+        None if needs_cost => Some(Arc::new(cost_model::CostModel::new(
+            cost_model::CostModelParams::default(),
+        ))),
+        None => None,
+    };
+    if let Some(c) = &cost_model {
+        producers.push(c.clone());
+    }
 
     // Data layer: metrics-data-source (+ core-metrics-extractor) unless injectDefaults: false.
     let mut metrics_source = None;
@@ -363,6 +390,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             producers,
             handler,
             prefix_index,
+            cost_model,
             sessions,
             prefill_profile,
         },

@@ -15,6 +15,7 @@ use serde::Deserialize;
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 use crate::datalayer::inflight::InflightTracker;
 use crate::request::admission::AdmissionConfig;
+use crate::scheduling::cost_model;
 use crate::scheduling::filters::{self, LabelSelectorFilter, UtilizationFilter};
 use crate::scheduling::inflight::{self, InflightProducer};
 use crate::scheduling::kv_cache_scorer::{self, KvCacheScorer};
@@ -75,6 +76,8 @@ pub enum Plugin {
     Session(Arc<session::SessionAffinity>),
     Picker(Arc<dyn Picker>),
     PrefixProducer(Arc<ApproxPrefixProducer>),
+    /// `cost-model-producer`.
+    CostModel(Arc<cost_model::CostModel>),
     InflightProducer(inflight::InflightParams),
     /// `token-producer` (estimate backend: the count comes from the prompt's estimate tokens).
     TokenProducer,
@@ -187,16 +190,26 @@ pub fn construct(
         ))),
         prefix::AFFINITY_FILTER_TYPE => {
             let p: prefix::AffinityParams = params(parameters, path)?;
-            if p.ttft_source != "prefillThroughput" {
+            if !prefix::TTFT_SOURCES.contains(&p.ttft_source.as_str()) {
                 return Err(ConfigError::Field {
                     path: format!("{path}.ttftSource"),
                     message: format!(
-                        "ttftSource `{}` is not supported (only prefillThroughput)",
-                        p.ttft_source
+                        "ttftSource `{}` is not supported (only {})",
+                        p.ttft_source,
+                        prefix::TTFT_SOURCES.join(", ")
                     ),
                 });
             }
             Plugin::Filter(Arc::new(PrefixAffinityFilter { params: p }))
+        }
+        cost_model::PRODUCER_TYPE => {
+            let p: cost_model::CostModelParams = params(parameters, path)?;
+            p.validate(path)?;
+            Plugin::CostModel(Arc::new(cost_model::CostModel::new(p)))
+        }
+        cost_model::SCORER_TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(cost_model::CostModelScorer))
         }
         load_scorers::RUNNING_TYPE => {
             let _: NoParams = params(parameters, path)?;

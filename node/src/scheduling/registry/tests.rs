@@ -60,8 +60,8 @@ fn defaults_injected_without_profiles() {
 }
 
 #[test]
-fn builtin_default_builds() {
-    let b = build(&EndpointPickerConfig::builtin_default().unwrap()).unwrap();
+fn llm_d_default_builds() {
+    let b = build(&EndpointPickerConfig::llm_d_default().unwrap()).unwrap();
     let p = b.scheduler.primary();
     let weights: Vec<_> = p
         .scorers
@@ -85,6 +85,45 @@ fn builtin_default_builds() {
         .collect();
     assert_eq!(producers, vec!["approx-prefix-cache-producer"]);
     assert!(b.inflight.is_none());
+}
+
+#[test]
+fn builtin_default_is_the_cost_model() {
+    let b = build(&EndpointPickerConfig::builtin_default().unwrap()).unwrap();
+    let p = b.scheduler.primary();
+    let scorers: Vec<_> = p
+        .scorers
+        .iter()
+        .map(|s| (s.scorer.type_name(), s.weight))
+        .collect();
+    assert_eq!(scorers, vec![("cost-model-scorer", 1.0)]);
+    assert_eq!(p.picker.type_name(), "max-score-picker");
+    // Its producers were injected, in the order it needs them.
+    let producers: Vec<_> = b
+        .scheduler
+        .producers
+        .iter()
+        .map(|p| p.type_name())
+        .collect();
+    assert_eq!(
+        producers,
+        vec![
+            "approx-prefix-cache-producer",
+            "inflight-load-producer",
+            "cost-model-producer"
+        ]
+    );
+    assert!(b.inflight.is_some() && b.scheduler.cost_model.is_some());
+}
+
+#[test]
+fn affinity_filter_on_the_cost_model_injects_it() {
+    let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {type: prefix-cache-affinity-filter, parameters: {ttftSource: costModel}}\n- type: queue-scorer\n").unwrap();
+    assert!(b.scheduler.cost_model.is_some());
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {type: prefix-cache-affinity-filter, parameters: {ttftSource: oracle}}\n").unwrap_err().to_string();
+    assert!(e.contains("ttftSource") && e.contains("costModel"), "{e}");
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {type: cost-model-producer, parameters: {prefillTokensPerSecond: 0}}\n").unwrap_err().to_string();
+    assert!(e.contains("prefillTokensPerSecond"), "{e}");
 }
 
 #[test]
@@ -170,11 +209,10 @@ fn gate_off_uses_the_legacy_controller_with_the_configured_detector() {
     ));
 }
 
-/// The built-in default profile on four pods: queue ×2 + kv-cache ×2 + prefix ×3, summed.
+/// llm-d's default profile on four pods: queue ×2 + kv-cache ×2 + prefix ×3, summed.
 #[test]
 fn four_pod_weighted_sum() {
-    let built =
-        crate::scheduling::build(&EndpointPickerConfig::builtin_default().unwrap()).unwrap();
+    let built = crate::scheduling::build(&EndpointPickerConfig::llm_d_default().unwrap()).unwrap();
     let s = &built.scheduler;
     let cs = vec![
         cand_at("a", "10.0.0.1:8000", metrics(0.0, 1.0, 0.5), false, &[]),

@@ -1,0 +1,953 @@
+//! `cost-model-producer` and `cost-model-scorer`: route each request where it is predicted to get
+//! its first token soonest. Our own plugin types (not llm-d's); the project's default profile.
+//!
+//! # The prediction
+//! For candidate pod *i* and this request:
+//!
+//! ```text
+//! TTFT_i = a_i + s_i · U_i                 prefill of this request's uncached tokens (prefix match)
+//!        + q_i · Q_i                       the prefill work Q_i routed there and not yet done (an
+//!                                          engine that batches prefills shares its compute)
+//!        + d_i · R_i                       decode contention: the R_i requests running beside it
+//!        + W_i                             waiting for a slot when the batch is full:
+//!                                          W_i = (N_i − C_i + 1) · S_i / C_i   if N_i ≥ C_i
+//! ```
+//! `N_i` is the requests on the pod — the in-flight ledger (cluster-wide in cluster mode) or the
+//! pod's own running + waiting gauges, whichever is larger — `Q_i` the ledger's unprefilled
+//! tokens, `C_i` the pod's batch limit as the pod has shown it (the data layer learns it from the
+//! requests running while others wait; unknown until then, when waiting requests themselves say
+//! the batch is full), `S_i` the pod's mean service time. A pod without fresh metrics is
+//! penalised by `staleMetricsPenaltyMs`.
+//!
+//! # Learning
+//! Every response observed here (whichever replica routed it) is a sample: the route header
+//! carries what was predicted; the response gives its TTFT, its duration and, from its usage,
+//! the tokens that were really uncached. Samples routed to a pod with a free slot fit
+//! `(a, s, q, d)` by exponentially-forgetting least squares (memory `memorySamples`) — so an
+//! engine whose concurrent prefills do not slow each other learns `q ≈ 0`; durations less
+//! the predicted slot wait give `S`. A pod's fit is pulled toward the fleet's, and the fleet's
+//! toward the prior (`prefillTokensPerSecond`, `serviceTimeMs`), so the model is sane before any
+//! data and a pod with few samples borrows from the rest. Every learned value is clamped to a
+//! plausible range, so no sample can make a pod look infinitely fast or slow.
+//!
+//! # Scoring
+//! `cost-model-scorer` gives `(t_min + 1) / (t_i + 1)` (ms): 1 for the fastest candidate, less
+//! the longer a candidate is predicted to take. The `prefix-cache-affinity-filter` can use the
+//! same prediction as its TTFT penalty source (`ttftSource: costModel`).
+
+use std::collections::HashMap;
+use std::sync::RwLock;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::{MAX_SAMPLE_MS, Observation, Prediction, Producer, RequestData, SchedRequest, Scorer};
+use crate::datalayer::store::Candidate;
+
+pub const PRODUCER_TYPE: &str = "cost-model-producer";
+pub const SCORER_TYPE: &str = "cost-model-scorer";
+
+/// Pods whose fits are kept (beyond it, new pods use the fleet's fit).
+const MAX_PODS: usize = 4096;
+
+/// `cost-model-producer` parameters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CostModelParams {
+    /// Prior prefill throughput of a pod, tokens/s (llm-d's `peakPrefillThroughput` default).
+    #[serde(default = "d_tps")]
+    pub prefill_tokens_per_second: f64,
+    /// Prior mean time a request occupies a batch slot, ms.
+    #[serde(default = "d_service")]
+    pub service_time_ms: f64,
+    /// Added to the prediction of a pod without fresh metrics, ms.
+    #[serde(default = "d_stale")]
+    pub stale_metrics_penalty_ms: f64,
+    /// Learn from observed responses (off: the priors only).
+    #[serde(default = "d_true")]
+    pub learn: bool,
+    /// Samples after which an observation's weight has decayed to 1/e.
+    #[serde(default = "d_memory")]
+    pub memory_samples: f64,
+    /// Share of the cached tokens a request evicts from a full pod cache that will be asked for
+    /// again (what their re-prefill later costs counts against the pod); 0 = TTFT only.
+    #[serde(default = "d_evict")]
+    pub eviction_cost: f64,
+    /// Share of a slot's time each request already on a pod with a known batch limit costs a new
+    /// one (the later turns of the sessions placed there wait longer on a busier pod); breaks
+    /// near-ties toward the less loaded pod.
+    #[serde(default = "d_load")]
+    pub load_cost: f64,
+}
+
+fn d_tps() -> f64 {
+    15_928.0
+}
+fn d_service() -> f64 {
+    1_000.0
+}
+fn d_stale() -> f64 {
+    1_000.0
+}
+fn d_true() -> bool {
+    true
+}
+fn d_memory() -> f64 {
+    64.0
+}
+fn d_evict() -> f64 {
+    0.5
+}
+fn d_load() -> f64 {
+    0.25
+}
+
+impl Default for CostModelParams {
+    fn default() -> Self {
+        CostModelParams {
+            prefill_tokens_per_second: d_tps(),
+            service_time_ms: d_service(),
+            stale_metrics_penalty_ms: d_stale(),
+            learn: true,
+            memory_samples: d_memory(),
+            eviction_cost: d_evict(),
+            load_cost: d_load(),
+        }
+    }
+}
+
+impl CostModelParams {
+    pub fn validate(&self, path: &str) -> Result<(), crate::config::ConfigError> {
+        let positive = |v: f64, k: &str| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(crate::config::ConfigError::Field {
+                    path: format!("{path}.{k}"),
+                    message: format!("must be a positive number, got {v}"),
+                })
+            }
+        };
+        positive(self.prefill_tokens_per_second, "prefillTokensPerSecond")?;
+        positive(self.service_time_ms, "serviceTimeMs")?;
+        positive(self.memory_samples, "memorySamples")?;
+        for (v, k) in [
+            (self.stale_metrics_penalty_ms, "staleMetricsPenaltyMs"),
+            (self.eviction_cost, "evictionCost"),
+            (self.load_cost, "loadCost"),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(crate::config::ConfigError::Field {
+                    path: format!("{path}.{k}"),
+                    message: format!("must be a non-negative number, got {v}"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The fitted coefficients: TTFT = a + s · uncached + q · queued tokens + d · running (ms).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Fit {
+    pub base_ms: f64,
+    pub ms_per_token: f64,
+    pub ms_per_queued_token: f64,
+    pub ms_per_running: f64,
+}
+
+impl Fit {
+    fn theta(&self) -> [f64; N] {
+        [
+            self.base_ms,
+            self.ms_per_token,
+            self.ms_per_queued_token,
+            self.ms_per_running,
+        ]
+    }
+}
+
+/// Features: `[1, uncached tokens, queued tokens, running]`.
+const N: usize = 4;
+/// Typical feature magnitudes: a coefficient's prior pull is measured at these.
+const SCALE: [f64; N] = [1.0, 1_000.0, 1_000.0, 4.0];
+/// How many samples' worth the fleet's fit weighs in a pod's fit.
+const POD_PRIOR_SAMPLES: f64 = 0.5;
+/// How many samples' worth the configured prior weighs in the fleet's fit.
+const FLEET_PRIOR_SAMPLES: f64 = 0.1;
+
+/// Exponentially-forgetting least squares over the features.
+#[derive(Debug, Clone, Default)]
+struct Lsq {
+    xtx: [[f64; N]; N],
+    xty: [f64; N],
+    weight: f64,
+}
+
+impl Lsq {
+    fn add(&mut self, x: [f64; N], y: f64, keep: f64) {
+        for r in 0..N {
+            self.xty[r] = self.xty[r] * keep + x[r] * y;
+            for c in 0..N {
+                self.xtx[r][c] = self.xtx[r][c] * keep + x[r] * x[c];
+            }
+        }
+        self.weight = self.weight * keep + 1.0;
+    }
+
+    /// The ridge solution pulled toward `prior` (worth `strength` samples), clamped to `bounds`.
+    fn solve(&self, prior: Fit, strength: f64, bounds: &Bounds) -> Fit {
+        let p = prior.theta();
+        let mut a = self.xtx;
+        let mut b = self.xty;
+        for j in 0..N {
+            let w = strength * SCALE[j] * SCALE[j];
+            a[j][j] += w;
+            b[j] += w * p[j];
+        }
+        let t = solve(a, b).unwrap_or(p);
+        Fit {
+            base_ms: t[0].clamp(0.0, bounds.max_base_ms),
+            ms_per_token: t[1].clamp(bounds.min_ms_per_token, bounds.max_ms_per_token),
+            ms_per_queued_token: t[2].clamp(0.0, bounds.max_ms_per_token),
+            ms_per_running: t[3].clamp(0.0, bounds.max_ms_per_running),
+        }
+    }
+}
+
+/// Gaussian elimination with partial pivoting; `None` if (numerically) singular.
+fn solve<const K: usize>(mut a: [[f64; K]; K], mut b: [f64; K]) -> Option<[f64; K]> {
+    for col in 0..K {
+        let piv = (col..K).max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))?;
+        if a[piv][col].abs() < 1e-12 {
+            return None;
+        }
+        a.swap(col, piv);
+        b.swap(col, piv);
+        let pivot_row = a[col];
+        for row in col + 1..K {
+            let f = a[row][col] / pivot_row[col];
+            for (x, p) in a[row].iter_mut().zip(pivot_row).skip(col) {
+                *x -= f * p;
+            }
+            b[row] -= f * b[col];
+        }
+    }
+    let mut x = [0.0; K];
+    for row in (0..K).rev() {
+        let s: f64 = (row + 1..K).map(|k| a[row][k] * x[k]).sum();
+        x[row] = (b[row] - s) / a[row][row];
+    }
+    x.iter().all(|v| v.is_finite()).then_some(x)
+}
+
+/// Plausible ranges of the fitted values.
+#[derive(Debug, Clone)]
+struct Bounds {
+    max_base_ms: f64,
+    min_ms_per_token: f64,
+    max_ms_per_token: f64,
+    max_ms_per_running: f64,
+}
+
+/// What is learned about one pod (or the fleet).
+#[derive(Debug, Clone)]
+struct Learned {
+    lsq: Lsq,
+    fit: Fit,
+    /// Mean slot occupancy, ms (EWMA); `None` before the first sample.
+    service_ms: Option<f64>,
+    samples: u64,
+    /// When the last sample arrived.
+    updated: Option<Instant>,
+}
+
+impl Learned {
+    fn new(fit: Fit) -> Self {
+        Learned {
+            lsq: Lsq::default(),
+            fit,
+            service_ms: None,
+            samples: 0,
+            updated: None,
+        }
+    }
+}
+
+/// A pod's own fit counts fully when fresh and relaxes toward the fleet's with this time
+/// constant when the pod gets no samples (it may get none *because* it looked slow: relaxing lets
+/// it be tried again).
+const RELAX: Duration = Duration::from_secs(10);
+
+/// A sample far above its prediction (3× + 20 ms) is mostly queueing the model did not see: it
+/// counts at that bound, so one stall cannot make a pod look slow for long.
+fn clip(observed: f64, predicted: f64) -> f64 {
+    observed.min(3.0 * predicted + 20.0)
+}
+
+#[derive(Debug)]
+struct State {
+    fleet: Learned,
+    pods: HashMap<String, Learned>,
+}
+
+/// The producer: predicts every candidate's TTFT and learns from observed responses.
+#[derive(Debug)]
+pub struct CostModel {
+    params: CostModelParams,
+    prior: Fit,
+    bounds: Bounds,
+    state: RwLock<State>,
+}
+
+/// `/debug/cost-model`: the fleet's and each pod's fit.
+#[derive(Debug, Serialize)]
+pub struct CostModelView {
+    pub fleet: LearnedView,
+    pub pods: Vec<(String, LearnedView)>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LearnedView {
+    pub fit: Fit,
+    /// `1000 / ms_per_token`.
+    pub prefill_tokens_per_second: f64,
+    pub service_ms: Option<f64>,
+    pub samples: u64,
+}
+
+impl LearnedView {
+    fn of(l: &Learned) -> Self {
+        LearnedView {
+            fit: l.fit,
+            prefill_tokens_per_second: 1000.0 / l.fit.ms_per_token,
+            service_ms: l.service_ms,
+            samples: l.samples,
+        }
+    }
+}
+
+impl CostModel {
+    pub fn new(params: CostModelParams) -> Self {
+        let ms_per_token = 1000.0 / params.prefill_tokens_per_second;
+        let prior = Fit {
+            base_ms: 0.0,
+            ms_per_token,
+            ms_per_queued_token: ms_per_token,
+            ms_per_running: 0.0,
+        };
+        CostModel {
+            bounds: Bounds {
+                max_base_ms: 10_000.0,
+                min_ms_per_token: ms_per_token / 100.0,
+                max_ms_per_token: ms_per_token * 100.0,
+                max_ms_per_running: 10_000.0,
+            },
+            prior,
+            state: RwLock::new(State {
+                fleet: Learned::new(prior),
+                pods: HashMap::new(),
+            }),
+            params,
+        }
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The prediction for one candidate: `uncached` of this request's tokens are not cached there,
+    /// `inflight` is the ledger's `(requests, unprefilled tokens)` on it, when there is a ledger.
+    fn predict(
+        &self,
+        st: &State,
+        now: Instant,
+        c: &Candidate,
+        uncached: u64,
+        inflight: Option<(u64, u64)>,
+    ) -> Prediction {
+        let fleet_service = st.fleet.service_ms.unwrap_or(self.params.service_time_ms);
+        let (fit, service) = match st.pods.get(&c.endpoint.hostport) {
+            Some(pod) => {
+                let age = pod
+                    .updated
+                    .map_or(Duration::MAX, |t| now.saturating_duration_since(t));
+                let w = (-age.as_secs_f64() / RELAX.as_secs_f64()).exp();
+                let mix = |p: f64, f: f64| f + w * (p - f);
+                let (p, f) = (pod.fit, st.fleet.fit);
+                (
+                    Fit {
+                        base_ms: mix(p.base_ms, f.base_ms),
+                        ms_per_token: mix(p.ms_per_token, f.ms_per_token),
+                        ms_per_queued_token: mix(p.ms_per_queued_token, f.ms_per_queued_token),
+                        ms_per_running: mix(p.ms_per_running, f.ms_per_running),
+                    },
+                    mix(pod.service_ms.unwrap_or(fleet_service), fleet_service),
+                )
+            }
+            None => (st.fleet.fit, fleet_service),
+        };
+        let gauge = |v: Option<f64>| {
+            v.filter(|v| v.is_finite() && *v > 0.0).map_or(0, |v| {
+                v.min(crate::datalayer::endpoint::MAX_BATCH as f64) as u64
+            })
+        };
+        let m = c.metrics();
+        let (running_m, waiting_m) = m.map_or((0, 0), |m| {
+            (gauge(m.running_requests), gauge(m.waiting_queue_size))
+        });
+        // The ledger knows every routed request at once; the gauges are up to a scrape old (a slot
+        // that just freed still shows busy) but see traffic the ledger does not: they count when
+        // the pod queues requests.
+        let ahead = match inflight {
+            Some((n, _)) if waiting_m > 0 => n.max(running_m + waiting_m),
+            Some((n, _)) => n,
+            None => running_m + waiting_m,
+        };
+        let queued_tokens = inflight.map_or(0, |(_, t)| t);
+        let capacity = c.endpoint.batch_capacity();
+        let running = capacity.map_or(ahead, |cap| ahead.min(cap));
+        let queue_ms = match capacity {
+            Some(cap) if ahead >= cap => (ahead - cap + 1) as f64 * service / cap as f64,
+            None if waiting_m > 0 => (waiting_m + 1) as f64 * service / running_m.max(1) as f64,
+            _ => 0.0,
+        };
+        let mut ttft = fit.base_ms
+            + fit.ms_per_token * uncached as f64
+            + fit.ms_per_queued_token * queued_tokens as f64
+            + fit.ms_per_running * running as f64
+            + queue_ms;
+        if m.is_none() {
+            ttft += self.params.stale_metrics_penalty_ms;
+        }
+        let evicted = m.map_or(0, |m| active_evicted(m, uncached + queued_tokens));
+        let load = capacity.map_or(0.0, |cap| ahead as f64 * service / cap as f64);
+        Prediction {
+            ttft_ms: ttft.min(MAX_SAMPLE_MS),
+            queue_ms: queue_ms.min(MAX_SAMPLE_MS),
+            others_ms: (self.params.eviction_cost * fit.ms_per_token * evicted as f64
+                + self.params.load_cost * load)
+                .min(MAX_SAMPLE_MS),
+            uncached_tokens: uncached,
+            queued_tokens,
+            running,
+        }
+    }
+
+    /// Learn from one observed response.
+    fn learn(&self, obs: &Observation<'_>) {
+        let keep = (-1.0 / self.params.memory_samples).exp();
+        let e2e = obs.e2e_ms;
+        if !(e2e.is_finite() && (0.0..=MAX_SAMPLE_MS).contains(&e2e)) {
+            return;
+        }
+        let mut st = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let State { fleet, pods } = &mut *st;
+        let known = pods.contains_key(obs.pod);
+        if !known && pods.len() >= MAX_PODS {
+            // Bounded: beyond MAX_PODS pods only the fleet learns.
+            return Self::update(fleet, None, obs, keep, self.prior, &self.bounds);
+        }
+        let pod = pods
+            .entry(obs.pod.to_string())
+            .or_insert_with(|| Learned::new(fleet.fit));
+        Self::update(fleet, Some(pod), obs, keep, self.prior, &self.bounds);
+    }
+
+    fn update(
+        fleet: &mut Learned,
+        pod: Option<&mut Learned>,
+        obs: &Observation<'_>,
+        keep: f64,
+        prior: Fit,
+        bounds: &Bounds,
+    ) {
+        let queued = obs.predicted.map_or(0.0, |p| p.queue_ms);
+        // The slot was held from admission to the end, less the predicted wait for it.
+        let service = (obs.e2e_ms - queued).max(0.0);
+        let alpha = 1.0 - keep;
+        let ewma = |s: &mut Option<f64>| {
+            *s = Some(s.map_or(service, |v| v + alpha * (clip(service, v) - v)));
+        };
+        ewma(&mut fleet.service_ms);
+        fleet.samples += 1;
+        let sample = match (obs.ttft_ms, obs.predicted) {
+            // Only requests that found a free slot: the fit is of the engine, not of its queue.
+            (Some(ttft), Some(p)) if p.queue_ms == 0.0 && ttft.is_finite() => {
+                let uncached = match (obs.prompt_tokens, obs.cached_tokens) {
+                    (Some(n), Some(c)) => n.saturating_sub(c),
+                    (Some(n), None) => n,
+                    _ => p.uncached_tokens,
+                };
+                let x = [
+                    1.0,
+                    uncached as f64,
+                    p.queued_tokens as f64,
+                    p.running as f64,
+                ];
+                Some((x, clip(ttft.clamp(0.0, MAX_SAMPLE_MS), p.ttft_ms)))
+            }
+            _ => None,
+        };
+        if let Some((x, y)) = sample {
+            fleet.lsq.add(x, y, keep);
+            fleet.fit = fleet.lsq.solve(prior, FLEET_PRIOR_SAMPLES, bounds);
+        }
+        if let Some(pod) = pod {
+            ewma(&mut pod.service_ms);
+            pod.samples += 1;
+            pod.updated = Some(Instant::now());
+            if let Some((x, y)) = sample {
+                pod.lsq.add(x, y, keep);
+            }
+            // Re-solved toward the fleet's current fit even without a TTFT sample of its own.
+            pod.fit = pod.lsq.solve(fleet.fit, POD_PRIOR_SAMPLES, bounds);
+        }
+    }
+
+    pub fn view(&self) -> CostModelView {
+        let st = self.read();
+        let mut pods: Vec<(String, LearnedView)> = st
+            .pods
+            .iter()
+            .map(|(k, l)| (k.clone(), LearnedView::of(l)))
+            .collect();
+        pods.sort_by(|a, b| a.0.cmp(&b.0));
+        CostModelView {
+            fleet: LearnedView::of(&st.fleet),
+            pods,
+        }
+    }
+}
+
+impl Producer for CostModel {
+    fn type_name(&self) -> &'static str {
+        PRODUCER_TYPE
+    }
+
+    fn produce(&self, _req: &SchedRequest<'_>, candidates: &[Candidate], data: &mut RequestData) {
+        let st = self.read();
+        let now = Instant::now();
+        data.predicted = candidates
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let load = data.inflight.get(i).map(|l| (l.requests, l.tokens));
+                self.predict(&st, now, c, data.uncached_tokens(i) as u64, load)
+            })
+            .collect();
+    }
+
+    fn pre_request(
+        &self,
+        _req: &SchedRequest<'_>,
+        _data: &RequestData,
+        _candidates: &[Candidate],
+        _primary: usize,
+        _prefill: Option<usize>,
+    ) {
+    }
+
+    fn observed(&self, obs: &Observation<'_>) {
+        if self.params.learn {
+            self.learn(obs);
+        }
+    }
+}
+
+/// Tokens of running requests' KV a request needing `tokens` new blocks would push out of the
+/// pod: its KV use (by running requests, as the pod reports it) plus these, beyond its capacity.
+/// 0 when the pod does not say its capacity.
+fn active_evicted(m: &crate::datalayer::EndpointMetrics, tokens: u64) -> u64 {
+    let (Some(blocks), Some(block_size), Some(usage)) =
+        (m.num_gpu_blocks, m.block_size, m.kv_cache_usage)
+    else {
+        return 0;
+    };
+    let capacity = blocks.saturating_mul(block_size);
+    let used = (usage.clamp(0.0, 1.0) * capacity as f64) as u64;
+    (used + tokens).saturating_sub(capacity)
+}
+
+/// `cost-model-scorer`: `(c_min + 1) / (c_i + 1)` over the predicted costs (TTFT plus eviction, ms).
+#[derive(Debug, Default)]
+pub struct CostModelScorer;
+
+impl Scorer for CostModelScorer {
+    fn type_name(&self) -> &'static str {
+        SCORER_TYPE
+    }
+
+    fn score(
+        &self,
+        _req: &SchedRequest<'_>,
+        data: &RequestData,
+        _candidates: &[Candidate],
+        idx: &[usize],
+        out: &mut [f64],
+    ) {
+        let t = |i: usize| data.predicted.get(i).map(Prediction::cost_ms);
+        let best = idx
+            .iter()
+            .filter_map(|&i| t(i))
+            .fold(f64::INFINITY, f64::min);
+        for (slot, &i) in out.iter_mut().zip(idx) {
+            *slot = match t(i) {
+                Some(ti) if best.is_finite() => (best + 1.0) / (ti + 1.0),
+                _ => 0.0,
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::datalayer::EndpointMetrics;
+    use crate::scheduling::testutil::*;
+    use crate::scheduling::{InflightLoad, PrefixMatchInfo};
+
+    /// 1000 tokens/s prior (1 ms per token), 400 ms service time, no learning.
+    fn model(learn: bool) -> CostModel {
+        CostModel::new(CostModelParams {
+            prefill_tokens_per_second: 1000.0,
+            service_time_ms: 400.0,
+            stale_metrics_penalty_ms: 5000.0,
+            learn,
+            memory_samples: 64.0,
+            eviction_cost: 0.5,
+            load_cost: 0.25,
+        })
+    }
+
+    fn gauges(running: f64, waiting: f64) -> Option<EndpointMetrics> {
+        Some(EndpointMetrics {
+            running_requests: Some(running),
+            waiting_queue_size: Some(waiting),
+            ..Default::default()
+        })
+    }
+
+    /// A 1000-token prompt (16 blocks of 64 = 1024 > 1000: prompt_tokens = 1000), matched blocks per
+    /// candidate, and ledger loads.
+    fn data(matched: Vec<usize>, inflight: Vec<InflightLoad>) -> RequestData {
+        RequestData {
+            prompt_tokens: 1000,
+            prefix: Some(PrefixMatchInfo {
+                block_size: 64,
+                total_blocks: 15,
+                matched,
+                hashes: vec![],
+            }),
+            inflight,
+            predicted: vec![],
+        }
+    }
+
+    fn load(requests: u64, tokens: u64) -> InflightLoad {
+        InflightLoad { requests, tokens }
+    }
+
+    #[test]
+    fn predictions_by_hand() {
+        let m = model(false);
+        let a = cand_at("a", "10.0.0.1:1", gauges(1.0, 0.0), false, &[]);
+        let b = cand_at("b", "10.0.0.2:1", gauges(0.0, 0.0), false, &[]);
+        // c has shown a batch of 2 with requests waiting: its batch limit is 2.
+        let c = cand_at("c", "10.0.0.3:1", None, false, &[]);
+        c.endpoint
+            .set_metrics(gauges(2.0, 1.0).unwrap(), Instant::now());
+        let c = Candidate {
+            sample: c.endpoint.sample(),
+            ..c
+        };
+        // d: requests waiting but no known limit; e: no metrics at all.
+        let d = cand_at("d", "10.0.0.4:1", gauges(0.0, 2.0), false, &[]);
+        let e = cand_at("e", "10.0.0.5:1", None, false, &[]);
+        let cs = [a, b, c, d, e];
+        let mut rd = data(
+            vec![10, 0, 0, 0, 0],
+            vec![
+                load(1, 200),
+                load(0, 0),
+                load(3, 100),
+                load(0, 0),
+                load(0, 0),
+            ],
+        );
+        m.produce(&req(), &cs, &mut rd);
+        let t: Vec<f64> = rd.predicted.iter().map(|p| p.ttft_ms).collect();
+        // a: 1000 − 10·64 = 360 uncached + 200 queued tokens at 1 ms each; one running, no slot wait.
+        assert_eq!(t[0], 560.0);
+        assert_eq!(
+            (rd.predicted[0].running, rd.predicted[0].uncached_tokens),
+            (1, 360)
+        );
+        // b: idle, nothing cached.
+        assert_eq!(t[1], 1000.0);
+        // c: 3 in flight ≥ limit 2 → wait (3 − 2 + 1) · 400 / 2 = 400 ms, on top of 1100 tokens.
+        assert_eq!(rd.predicted[2].queue_ms, 400.0);
+        assert_eq!((t[2], rd.predicted[2].running), (1500.0, 2));
+        // …and its 3 requests cost a new one a quarter of their slot time: 0.25 · 3 · 400 / 2.
+        assert_eq!(rd.predicted[2].others_ms, 150.0);
+        // d: 2 waiting and none running (an engine still loading): no limit learned, the waiting
+        // queue says full → (2 + 1) · 400 / 1 = 1200 ms.
+        assert_eq!(t[3], 1000.0 + 1200.0);
+        // e: never scraped → the stale penalty.
+        assert_eq!(t[4], 1000.0 + 5000.0);
+
+        let s = CostModelScorer;
+        let scores = score_all(&s, &rd, &cs);
+        let want = [
+            1.0,
+            561.0 / 1001.0,
+            561.0 / 1651.0,
+            561.0 / 2201.0,
+            561.0 / 6001.0,
+        ];
+        for (got, want) in scores.iter().zip(want) {
+            assert!((got - want).abs() < 1e-12, "{scores:?}");
+        }
+    }
+
+    /// A pod whose KV is taken by running requests pays for what a request would push out of it:
+    /// half the re-prefill of those tokens.
+    #[test]
+    fn a_full_pod_pays_for_what_it_evicts() {
+        let m = model(false);
+        // 1000 blocks of 16 = 16000 tokens; "full" runs requests holding 90% of them.
+        let kv = |usage: f64| {
+            Some(EndpointMetrics {
+                running_requests: Some(1.0),
+                waiting_queue_size: Some(0.0),
+                kv_cache_usage: Some(usage),
+                num_gpu_blocks: Some(1000),
+                block_size: Some(16),
+                ..Default::default()
+            })
+        };
+        let cs = [
+            cand_at("full", "10.0.0.1:1", kv(0.9), false, &[]),
+            cand_at("roomy", "10.0.0.2:1", kv(0.1), false, &[]),
+        ];
+        let mut rd = data(vec![5, 0], vec![load(0, 0), load(0, 0)]);
+        m.produce(&req(), &cs, &mut rd);
+        // full: 1000 − 5·64 = 680 uncached; 14400 + 680 − 16000 < 0: nothing evicted yet.
+        assert_eq!(
+            (rd.predicted[0].ttft_ms, rd.predicted[0].others_ms),
+            (680.0, 0.0)
+        );
+        // With 2000 tokens queued there, 14400 + 680 + 2000 − 16000 = 1080 are pushed out.
+        let mut rd = data(vec![5, 0], vec![load(1, 2000), load(0, 0)]);
+        m.produce(&req(), &cs, &mut rd);
+        assert_eq!(rd.predicted[0].ttft_ms, 2680.0);
+        assert_eq!(rd.predicted[0].others_ms, 540.0);
+        assert_eq!(
+            (rd.predicted[1].ttft_ms, rd.predicted[1].others_ms),
+            (1000.0, 0.0)
+        );
+        let scores = score_all(&CostModelScorer, &rd, &cs);
+        assert_eq!(scores[1], 1.0);
+        assert!((scores[0] - 1001.0 / 3221.0).abs() < 1e-12, "{scores:?}");
+    }
+
+    /// Observations of a pod whose TTFT is 10 ms + 0.2 ms per uncached token + 0.05 ms per queued
+    /// token + 3 ms per running request: the fit converges to it from a prior 5× off, and another
+    /// pod borrows the fleet's.
+    #[test]
+    fn learns_a_pods_speed_from_its_responses() {
+        let m = model(true);
+        let truth = |uncached: u64, queued: u64, running: u64| {
+            10.0 + 0.2 * uncached as f64 + 0.05 * queued as f64 + 3.0 * running as f64
+        };
+        for k in 0..400u64 {
+            let uncached = 100 + (k * 37) % 2000;
+            let queued = (k * 113) % 3000;
+            let running = k % 5;
+            // As if routed with a prediction in the right range (a sample far above its
+            // prediction is clipped: see `clip`).
+            let p = Prediction {
+                ttft_ms: truth(uncached, queued, running),
+                uncached_tokens: uncached + 50,
+                queued_tokens: queued,
+                running,
+                ..Prediction::default()
+            };
+            m.observed(&Observation {
+                pod: "10.0.0.1:1",
+                ttft_ms: Some(truth(uncached, queued, running)),
+                e2e_ms: 2000.0,
+                // the usage says 50 of the predicted uncached tokens were cached after all
+                prompt_tokens: Some(uncached + 500),
+                cached_tokens: Some(500),
+                predicted: Some(p),
+            });
+        }
+        let v = m.view();
+        let (pod, learned) = &v.pods[0];
+        assert_eq!(pod, "10.0.0.1:1");
+        let f = learned.fit;
+        assert!((f.ms_per_token - 0.2).abs() < 0.005, "{f:?}");
+        assert!((f.ms_per_queued_token - 0.05).abs() < 0.01, "{f:?}");
+        assert!((f.base_ms - 10.0).abs() < 2.0, "{f:?}");
+        assert!((f.ms_per_running - 3.0).abs() < 0.5, "{f:?}");
+        assert!((learned.service_ms.unwrap() - 2000.0).abs() < 1e-6);
+        // The fleet learned the same; a pod never observed predicts with it.
+        assert!(
+            (v.fleet.fit.ms_per_token - 0.2).abs() < 0.01,
+            "{:?}",
+            v.fleet
+        );
+        let cs = [cand_at("new", "10.0.0.9:1", gauges(0.0, 0.0), false, &[])];
+        let mut rd = data(vec![0], vec![load(0, 0)]);
+        m.produce(&req(), &cs, &mut rd);
+        let want = truth(1000, 0, 0);
+        assert!(
+            (rd.predicted[0].ttft_ms - want).abs() < 0.05 * want,
+            "{:?}",
+            rd.predicted
+        );
+    }
+
+    /// A pod that looked slow and then got no traffic relaxes to the fleet's fit, so it is tried
+    /// again; one sample far above its prediction moves the fit only up to the clip.
+    #[test]
+    fn an_unsampled_pod_relaxes_to_the_fleet() {
+        let m = model(true);
+        let obs = |pod, ttft| Observation {
+            pod,
+            ttft_ms: Some(ttft),
+            e2e_ms: ttft + 100.0,
+            prompt_tokens: Some(1000),
+            cached_tokens: Some(0),
+            predicted: Some(Prediction {
+                ttft_ms: 1000.0,
+                uncached_tokens: 1000,
+                ..Prediction::default()
+            }),
+        };
+        for _ in 0..50 {
+            m.observed(&obs("10.0.0.1:1", 1000.0));
+        }
+        // One stall: 60 s observed, counted as 3 × 1000 + 20 ms.
+        m.observed(&obs("10.0.0.2:1", 60_000.0));
+        let cs = [cand_at("slow", "10.0.0.2:1", gauges(0.0, 0.0), false, &[])];
+        let st = m.read();
+        let now = Instant::now();
+        let at = |t: Instant| m.predict(&st, t, &cs[0], 1000, None).ttft_ms;
+        let fresh = at(now);
+        assert!(fresh > 1200.0 && fresh < 3020.0, "{fresh}");
+        let later = at(now + Duration::from_secs(120));
+        let fleet = m
+            .predict(
+                &st,
+                now,
+                &cand_at("x", "10.9.9.9:1", gauges(0.0, 0.0), false, &[]),
+                1000,
+                None,
+            )
+            .ttft_ms;
+        assert!(
+            (later - fleet).abs() < 1.0,
+            "relaxed {later} vs fleet {fleet}"
+        );
+    }
+
+    #[test]
+    fn garbage_samples_cannot_break_the_model() {
+        let m = model(true);
+        let p = Prediction::default();
+        for (ttft, e2e) in [
+            (Some(f64::NAN), 10.0),
+            (Some(1e300), 10.0),
+            (Some(-5.0), 10.0),
+            (Some(5.0), f64::INFINITY),
+            (Some(5.0), -1.0),
+        ] {
+            m.observed(&Observation {
+                pod: "p",
+                ttft_ms: ttft,
+                e2e_ms: e2e,
+                prompt_tokens: Some(u64::MAX),
+                cached_tokens: Some(0),
+                predicted: Some(p),
+            });
+        }
+        let v = m.view();
+        for l in std::iter::once(&v.fleet).chain(v.pods.iter().map(|(_, l)| l)) {
+            let f = l.fit;
+            assert!(
+                f.base_ms.is_finite() && (0.0..=10_000.0).contains(&f.base_ms),
+                "{f:?}"
+            );
+            assert!((0.01..=100.0).contains(&f.ms_per_token), "{f:?}");
+            assert!(
+                f.ms_per_running.is_finite() && f.ms_per_running >= 0.0,
+                "{f:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn saturated_samples_teach_service_time_not_speed() {
+        let m = model(true);
+        for _ in 0..50 {
+            m.observed(&Observation {
+                pod: "p",
+                ttft_ms: Some(5_000.0),
+                e2e_ms: 5_300.0,
+                prompt_tokens: Some(100),
+                cached_tokens: Some(0),
+                predicted: Some(Prediction {
+                    queue_ms: 4_000.0,
+                    ..Prediction::default()
+                }),
+            });
+        }
+        let v = m.view();
+        assert_eq!(
+            v.fleet.fit.ms_per_token, 1.0,
+            "queued samples leave the fit at the prior"
+        );
+        assert!((v.pods[0].1.service_ms.unwrap() - 1_300.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn prediction_codec() {
+        let p = Prediction {
+            ttft_ms: 1.25,
+            queue_ms: 0.5,
+            others_ms: 9.0,
+            uncached_tokens: 7,
+            queued_tokens: 0,
+            running: 3,
+        };
+        // One decimal: 1.25 → "1.2" (round half to even) is fine for learning.
+        let d = Prediction::decode(&p.encode()).unwrap();
+        assert_eq!((d.uncached_tokens, d.running), (7, 3));
+        assert!((d.ttft_ms - 1.25).abs() <= 0.051);
+        assert_eq!(
+            d.others_ms, 0.0,
+            "the eviction estimate is the router's own"
+        );
+        assert_eq!(Prediction::decode(""), None);
+        assert_eq!(Prediction::decode("1,2,3,4,x"), None);
+        assert_eq!(Prediction::decode("1,2,3,4,99999999999999999"), None);
+    }
+
+    #[test]
+    fn solve_matches_a_known_system() {
+        // x + y + z = 6, 2y + 5z = −4, 2x + 5y − z = 27 → (5, 3, −2)
+        let x = solve(
+            [[1.0, 1.0, 1.0], [0.0, 2.0, 5.0], [2.0, 5.0, -1.0]],
+            [6.0, -4.0, 27.0],
+        )
+        .unwrap();
+        for (g, w) in x.iter().zip([5.0, 3.0, -2.0]) {
+            assert!((g - w).abs() < 1e-9, "{x:?}");
+        }
+        assert_eq!(solve([[0.0; 3]; 3], [1.0; 3]), None);
+    }
+}
