@@ -55,17 +55,21 @@ pub struct Row {
     pub errors: u64,
 }
 
+/// One phase: cold pods, prompts never sent before (`seed`), the pods' queues sampled.
 async fn run_tenants(
     c: &LocalCluster,
     tenants: Vec<TenantClass>,
+    seed: u64,
 ) -> anyhow::Result<(loadgen::Report, u64)> {
     let load = LoadConfig {
         conversations: 0,
         turns: 0,
         arrival: Arrival::Poisson,
         tenants,
+        seed,
         ..LoadConfig::default()
     };
+    c.sim.reset_prefix_caches();
     // Sample the pods' own waiting queues while the load runs.
     let sampler = c.sim.stats_sampler();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -122,9 +126,9 @@ pub async fn measure(replicas: usize, max_concurrency: u64) -> anyhow::Result<Ro
     .context("starting the cluster")?;
     c.wait_for_pods().await?;
     // Warm-up: one burst, so each pod has shown the batch it runs (the detector learns it).
-    run_tenants(&c, vec![burst()]).await?;
-    let (alone, _) = run_tenants(&c, vec![premium()]).await?;
-    let (with, peak) = run_tenants(&c, vec![premium(), burst()]).await?;
+    run_tenants(&c, vec![burst()], 1).await?;
+    let (alone, _) = run_tenants(&c, vec![premium()], 2).await?;
+    let (with, peak) = run_tenants(&c, vec![premium(), burst()], 3).await?;
     c.shutdown().await;
     let p95 = |r: &loadgen::Report| r.tenants.get("premium").map_or(f64::NAN, |s| s.ttft_p95_ms);
     Ok(Row {

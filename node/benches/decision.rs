@@ -83,6 +83,7 @@ fn bench(c: &mut Criterion) {
 fn bench_profile(c: &mut Criterion, profile: &str, config: &str) {
     let built = node::scheduling::build(&EndpointPickerConfig::from_yaml(config).unwrap()).unwrap();
     let sched = built.scheduler;
+    let inflight = built.inflight;
     let cands = candidates(100);
     let headers = HashMap::new();
     let mut rng = rand::rng();
@@ -132,6 +133,11 @@ fn bench_profile(c: &mut Criterion, profile: &str, config: &str) {
             },
             &cands,
         );
+        // Its response ended: pod 42 holds the prompt and nothing is in flight.
+        if let Some(t) = &inflight {
+            t.finish("bench");
+            t.finish("warm");
+        }
         let d = sched.schedule(&req, &cands, &mut rng).unwrap();
         assert_eq!(d.picked, vec![42], "the warm pod wins");
         g.bench_function(label, |b| {
