@@ -20,18 +20,12 @@ use sim::loadgen;
 /// The tests of this file measure latency and load: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conversations_stick_to_their_warm_pod() {
-    let _serial = SERIAL.lock().await;
+/// The acceptance workload through the EPP (run with `epp_args`), then round robin from cold
+/// caches; the cluster stays up for more.
+async fn acceptance(epp_args: Vec<String>) -> (LocalCluster, loadgen::Report, loadgen::Report) {
     let c = LocalCluster::start(ClusterSpec {
         sim: workloads::affinity_acceptance().0,
-        epp_args: vec![
-            "--config-file".into(),
-            workspace_root()
-                .join("deploy/examples/llm-d-affinity.yaml")
-                .display()
-                .to_string(),
-        ],
+        epp_args,
         ..ClusterSpec::default()
     })
     .await
@@ -43,6 +37,14 @@ async fn conversations_stick_to_their_warm_pod() {
     let epp = loadgen::run(&load, &base).await.unwrap();
     c.sim.reset_prefix_caches();
     let rr = loadgen::run(&load, &format!("{base}/rr")).await.unwrap();
+    (c, epp, rr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_stick_to_their_warm_pod() {
+    let _serial = SERIAL.lock().await;
+    let config = workspace_root().join("deploy/examples/llm-d-affinity.yaml");
+    let (c, epp, rr) = acceptance(vec!["--config-file".into(), config.display().to_string()]).await;
     eprintln!("epp pods {:?} rr pods {:?}", epp.pods, rr.pods);
     eprintln!(
         "epp: cached {:.3} ttft p50 {:.1} ms | round robin: cached {:.3} ttft p50 {:.1} ms",
@@ -80,23 +82,12 @@ async fn conversations_stick_to_their_warm_pod() {
 /// The project's default profile (the cost model, what `epp serve` runs without a config file) on
 /// the same acceptance workload: conversations stay on their warm pod as with llm-d's affinity
 /// filter; and a burst of 32 requests sharing one system prompt, sent at once, is spread over all
-/// four pods instead of herding onto the pod that holds the prompt (llm-d's profile behind the
-/// affinity filter sends such a burst to the pods that served it first).
+/// four pods instead of herding onto the pods that hold the prompt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_profile_keeps_conversations_warm_and_spreads_a_burst() {
     let _serial = SERIAL.lock().await;
-    let c = LocalCluster::start(ClusterSpec {
-        sim: workloads::affinity_acceptance().0,
-        ..ClusterSpec::default()
-    })
-    .await
-    .unwrap();
-    let (_, load) = workloads::affinity_acceptance();
+    let (c, epp, rr) = acceptance(Vec::new()).await;
     let base = c.envoy.url();
-    c.wait_for_pods().await.unwrap();
-    let epp = loadgen::run(&load, &base).await.unwrap();
-    c.sim.reset_prefix_caches();
-    let rr = loadgen::run(&load, &format!("{base}/rr")).await.unwrap();
     eprintln!(
         "default profile: cached {:.3} ttft p50 {:.1} p99 {:.1} ms pods {:?} | round robin: cached {:.3} ttft p50 {:.1} p99 {:.1} ms",
         epp.cached_ratio,

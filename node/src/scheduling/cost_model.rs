@@ -12,12 +12,13 @@
 //!        + W_i                             waiting for a slot when the batch is full:
 //!                                          W_i = (N_i − C_i + 1) · S_i / C_i   if N_i ≥ C_i
 //! ```
-//! `N_i` is the requests on the pod — the in-flight ledger (cluster-wide in cluster mode) or the
-//! pod's own running + waiting gauges, whichever is larger — `Q_i` the ledger's unprefilled
-//! tokens, `C_i` the pod's batch limit as the pod has shown it (the data layer learns it from the
-//! requests running while others wait; unknown until then, when waiting requests themselves say
-//! the batch is full), `S_i` the pod's mean service time. A pod without fresh metrics is
-//! penalised by `staleMetricsPenaltyMs`.
+//! `N_i` is the requests on the pod — the in-flight ledger's count (cluster-wide with cluster-wide
+//! flow control), or the pod's own running + waiting gauges when it queues requests the ledger
+//! does not explain (or there is no ledger) — `Q_i` the ledger's unprefilled tokens, `C_i` the
+//! pod's batch limit as the pod has shown it (the data layer learns it from the requests running
+//! while others wait; unknown until then, when waiting requests themselves say the batch is
+//! full), `S_i` the pod's mean service time. A pod without fresh metrics is penalised by
+//! `staleMetricsPenaltyMs`.
 //!
 //! # Learning
 //! Every response observed here (whichever replica routed it) is a sample: the route header
@@ -27,13 +28,17 @@
 //! engine whose concurrent prefills do not slow each other learns `q ≈ 0`; durations less
 //! the predicted slot wait give `S`. A pod's fit is pulled toward the fleet's, and the fleet's
 //! toward the prior (`prefillTokensPerSecond`, `serviceTimeMs`), so the model is sane before any
-//! data and a pod with few samples borrows from the rest. Every learned value is clamped to a
-//! plausible range, so no sample can make a pod look infinitely fast or slow.
+//! data and a pod with few samples borrows from the rest. A pod without samples relaxes back to
+//! the fleet's fit (it may get none because it looked slow); a sample far above its prediction
+//! counts at a bound. Every learned value is clamped to a plausible range, so no sample can make
+//! a pod look infinitely fast or slow.
 //!
 //! # Scoring
-//! `cost-model-scorer` gives `(t_min + 1) / (t_i + 1)` (ms): 1 for the fastest candidate, less
-//! the longer a candidate is predicted to take. The `prefix-cache-affinity-filter` can use the
-//! same prediction as its TTFT penalty source (`ttftSource: costModel`).
+//! The cost of a candidate is its TTFT plus what the request costs the others later: the
+//! re-prefill of running requests' KV it would push out of a full pod (`evictionCost`), and its
+//! share of a busier batch (`loadCost`). `cost-model-scorer` gives `(c_min + 1) / (c_i + 1)`
+//! (ms): 1 for the cheapest candidate. The `prefix-cache-affinity-filter` can use the TTFT
+//! prediction as its penalty source (`ttftSource: costModel`).
 
 use std::collections::HashMap;
 use std::sync::RwLock;
@@ -49,6 +54,8 @@ pub const SCORER_TYPE: &str = "cost-model-scorer";
 
 /// Pods whose fits are kept (beyond it, new pods use the fleet's fit).
 const MAX_PODS: usize = 4096;
+/// Most prompt tokens a sample may report (a larger usage report is not a sample).
+const MAX_TOKENS: u64 = 1 << 24;
 
 /// `cost-model-producer` parameters.
 #[derive(Debug, Clone, Deserialize)]
@@ -479,13 +486,16 @@ impl CostModel {
                     (Some(n), None) => n,
                     _ => p.uncached_tokens,
                 };
-                let x = [
-                    1.0,
-                    uncached as f64,
-                    p.queued_tokens as f64,
-                    p.running as f64,
-                ];
-                Some((x, clip(ttft.clamp(0.0, MAX_SAMPLE_MS), p.ttft_ms)))
+                // Token counts beyond any context window are garbage, not a sample.
+                (uncached <= MAX_TOKENS && p.queued_tokens <= MAX_TOKENS).then(|| {
+                    let x = [
+                        1.0,
+                        uncached as f64,
+                        p.queued_tokens as f64,
+                        p.running as f64,
+                    ];
+                    (x, clip(ttft.clamp(0.0, MAX_SAMPLE_MS), p.ttft_ms))
+                })
             }
             _ => None,
         };

@@ -45,7 +45,7 @@ impl StreamState {
             self.usage = Some(UsageScanner::new(ct.as_deref()));
         }
         if h.end_of_stream {
-            self.settle();
+            self.settle(true);
         }
         if self.phase == Phase::Done || self.observability {
             return Ok(());
@@ -79,7 +79,7 @@ impl StreamState {
             }
         }
         if eos {
-            self.settle();
+            self.settle(true);
         }
         let result = if self.phase == Phase::Done || self.observability {
             Ok(())
@@ -97,7 +97,7 @@ impl StreamState {
 
     pub(super) async fn on_response_trailers(&mut self) -> Result<(), ()> {
         self.settles = true;
-        self.settle();
+        self.settle(true);
         self.complete();
         if self.phase == Phase::Done || self.observability {
             return Ok(());
@@ -149,13 +149,16 @@ impl StreamState {
         self.finish();
     }
 
-    /// The response ended (or its stream did): settle the in-flight charge once.
-    fn settle(&mut self) {
+    /// The response ended (`ended`), or its stream did: settle the in-flight charge once. Only a
+    /// response seen to its end teaches the scheduler what it took.
+    fn settle(&mut self, ended: bool) {
         if self.settles {
             self.settles = false;
             let streamed = self.usage.as_ref().is_some_and(UsageScanner::is_sse);
             let usage = self.usage.take().and_then(|mut u| u.finish());
-            self.observed(usage, streamed);
+            if ended {
+                self.observed(usage, streamed);
+            }
             if let (Some(u), Some(info)) = (usage, &self.route_info) {
                 let labels = self.ctx.metrics.token_labels(
                     &info.model,
@@ -205,7 +208,7 @@ impl StreamState {
     pub(super) fn finish(&mut self) {
         // A stream that saw the response but ended without its end (client gone, EPP shutdown):
         // nothing more will come for this request.
-        self.settle();
+        self.settle(false);
         if self.running {
             self.running = false;
             if let Some(l) = &self.labels {
