@@ -3,7 +3,10 @@
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Resp;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+};
 
 /// A header as Envoy sends it (value in `raw_value`).
 pub fn header(k: &str, v: &str) -> HeaderValue {
@@ -62,10 +65,32 @@ pub fn chat_request_with(
     ]
 }
 
-/// What the response-observing filter (observability mode) sends for request `request_id` whose
-/// JSON response `body` ended: its request headers, the response headers, the body with end of
-/// stream. The EPP settles the request when it sees the end.
-pub fn observed_response(request_id: &str, body: &[u8]) -> Vec<ProcessingRequest> {
+/// The route info header (`x-llm-d-epp-route`) the EPP set on a routed request, from one of
+/// its answers: what Envoy passes on to the filter that observes the response.
+pub fn route_info(resp: &ProcessingResponse) -> Option<String> {
+    let common = match resp.response.as_ref()? {
+        Resp::RequestHeaders(h) => h.response.as_ref()?,
+        Resp::RequestBody(b) => b.response.as_ref()?,
+        _ => return None,
+    };
+    common
+        .header_mutation
+        .as_ref()?
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .find(|h| h.key == ROUTE_INFO_HEADER)
+        .map(header_value)
+}
+
+/// Header carrying the routing stream's decision to the observing stream.
+pub const ROUTE_INFO_HEADER: &str = "x-llm-d-epp-route";
+
+/// What the response-observing filter (observability mode) sends for the request routed with
+/// `route` (its [`route_info`]) whose JSON response `body` ended: its request headers, the
+/// response headers, the body with end of stream. The EPP settles the request when it sees the
+/// end.
+pub fn observed_response(route: &str, body: &[u8]) -> Vec<ProcessingRequest> {
     let observe = |request| ProcessingRequest {
         request: Some(request),
         observability_mode: true,
@@ -77,7 +102,7 @@ pub fn observed_response(request_id: &str, body: &[u8]) -> Vec<ProcessingRequest
                 headers: vec![
                     header(":method", "POST"),
                     header(":path", "/v1/chat/completions"),
-                    header("x-request-id", request_id),
+                    header(ROUTE_INFO_HEADER, route),
                 ],
             }),
             end_of_stream: false,

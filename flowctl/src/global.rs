@@ -18,7 +18,8 @@
 //!   the controller dispatches across all owners' entries by band → fairness → ordering as
 //!   capacity frees, and the owner releases the stream when it sees the [`Verdict`] for its key.
 //! * **The ledger.** Every admitted request is in flight until a [`FlowCmd::Settle`] naming its
-//!   `x-request-id` arrives from any replica (the response may be observed elsewhere), with the
+//!   request key (the EPP's own, random per request — never a client's `x-request-id`) arrives
+//!   from any replica (the response may be observed elsewhere), with the
 //!   pod it was routed to ([`FlowCmd::Routed`]) so scorers can read per-pod in-flight load.
 //! * **Leases.** A member whose heartbeat lease ends (or that restarts) loses everything it held:
 //!   its queued entries are rejected (`rejected-saturated`, retryable) and its reservations return
@@ -44,6 +45,9 @@ pub type Key = (MemberId, u64);
 
 /// How long a decided verdict stays readable for its owner.
 pub const VERDICT_RETENTION_MS: u64 = 60_000;
+
+/// Most settlements kept waiting for the admission they settle.
+pub const MAX_EARLY: usize = 65_536;
 
 /// Reconciliation with the pods: a pod must report fewer requests than the ledger holds for it
 /// this long before the difference is released…
@@ -179,7 +183,7 @@ pub struct GlobalFlow {
     entries: BTreeMap<RequestId, Entry>,
     #[serde(with = "pairs")]
     by_key: BTreeMap<Key, RequestId>,
-    /// In-flight ids by `x-request-id` (a reused id settles the oldest first).
+    /// In-flight ids by request key (keys are unique; a duplicate settles the oldest first).
     by_request: BTreeMap<String, Vec<RequestId>>,
     #[serde(with = "pairs")]
     members: BTreeMap<MemberId, MemberFlow>,
@@ -191,7 +195,9 @@ pub struct GlobalFlow {
     verdicts: BTreeMap<Key, Verdict>,
     verdict_times: BTreeSet<(u64, MemberId, u64)>,
     /// Settlements that arrived before the admission they settle (the response was observed on
-    /// another replica before the owner's report committed): `x-request-id` → (time µs, tokens).
+    /// another replica before the owner's report committed): request key → (time µs, tokens); at most
+    /// [`MAX_EARLY`], the oldest forgotten first. A settlement of a request already settled (a
+    /// retried batch) lands here too and expires: it settles nothing else.
     early: BTreeMap<String, (u64, Option<u64>)>,
     early_times: BTreeSet<(u64, String)>,
     /// Pods reporting fewer requests than the ledger holds for them: since when (µs).
@@ -430,6 +436,11 @@ impl GlobalFlow {
                     }
                     self.early_times.insert((self.now_us, request_id.clone()));
                     self.early.insert(request_id, (self.now_us, actual_tokens));
+                    while self.early.len() > MAX_EARLY
+                        && let Some((_, old)) = self.early_times.pop_first()
+                    {
+                        self.early.remove(&old);
+                    }
                     return false;
                 };
                 self.run(Command::Complete { id, actual_tokens });
@@ -709,7 +720,7 @@ impl GlobalFlow {
         &self.members
     }
 
-    /// Ledger entries in flight: (owner key, `x-request-id`, pod), oldest id first.
+    /// Ledger entries in flight: (owner key, request key, pod), oldest id first.
     pub fn inflight_entries(&self) -> impl Iterator<Item = (Key, &str, Option<&str>)> + '_ {
         self.entries
             .values()
@@ -754,6 +765,11 @@ impl GlobalFlow {
     }
 
     /// Ledger entries released by reconciliation with the pods so far.
+    /// Settlements waiting for the admission they settle.
+    pub fn early_settlements(&self) -> usize {
+        self.early.len()
+    }
+
     pub fn reconciled(&self) -> u64 {
         self.reconciled
     }

@@ -503,6 +503,33 @@ proptest! {
 }
 
 #[test]
+fn settlements_are_idempotent_and_early_ones_bounded() {
+    let mut c = Cluster::new(&[1, 2], 4, 1, vec![], GlobalParams::default());
+    let a = c.enqueue(1, "t", 0, "key-a");
+    let b = c.enqueue(1, "t", 0, "key-b");
+    assert_eq!(c.verdict(a), Some(Verdict::Dispatched));
+    assert_eq!(c.verdict(b), Some(Verdict::Dispatched));
+    assert_eq!(c.inflight(), 2);
+    // The batch carrying a settlement is retried (its first proposal committed after all).
+    c.settle(2, "key-a");
+    c.settle(2, "key-a");
+    assert_eq!(c.inflight(), 1, "a retried settlement settles nothing else");
+    // A flood of settlements of nothing (a broken or hostile replica) stays bounded, the oldest
+    // forgotten first.
+    let n = flowctl::global::MAX_EARLY + 100;
+    let cmds: Vec<FlowCmd> = (0..n)
+        .map(|i| FlowCmd::Settle {
+            request_id: format!("ghost-{i:06}"),
+            actual_tokens: None,
+        })
+        .collect();
+    c.batch(2, cmds);
+    let f = c.s.flow().unwrap();
+    assert_eq!(f.early_settlements(), flowctl::global::MAX_EARLY);
+    assert_eq!(c.inflight(), 1);
+}
+
+#[test]
 fn a_member_back_from_expiry_leaves_no_stale_entries() {
     let mut c = Cluster::new(
         &[1, 2],

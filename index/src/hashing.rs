@@ -11,11 +11,15 @@
 
 use xxhash_rust::xxh64::xxh64;
 
+/// Largest block size honoured, in tokens: a block size comes from configuration or from what an
+/// engine reports, and must neither overflow `block_size × 4` bytes nor size a huge buffer.
+pub const MAX_BLOCK_SIZE: usize = 1 << 16;
+
 /// Seed and chunking for one request's hash chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockHasher {
     pub seed: u64,
-    /// Tokens per block (≥ 1).
+    /// Tokens per block, in `1..=MAX_BLOCK_SIZE`.
     pub block_size: usize,
     /// 0 = unlimited.
     pub max_blocks: usize,
@@ -39,9 +43,14 @@ impl BlockHasher {
         };
         BlockHasher {
             seed,
-            block_size: block_size.max(1),
+            block_size: block_size.clamp(1, MAX_BLOCK_SIZE),
             max_blocks,
         }
+    }
+
+    /// The block size in use (the field is public: clamped here too).
+    fn size(&self) -> usize {
+        self.block_size.clamp(1, MAX_BLOCK_SIZE)
     }
 
     fn limit(&self, blocks: usize) -> usize {
@@ -68,7 +77,7 @@ pub fn estimate_token_count(len: usize) -> usize {
 
 /// Hash chain of a text's estimate tokens, computed over the bytes directly.
 pub fn block_hashes_of_text(h: &BlockHasher, text: &[u8]) -> Vec<u64> {
-    let block_bytes = h.block_size * 4;
+    let block_bytes = h.size() * 4;
     let blocks = h.limit(text.len().div_ceil(block_bytes));
     let mut out = Vec::with_capacity(blocks);
     let mut prev = h.seed;
@@ -90,11 +99,12 @@ pub fn block_hashes_of_text(h: &BlockHasher, text: &[u8]) -> Vec<u64> {
 
 /// Hash chain of explicit token ids (pre-tokenized prompts).
 pub fn block_hashes_of_tokens(h: &BlockHasher, tokens: &[u32]) -> Vec<u64> {
-    let blocks = h.limit(tokens.len().div_ceil(h.block_size));
+    let size = h.size();
+    let blocks = h.limit(tokens.len().div_ceil(size));
     let mut out = Vec::with_capacity(blocks);
     let mut prev = h.seed;
-    let mut buf = Vec::with_capacity(h.block_size * 4);
-    for chunk in tokens.chunks(h.block_size).take(blocks) {
+    let mut buf = Vec::with_capacity(size * 4);
+    for chunk in tokens.chunks(size).take(blocks) {
         buf.clear();
         for t in chunk {
             buf.extend_from_slice(&t.to_le_bytes());
@@ -119,6 +129,28 @@ pub fn estimate_tokens(text: &[u8]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn absurd_block_sizes_neither_wrap_nor_allocate() {
+        // 2^62 × 4 wraps to 0 (a zero-sized chunk panics); 2^40 × 4 bytes is a 4 TiB buffer.
+        for size in [1usize << 62, 1 << 40, usize::MAX] {
+            let h = BlockHasher::new("m", None, size, 0);
+            assert_eq!(h.block_size, MAX_BLOCK_SIZE);
+            let text = vec![7u8; 1000];
+            assert_eq!(block_hashes_of_text(&h, &text).len(), 1);
+            assert_eq!(block_hashes_of_tokens(&h, &[1, 2, 3]).len(), 1);
+            // built by hand, past the constructor's clamp
+            let raw = BlockHasher {
+                block_size: size,
+                ..h
+            };
+            assert_eq!(
+                block_hashes_of_text(&raw, &text),
+                block_hashes_of_text(&h, &text)
+            );
+            assert_eq!(block_hashes_of_tokens(&raw, &[1, 2]).len(), 1);
+        }
+    }
 
     #[test]
     fn text_and_token_paths_agree() {

@@ -17,6 +17,9 @@ use prometheus_client::registry::Registry;
 
 pub const PREFIX: &str = "llm_d_epp";
 const MAX_LABEL_VALUES: usize = 1000;
+/// Distinct label combinations per request-labelled family (queue duration, token histograms).
+const MAX_SERIES: usize = 5000;
+const OTHER: &str = "other";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -93,6 +96,13 @@ pub struct DisaggLabels {
     pub decision_type: String,
 }
 
+/// `untrusted_values_rejected_total` labels: where the value came from and which field it was.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectedLabels {
+    pub source: &'static str,
+    pub field: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AttemptLabels {
     pub status: String,
@@ -128,10 +138,41 @@ impl LabelCap {
             return v.to_string();
         }
         if seen.len() >= MAX_LABEL_VALUES {
-            return "other".to_string();
+            return OTHER.to_string();
         }
         seen.insert(v.to_string());
         v.to_string()
+    }
+}
+
+/// Caps the number of distinct label combinations of one family: each label is capped on its
+/// own, but 1000 fairness ids × 1000 models would still be a million series.
+#[derive(Debug, Default)]
+struct SeriesCap {
+    seen: Mutex<HashSet<u64>>,
+}
+
+impl SeriesCap {
+    /// Whether the combination `values` may have its own series.
+    fn admit(&self, values: &[&str]) -> bool {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for v in values {
+            h.update(v.as_bytes());
+            h.update(&[0xff]);
+        }
+        let key = h.digest();
+        let mut seen = match self.seen.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if seen.contains(&key) {
+            return true;
+        }
+        if seen.len() >= MAX_SERIES {
+            return false;
+        }
+        seen.insert(key);
+        true
     }
 }
 
@@ -146,11 +187,15 @@ pub struct Metrics {
     scheduler_e2e: Histogram,
     scheduler_attempts: Family<AttemptLabels, Counter>,
     poll_errors: Family<SourceLabels, Counter>,
+    rejected_values: Family<RejectedLabels, Counter>,
     ready_endpoints: Family<PoolLabels, Gauge>,
     streams_inflight: Gauge,
     streams_inflight_count: AtomicI64,
     model_cap: LabelCap,
     fairness_cap: LabelCap,
+    priority_cap: LabelCap,
+    queue_series: SeriesCap,
+    token_series: SeriesCap,
     disagg_decisions: Family<DisaggLabels, Counter>,
     model_rewrites: Family<RequestLabels, Counter>,
     served_by_fallback: Counter,
@@ -594,6 +639,13 @@ impl Metrics {
             "Failed model-server metric scrapes",
             poll_errors.clone(),
         );
+        let rejected_values = Family::<RejectedLabels, Counter>::default();
+        registry.register(
+            "untrusted_values_rejected",
+            "Values from model servers, peers or clients outside their bounds, dropped or clamped, \
+             by source and field",
+            rejected_values.clone(),
+        );
         let ready_endpoints = Family::<PoolLabels, Gauge>::default();
         registry.register(
             "pool_ready_endpoints",
@@ -722,11 +774,15 @@ impl Metrics {
             scheduler_e2e,
             scheduler_attempts,
             poll_errors,
+            rejected_values,
             ready_endpoints,
             streams_inflight,
             streams_inflight_count: AtomicI64::new(0),
             model_cap: LabelCap::default(),
             fairness_cap: LabelCap::default(),
+            priority_cap: LabelCap::default(),
+            queue_series: SeriesCap::default(),
+            token_series: SeriesCap::default(),
             cluster,
             gossip,
             disagg_decisions,
@@ -755,7 +811,8 @@ impl Metrics {
             .observe(cached as f64);
     }
 
-    /// Token labels for a route, label values capped like request labels.
+    /// Token labels for a route, label values capped like request labels and combinations
+    /// capped per family.
     pub fn token_labels(
         &self,
         model: &str,
@@ -763,11 +820,56 @@ impl Metrics {
         fairness_id: &str,
         priority: i32,
     ) -> TokenLabels {
+        let [model_name, target_model_name, fairness_id, priority] =
+            self.capped(&self.token_series, model, target, fairness_id, priority);
         TokenLabels {
-            model_name: self.model_cap.admit(model),
-            target_model_name: self.model_cap.admit(target),
-            fairness_id: self.fairness_cap.admit(fairness_id),
-            priority: priority.to_string(),
+            model_name,
+            target_model_name,
+            fairness_id,
+            priority,
+        }
+    }
+
+    /// `flow_control_request_queue_duration_seconds` labels (outcome set when the wait ends).
+    pub fn queue_labels(
+        &self,
+        model: &str,
+        target: &str,
+        fairness_id: &str,
+        priority: i32,
+    ) -> QueueLabels {
+        let [model_name, target_model_name, fairness_id, priority] =
+            self.capped(&self.queue_series, model, target, fairness_id, priority);
+        QueueLabels {
+            fairness_id,
+            priority,
+            outcome: String::new(),
+            inference_pool: self.pool_name.clone(),
+            model_name,
+            target_model_name,
+        }
+    }
+
+    /// Model, target, fairness id and priority as label values: each capped, and past the
+    /// family's combination cap all `other`.
+    fn capped(
+        &self,
+        series: &SeriesCap,
+        model: &str,
+        target: &str,
+        fairness_id: &str,
+        priority: i32,
+    ) -> [String; 4] {
+        let v = [
+            self.model_cap.admit(model),
+            self.model_cap.admit(target),
+            self.fairness_cap.admit(fairness_id),
+            self.priority_cap.admit(&priority.to_string()),
+        ];
+        if series.admit(&[&v[0], &v[1], &v[2], &v[3]]) {
+            v
+        } else {
+            [OTHER, OTHER, OTHER, OTHER].map(String::from)
         }
     }
 
@@ -820,11 +922,6 @@ impl Metrics {
         &self.pool_name
     }
 
-    /// A fairness id as a label value (capped like model names).
-    pub fn fairness_label(&self, fairness_id: &str) -> String {
-        self.fairness_cap.admit(fairness_id)
-    }
-
     pub fn request_labels(&self, model: &str, target: &str) -> RequestLabels {
         RequestLabels {
             model_name: self.model_cap.admit(model),
@@ -871,6 +968,13 @@ impl Metrics {
             .get_or_create(&SourceLabels {
                 source_type: "metrics-data-source".into(),
             })
+            .inc();
+    }
+
+    /// A value from `source` (`metrics`, `peer`, `kv-events`, `client`) broke its bound.
+    pub fn rejected_value(&self, source: &'static str, field: &'static str) {
+        self.rejected_values
+            .get_or_create(&RejectedLabels { source, field })
             .inc();
     }
 
@@ -937,5 +1041,35 @@ mod tests {
         }
         assert_eq!(cap.admit("new"), "other");
         assert_eq!(cap.admit("5"), "5");
+    }
+
+    #[test]
+    fn request_labelled_families_have_a_bounded_number_of_series() {
+        let m = Metrics::new("pool");
+        // 100 fairness ids × 100 priorities: each label under its own cap, the product not.
+        let mut other = 0;
+        for f in 0..100 {
+            for p in 0..100 {
+                let q = m.queue_labels("m", "m", &format!("tenant-{f}"), p);
+                let t = m.token_labels("m", "m", &format!("tenant-{f}"), p);
+                assert_eq!(q.fairness_id, t.fairness_id);
+                if q.fairness_id == OTHER {
+                    assert_eq!((q.priority.as_str(), q.model_name.as_str()), (OTHER, OTHER));
+                    other += 1;
+                }
+            }
+        }
+        assert_eq!(other, 100 * 100 - MAX_SERIES);
+        // a combination seen before keeps its series
+        assert_eq!(
+            m.queue_labels("m", "m", "tenant-0", 0).fairness_id,
+            "tenant-0"
+        );
+        // client-chosen priorities are capped like any label
+        let m = Metrics::new("pool");
+        for p in 0..(MAX_LABEL_VALUES as i32 + 5) {
+            let q = m.queue_labels("m", "m", "t", p);
+            assert_eq!(q.priority == OTHER, p >= MAX_LABEL_VALUES as i32, "{p}");
+        }
     }
 }

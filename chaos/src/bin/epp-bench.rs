@@ -434,35 +434,36 @@ async fn flow_cluster(
     Ok((raft, clients))
 }
 
-/// Route `rid` (a small chat request) and read the answer to its end; the time it took, ms.
+/// Route `rid` (a small chat request) and read the answer to its end; the time it took, ms, and
+/// the route info the observing filter needs to settle it.
 async fn route(
     client: &mut ExternalProcessorClient<tonic::transport::Channel>,
     body: &[u8],
     rid: &str,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, String)> {
     let t = Instant::now();
     let msgs = chaos::extproc::chat_request_with(body, &[("x-request-id", rid)], None);
     let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
-    let mut routed = false;
+    let mut route = None;
     while let Some(msg) = responses.message().await? {
-        match msg.response {
-            Some(Resp::RequestHeaders(_)) => routed = true,
-            Some(Resp::ImmediateResponse(i)) => bail!("refused: {:?}", i.status),
-            _ => {}
+        if let Some(Resp::ImmediateResponse(i)) = &msg.response {
+            bail!("refused: {:?}", i.status);
         }
+        route = route.or_else(|| chaos::extproc::route_info(&msg));
     }
-    if !routed {
+    let Some(route) = route else {
         bail!("not routed");
-    }
-    Ok(t.elapsed().as_secs_f64() * 1e3)
+    };
+    Ok((t.elapsed().as_secs_f64() * 1e3, route))
 }
 
-/// The response of `rid` ended, as the response-observing filter reports it.
+/// The response of the request routed with `route` ended, as the response-observing filter
+/// reports it.
 async fn settle(
     client: &mut ExternalProcessorClient<tonic::transport::Channel>,
-    rid: &str,
+    route: &str,
 ) -> anyhow::Result<()> {
-    let msgs = chaos::extproc::observed_response(rid, br#"{"choices":[]}"#);
+    let msgs = chaos::extproc::observed_response(route, br#"{"choices":[]}"#);
     let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
     while responses.message().await?.is_some() {}
     Ok(())
@@ -562,8 +563,8 @@ async fn global_flow(
                         let body = body.clone();
                         async move {
                             let rid = format!("{tag}-{i}");
-                            let ms = route(&mut c, &body, &rid).await?;
-                            settle(&mut s, &rid).await?;
+                            let (ms, info) = route(&mut c, &body, &rid).await?;
+                            settle(&mut s, &info).await?;
                             Ok(ms)
                         }
                     })
@@ -664,13 +665,13 @@ async fn global_flow(
         let (mut c1, mut c2, mut c3) = (clients[0].clone(), clients[1].clone(), clients[2].clone());
         let holder = format!("h{k}");
         let waiter = format!("w{k}");
-        route(&mut c1, &body, &holder).await?;
+        let (_, holder) = route(&mut c1, &body, &holder).await?;
         let w = {
             let body = body.clone();
             let waiter = waiter.clone();
             tokio::spawn(async move {
-                route(&mut c2, &body, &waiter).await?;
-                Ok::<Instant, anyhow::Error>(Instant::now())
+                let (_, info) = route(&mut c2, &body, &waiter).await?;
+                Ok::<(Instant, String), anyhow::Error>((Instant::now(), info))
             })
         };
         // Let the waiter's enqueue commit before the slot frees.
@@ -686,7 +687,7 @@ async fn global_flow(
         .await?;
         let t = Instant::now();
         settle(&mut c3, &holder).await?;
-        let done = w.await??;
+        let (done, waiter) = w.await??;
         lat.push(done.duration_since(t).as_secs_f64() * 1e3);
         settle(&mut c3, &waiter).await?;
         chaos::wait::until("the slot free", Duration::from_secs(5), || async {

@@ -47,7 +47,7 @@ use dispatch::sanitize;
 use state::{Band, Flow, InFlight, OrdKey, Pool, Queued};
 
 /// Request identifier: an opaque `u64` chosen by the caller, unique among requests that are queued
-/// or in flight (the node maps `x-request-id` to a counter; a replicated setup packs
+/// or in flight (the node maps its request key to a counter; a replicated setup packs
 /// `(replica, sequence)` into it). Reusing an id after its request ended is allowed.
 pub type RequestId = u64;
 

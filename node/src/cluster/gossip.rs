@@ -60,6 +60,10 @@ const BOUNDS_REFRESH: Duration = Duration::from_millis(100);
 /// replica scrape everything.
 const PEER_LIVENESS: Duration = Duration::from_secs(2);
 
+/// How far beyond this replica's clock a peer's index timestamps and pod incarnations may be.
+/// Generous against clock skew; tight enough that a garbage value cannot pin anything.
+const MAX_PEER_AHEAD: Duration = Duration::from_secs(60);
+
 /// Largest gossip message either side sends or accepts.
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
@@ -323,7 +327,9 @@ impl Gossip {
             if ep.sample().is_some_and(|cur| cur.scraped_at >= scraped_at) {
                 continue;
             }
-            ep.set_metrics(sample_from_pb(s), scraped_at);
+            let mut m = sample_from_pb(s);
+            ep.check(&mut m, "peer", &self.metrics);
+            ep.set_metrics(m, scraped_at);
             applied += 1;
         }
         applied
@@ -340,7 +346,7 @@ impl Gossip {
     /// propagation delay), not anti-entropy state.
     fn merge(&self, pods: Vec<pb::PodDelta>, bytes: usize, fresh: bool) -> Result<usize, Status> {
         let producer = self.producer()?;
-        let states = from_pb_all(pods)?;
+        let states = self.bounded(from_pb_all(pods)?);
         let entries: usize = states.iter().map(|s| s.entries.len()).sum();
         let (changed, newest) = producer.merge(&states);
         self.metrics.gossip.received(bytes, entries);
@@ -350,6 +356,41 @@ impl Gossip {
                 .lag(unix_us().saturating_sub(newest) as f64 / 1e6);
         }
         Ok(changed)
+    }
+
+    /// What of a peer's pod states this replica takes in: only pods in its own endpoint set (a
+    /// peer cannot make it index arbitrary names; a pod it has yet to discover arrives with a
+    /// later anti-entropy round), incarnations and timestamps not beyond its own clock by more
+    /// than [`MAX_PEER_AHEAD`] (one far-future value would pin every replica's clock, or the pod's
+    /// epoch, forever). The rest is dropped and counted.
+    fn bounded(&self, states: Vec<PodState>) -> Vec<PodState> {
+        let known = self.store.hostports();
+        let now_us = unix_us();
+        let (max_ts, max_epoch) = (
+            now_us.saturating_add(MAX_PEER_AHEAD.as_micros() as u64),
+            (now_us / 1000).saturating_add(MAX_PEER_AHEAD.as_millis() as u64),
+        );
+        let mut out = Vec::with_capacity(states.len());
+        for mut p in states {
+            let field = if !known.contains(&p.name) {
+                "pod"
+            } else if p.epoch > max_epoch {
+                "epoch"
+            } else {
+                let before = p.entries.len();
+                p.entries.retain(|&(_, ts)| ts <= max_ts);
+                if p.entries.len() != before {
+                    self.metrics.rejected_value("peer", "timestamp");
+                    tracing::debug!(pod = %p.name, dropped = before - p.entries.len(),
+                        "prefix gossip: entries stamped in the future dropped");
+                }
+                out.push(p);
+                continue;
+            };
+            self.metrics.rejected_value("peer", field);
+            tracing::debug!(pod = %p.name, epoch = p.epoch, field, "prefix gossip: pod state refused");
+        }
+        out
     }
 
     /// Runs the exchange with the peers of `member`'s Raft membership until `stop`: delta
@@ -629,11 +670,15 @@ impl Gossip {
         let same = |d: &pb::PodDigest, l: &PodDigest| {
             d.epoch == l.epoch && d.len == l.len && d.digest == l.digest
         };
+        let known = self.store.hostports();
         let mut wanted = Vec::new();
         let mut send: Vec<String> = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for d in &remote {
             seen.insert(d.pod.as_str());
+            if !known.contains(&d.pod) {
+                continue; // not a pod of this replica's pool (yet): neither wanted nor sent
+            }
             match local.get(&d.pod) {
                 Some(l) if same(d, l) => {}
                 Some(l) => {
@@ -835,6 +880,67 @@ mod tests {
         let got = sample_from_pb(bad);
         assert_eq!(got.waiting_queue_size, None);
         assert_eq!(got.kv_cache_usage, Some(1.0));
+    }
+
+    #[test]
+    fn peers_cannot_index_unknown_pods_or_stamp_the_future() {
+        use crate::datalayer::Endpoint;
+        use crate::scheduling::prefix::ProducerParams;
+        let store = Arc::new(Datastore::new(Duration::from_secs(1)));
+        store.replace(vec![Arc::new(Endpoint::new(
+            "a".into(),
+            "10.0.0.1:8000".parse().unwrap(),
+            Default::default(),
+        ))]);
+        let producer = Arc::new(ApproxPrefixProducer::new(ProducerParams::default()));
+        let metrics = Arc::new(Metrics::new("pool"));
+        let g = Gossip::new(
+            1,
+            Some(producer.clone()),
+            store,
+            GossipOptions::default(),
+            metrics.clone(),
+        );
+        let now = unix_us();
+        let pod = "10.0.0.1:8000".to_string();
+        let deltas = vec![
+            to_pb(state(&pod, 0, &[(1, now), (2, u64::MAX - 1)])),
+            to_pb(state("attacker.example:1", 0, &[(3, now)])),
+        ];
+        g.merge(deltas, 0, false).unwrap();
+        let held = producer.export(&[pod.clone(), "attacker.example:1".into()]);
+        assert_eq!(held, vec![state(&pod, 0, &[(1, now)])]);
+        // A far-future incarnation would pin the pod: refused, the pod keeps its entries.
+        let pinned = vec![to_pb(state(&pod, u64::MAX, &[(4, now)]))];
+        g.merge(pinned, 0, false).unwrap();
+        assert_eq!(producer.export(std::slice::from_ref(&pod))[0].epoch, 0);
+        // The clock was not dragged along: the next local insert is stamped about now.
+        let c = crate::datalayer::testutil::cand_at("a", &pod, None, false, &[]);
+        producer.record(&[9], 16, std::iter::once(&c));
+        let ts = producer.export(std::slice::from_ref(&pod))[0]
+            .entries
+            .iter()
+            .map(|e| e.1)
+            .max()
+            .unwrap();
+        assert!(ts < now + 60_000_000, "clock pinned at {ts}");
+        // The digests of an unknown pod are neither wanted nor answered.
+        let reply = g
+            .answer(vec![pb::PodDigest {
+                pod: "attacker.example:1".into(),
+                epoch: 0,
+                len: 5,
+                digest: 1,
+            }])
+            .unwrap();
+        assert!(reply.wanted.is_empty());
+        let text = metrics.encode();
+        for field in ["pod", "timestamp", "epoch"] {
+            let line = format!(
+                "llm_d_epp_untrusted_values_rejected_total{{source=\"peer\",field=\"{field}\"}} 1"
+            );
+            assert!(text.contains(&line), "{line} missing");
+        }
     }
 
     #[test]

@@ -2,9 +2,17 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
+
+use crate::metrics::Metrics;
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
 
 /// Label that selects the metric dialect, with llm-d's fallback key.
 pub const ENGINE_LABEL: &str = "llm-d.ai/engine-type";
@@ -55,6 +63,97 @@ pub struct EndpointMetrics {
 /// Largest batch limit believed (vLLM caps `max_num_seqs` far below this).
 pub const MAX_BATCH: u64 = 65_536;
 
+/// Bounds on what a model server (or a peer relaying its scrape) may tell us. Engines report
+/// small numbers: vLLM's blocks are 16–256 tokens, an 8-GPU node holds a few million KV tokens,
+/// a queue of a million requests is already a broken pod. A value past its bound is garbage: it
+/// is dropped (counts are clamped) and reported, so it cannot wrap arithmetic, size an
+/// allocation, pin an incarnation or make a pod look infinitely large.
+pub mod bounds {
+    /// Queued or running requests one pod reports.
+    pub const MAX_REQUESTS: f64 = 1e6;
+    /// Tokens per engine KV block (SGLang's page size may be 1).
+    pub const MAX_BLOCK_TOKENS: u64 = 4096;
+    /// KV tokens one pod holds (`num_gpu_blocks × block_size`).
+    pub const MAX_KV_TOKENS: u64 = 1 << 32;
+    /// LoRA adapters one pod serves at once, and names listed.
+    pub const MAX_MODELS: u64 = 4096;
+    pub const MAX_MODEL_NAMES: usize = 256;
+    pub const MAX_NAME_BYTES: usize = 256;
+    /// How far in the future a server's start time may be (its clock or ours may be off).
+    pub const MAX_FUTURE_MS: u64 = 3_600_000;
+}
+
+impl EndpointMetrics {
+    /// Enforce [`bounds`] at wall time `now_ms`; returns the fields that were out of bounds.
+    pub fn sanitize(&mut self, now_ms: u64) -> Vec<&'static str> {
+        use bounds::*;
+        let mut bad = Vec::new();
+        for (field, v) in [
+            ("waiting_queue_size", &mut self.waiting_queue_size),
+            ("running_requests", &mut self.running_requests),
+        ] {
+            match *v {
+                Some(x) if !x.is_finite() || x < 0.0 => {
+                    *v = None;
+                    bad.push(field);
+                }
+                Some(x) if x > MAX_REQUESTS => {
+                    *v = Some(MAX_REQUESTS);
+                    bad.push(field);
+                }
+                _ => {}
+            }
+        }
+        if let Some(x) = self.kv_cache_usage {
+            if !x.is_finite() {
+                self.kv_cache_usage = None;
+                bad.push("kv_cache_usage");
+            } else if !(0.0..=1.0).contains(&x) {
+                self.kv_cache_usage = Some(x.clamp(0.0, 1.0));
+                bad.push("kv_cache_usage");
+            }
+        }
+        if self
+            .block_size
+            .is_some_and(|b| b == 0 || b > MAX_BLOCK_TOKENS)
+        {
+            self.block_size = None;
+            bad.push("block_size");
+        }
+        let block = self.block_size.unwrap_or(1);
+        if self
+            .num_gpu_blocks
+            .is_some_and(|n| n.checked_mul(block).is_none_or(|t| t > MAX_KV_TOKENS))
+        {
+            self.num_gpu_blocks = None;
+            bad.push("num_gpu_blocks");
+        }
+        if self.max_active_models.is_some_and(|n| n > MAX_MODELS) {
+            self.max_active_models = None;
+            bad.push("max_active_models");
+        }
+        for (field, names) in [
+            ("active_models", &mut self.active_models),
+            ("waiting_models", &mut self.waiting_models),
+        ] {
+            let before = names.len();
+            names.truncate(MAX_MODEL_NAMES);
+            names.retain(|n| n.len() <= MAX_NAME_BYTES);
+            if names.len() != before {
+                bad.push(field);
+            }
+        }
+        if self
+            .started_ms
+            .is_some_and(|t| t > now_ms.saturating_add(MAX_FUTURE_MS))
+        {
+            self.started_ms = None;
+            bad.push("started_ms");
+        }
+        bad
+    }
+}
+
 /// The metrics together with when they were scraped.
 #[derive(Debug, Clone)]
 pub struct MetricsSample {
@@ -78,6 +177,8 @@ pub struct Endpoint {
     batch_capacity: AtomicU64,
     /// `started_ms` of the incarnation `batch_capacity` belongs to.
     capacity_epoch: AtomicU64,
+    /// A value out of [`bounds`] was logged at `warn` (later ones are logged at `debug`).
+    warned: AtomicBool,
 }
 
 impl Endpoint {
@@ -92,6 +193,25 @@ impl Endpoint {
             sample: RwLock::new(None),
             batch_capacity: AtomicU64::new(0),
             capacity_epoch: AtomicU64::new(0),
+            warned: AtomicBool::new(false),
+        }
+    }
+
+    /// Enforce [`bounds`] on metrics about this pod from `source` (`metrics`: its own scrape;
+    /// `peer`: another replica's), counting and logging what was out of bounds.
+    pub fn check(&self, m: &mut EndpointMetrics, source: &'static str, metrics: &Metrics) {
+        let bad = m.sanitize(unix_ms());
+        if bad.is_empty() {
+            return;
+        }
+        for field in &bad {
+            metrics.rejected_value(source, field);
+        }
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(endpoint = %self.name, source, fields = ?bad,
+                "model-server metrics out of bounds, dropped or clamped (further ones logged at debug)");
+        } else {
+            tracing::debug!(endpoint = %self.name, source, fields = ?bad, "model-server metrics out of bounds");
         }
     }
 

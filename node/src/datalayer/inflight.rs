@@ -5,7 +5,7 @@
 //! At routing time the chosen endpoint is charged one request and the request's uncached prompt
 //! tokens (the `inflight-load-producer` decides how many). The tokens are released when the first
 //! response chunk arrives (prefill is over) and the request when the response ends — both keyed
-//! by `x-request-id`, so the response may be observed on a different ext_proc stream than the one
+//! by the EPP's request key (`dataplane::usage::RouteInfo::key`), so the response may be observed on a different ext_proc stream than the one
 //! that routed it. Entries whose response is never seen are dropped by [`InflightTracker::sweep`].
 //!
 //! Cluster mode with cluster-wide flow control: the replicated ledger knows every replica's load.

@@ -63,7 +63,8 @@ pub async fn scrape_loop(
         }
         match fetch(&client, &url, cfg.timeout).await {
             Ok(text) => {
-                let m = extract(ep.engine, &text);
+                let mut m = extract(ep.engine, &text);
+                ep.check(&mut m, "metrics", &metrics);
                 shard.publish(&ep.hostport, &m, unix_us());
                 ep.set_metrics(m, Instant::now());
             }
@@ -83,7 +84,7 @@ pub fn unix_us() -> u64 {
 }
 
 async fn fetch(client: &reqwest::Client, url: &str, timeout: Duration) -> Result<String, String> {
-    let resp = client
+    let mut resp = client
         .get(url)
         .timeout(timeout)
         .send()
@@ -94,13 +95,121 @@ async fn fetch(client: &reqwest::Client, url: &str, timeout: Duration) -> Result
     }
     if resp
         .content_length()
-        .is_some_and(|l| l as usize > MAX_METRICS_BYTES)
+        .is_some_and(|l| l > MAX_METRICS_BYTES as u64)
     {
-        return Err("metrics body too large".into());
+        return Err(TOO_LARGE.into());
     }
-    let bytes = resp.bytes().await.map_err(|e| e.to_string())?;
-    if bytes.len() > MAX_METRICS_BYTES {
-        return Err("metrics body too large".into());
+    // Read chunk by chunk: a chunked (or lying) body is cut at the bound, not buffered first.
+    let mut body = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+        if body.len() + chunk.len() > MAX_METRICS_BYTES {
+            return Err(TOO_LARGE.into());
+        }
+        body.extend_from_slice(&chunk);
     }
-    Ok(String::from_utf8_lossy(&bytes).into_owned())
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+const TOO_LARGE: &str = "metrics body too large";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    /// A `/metrics` server answering every connection with `head` and then `body` chunks, forever
+    /// when `forever`.
+    async fn server(body: &'static str, forever: bool) -> std::net::SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = s.read(&mut buf).await;
+                    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\
+                                transfer-encoding: chunked\r\n\r\n";
+                    if s.write_all(head.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    let chunk = format!("{:x}\r\n{body}\r\n", body.len());
+                    loop {
+                        if s.write_all(chunk.as_bytes()).await.is_err() || !forever {
+                            break;
+                        }
+                    }
+                    let _ = s.write_all(b"0\r\n\r\n").await;
+                });
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn an_endless_chunked_body_is_cut_at_the_bound() {
+        let addr = server("vllm:num_requests_waiting 1\n", true).await;
+        let client = reqwest::Client::new();
+        // A generous timeout: the bound, not the clock, must end the read.
+        let err = fetch(
+            &client,
+            &format!("http://{addr}/metrics"),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(err, TOO_LARGE);
+    }
+
+    #[tokio::test]
+    async fn absurd_engine_values_are_dropped_counted_and_never_reach_the_scheduler() {
+        let body = "vllm:cache_config_info{block_size=\"4611686018427387904\",\
+                    num_gpu_blocks=\"1099511627776\"} 1\n\
+                    vllm:num_requests_running 1e300\n\
+                    vllm:num_requests_waiting -3\n\
+                    process_start_time_seconds 1e15\n";
+        let addr = server(body, false).await;
+        let ep = Arc::new(Endpoint::new("p".into(), addr, Default::default()));
+        let metrics = Arc::new(Metrics::new("pool"));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(scrape_loop(
+            Arc::downgrade(&ep),
+            reqwest::Client::new(),
+            Arc::new(ScrapeConfig::default()),
+            Arc::new(Shard::default()),
+            metrics.clone(),
+            stop.clone(),
+        ));
+        let sample = loop {
+            if let Some(s) = ep.sample() {
+                break s;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        stop.cancel();
+        task.await.unwrap();
+        let m = &sample.metrics;
+        assert_eq!(m.block_size, None);
+        assert_eq!(m.num_gpu_blocks, None);
+        assert_eq!(m.running_requests, Some(bounds_max()));
+        assert_eq!(m.waiting_queue_size, None);
+        assert_eq!(m.started_ms, None);
+        let text = metrics.encode();
+        for field in [
+            "block_size",
+            "num_gpu_blocks",
+            "running_requests",
+            "waiting_queue_size",
+            "started_ms",
+        ] {
+            let line = format!(
+                "llm_d_epp_untrusted_values_rejected_total{{source=\"metrics\",field=\"{field}\"}}"
+            );
+            assert!(text.contains(&line), "{line} missing from\n{text}");
+        }
+    }
+
+    fn bounds_max() -> f64 {
+        super::super::endpoint::bounds::MAX_REQUESTS
+    }
 }

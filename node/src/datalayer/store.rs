@@ -52,6 +52,14 @@ impl Datastore {
         }
     }
 
+    /// The `ip:port` of every endpoint in the pool.
+    pub fn hostports(&self) -> std::collections::HashSet<String> {
+        self.endpoints()
+            .iter()
+            .map(|e| e.hostport.clone())
+            .collect()
+    }
+
     pub fn replace(&self, endpoints: Vec<Arc<Endpoint>>) {
         let new = Arc::new(endpoints);
         match self.endpoints.write() {

@@ -35,6 +35,7 @@ use tonic::{Status, Streaming};
 
 use super::context::PickerContext;
 use super::reply::{header_value, immediate};
+use super::usage::{ROUTE_INFO_HEADER, RouteInfo};
 use crate::request::reject::Rejection;
 
 /// Request header the routing stream sets on requests the response filter must handle (its
@@ -93,7 +94,7 @@ pub fn is_response_stream(metadata: &tonic::metadata::MetadataMap) -> bool {
 
 /// Serve one response-filter stream until the request ends or is evicted.
 pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
-    let (request_id, wants) = loop {
+    let (key, wants) = loop {
         match inbound.message().await {
             Ok(Some(ProcessingRequest {
                 request: Some(Req::RequestHeaders(h)),
@@ -104,7 +105,10 @@ pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingReque
                         .map(|v| v.into_owned())
                         .unwrap_or_default()
                 };
-                break (get("x-request-id"), get(RESPONSE_FILTER_HEADER));
+                // The request's key, from the route info the routing filter set (a client's
+                // own route info never reaches here: the routing filter replaced it).
+                let key = RouteInfo::decode(&get(ROUTE_INFO_HEADER)).map(|i| i.key);
+                break (key.unwrap_or_default(), get(RESPONSE_FILTER_HEADER));
             }
             Ok(Some(_)) => continue,
             _ => return,
@@ -112,24 +116,24 @@ pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingReque
     };
     let wants: Vec<&str> = wants.split(',').map(str::trim).collect();
     let restore = wants.iter().find_map(|w| Restore::from_item(w));
-    let evictor = if wants.contains(&EVICT) {
-        ctx.gate.attach_evictor(&request_id)
+    let evictor = if wants.contains(&EVICT) && !key.is_empty() {
+        ctx.gate.attach_evictor(&key)
     } else {
         None
     };
     if restore.is_none() && evictor.is_none() {
         // Nothing to do here (another replica admitted it, or it already ended): let it through
         // and close our side — Envoy then proceeds without us.
-        tracing::debug!(%request_id, "response stream for a request with nothing to do here");
+        tracing::debug!(%key, "response stream for a request with nothing to do here");
         let _ = send(&tx, Resp::RequestHeaders(HeadersResponse::default())).await;
         return;
     }
     let evicting = evictor.is_some();
-    let evicted = hold(&ctx, &mut inbound, &tx, &request_id, evictor, restore).await;
+    let evicted = hold(&ctx, &mut inbound, &tx, &key, evictor, restore).await;
     if evicting && !evicted {
         // The stream ended without an eviction (the response is over, or Envoy gave up on us):
         // the request can no longer be aborted, so flow control must stop counting on it.
-        ctx.gate.detach_evictor(&request_id);
+        ctx.gate.detach_evictor(&key);
     }
 }
 
@@ -138,7 +142,7 @@ async fn hold(
     ctx: &PickerContext,
     inbound: &mut Streaming<ProcessingRequest>,
     tx: &Tx,
-    request_id: &str,
+    key: &str,
     evictor: Option<oneshot::Receiver<()>>,
     restore: Option<Restore>,
 ) -> bool {
@@ -159,7 +163,7 @@ async fn hold(
                 }
             }, if evictor.is_some() => {
                 if fired.is_ok() {
-                    evict(ctx, tx, request_id).await;
+                    evict(ctx, tx, key).await;
                     return true;
                 }
                 // The request ended on its own: keep restoring if asked to, else we are done.
@@ -214,8 +218,8 @@ async fn hold(
     }
 }
 
-async fn evict(ctx: &PickerContext, tx: &Tx, request_id: &str) {
-    tracing::info!(%request_id, "request evicted by flow control");
+async fn evict(ctx: &PickerContext, tx: &Tx, key: &str) {
+    tracing::info!(%key, "request evicted by flow control");
     let r = Rejection::dropped(flowctl::DropReason::Evicted);
     let labels = ctx.metrics.request_labels("", "");
     ctx.metrics.request_error(&labels, r.code);

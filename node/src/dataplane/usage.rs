@@ -233,6 +233,10 @@ pub const ROUTE_INFO_HEADER: &str = "x-llm-d-epp-route";
 
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RouteInfo {
+    /// The EPP's key for this request ([`new_request_key`]): what its in-flight charge, its
+    /// flow-control slot and its ledger entry are filed under. Never the client's `x-request-id`,
+    /// which clients choose (and reuse); empty when the header carried none of ours.
+    pub key: String,
     pub model: String,
     pub target_model: String,
     pub fairness_id: String,
@@ -244,7 +248,8 @@ pub struct RouteInfo {
 impl RouteInfo {
     pub fn encode(&self) -> String {
         let mut s = format!(
-            "m={};t={};f={};p={}",
+            "k={};m={};t={};f={};p={}",
+            self.key,
             pct(&self.model),
             pct(&self.target_model),
             pct(&self.fairness_id),
@@ -262,6 +267,8 @@ impl RouteInfo {
         for kv in s.split(';') {
             let (k, v) = kv.split_once('=')?;
             match k.trim() {
+                // Only a key of ours is a key: anything else files the request under nothing.
+                "k" if is_request_key(v) => info.key = v.to_string(),
                 "m" => info.model = unpct(v)?,
                 "t" => info.target_model = unpct(v)?,
                 "f" => info.fairness_id = unpct(v)?,
@@ -273,6 +280,16 @@ impl RouteInfo {
         }
         Some(info)
     }
+}
+
+/// A fresh request key: 128 random bits as 32 hex digits. Unique across replicas and restarts
+/// without coordination, and unguessable, so no client can name another's request.
+pub fn new_request_key() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+fn is_request_key(s: &str) -> bool {
+    s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 fn pct(s: &str) -> String {
@@ -309,8 +326,24 @@ mod route_info_tests {
     use super::*;
 
     #[test]
+    fn keys_are_ours_or_nothing() {
+        let a = new_request_key();
+        assert_ne!(a, new_request_key());
+        let info = RouteInfo {
+            key: a.clone(),
+            ..Default::default()
+        };
+        assert_eq!(RouteInfo::decode(&info.encode()).unwrap().key, a);
+        for forged in ["client-chosen-id", "", "zz", &"f".repeat(64)] {
+            let d = RouteInfo::decode(&format!("k={forged};m=m;p=0")).unwrap();
+            assert_eq!(d.key, "", "{forged}");
+        }
+    }
+
+    #[test]
     fn round_trip_with_awkward_values() {
         let info = RouteInfo {
+            key: new_request_key(),
             model: "meta-llama/Llama-3.1-8B".into(),
             target_model: "lora;a=b %".into(),
             fairness_id: "tenant é 1".into(),

@@ -95,7 +95,7 @@ type FallbackEntry = (Vec<u64>, usize, std::time::Instant);
 pub struct ApproxPrefixProducer {
     params: ProducerParams,
     state: RwLock<Indexed>,
-    /// Requests routed with fallbacks, by `x-request-id`: (block hashes, block size, when).
+    /// Requests routed with fallbacks, by request key: (block hashes, block size, when).
     fallbacks: std::sync::Mutex<std::collections::HashMap<String, FallbackEntry>>,
     /// Set in cluster mode with replication on: every insert's delta goes here for the peers.
     outbox: OnceLock<Arc<dyn DeltaSink>>,
@@ -216,9 +216,8 @@ impl ApproxPrefixProducer {
         }
     }
 
-    /// The pod of `c` in the index, in its current incarnation and bounded to its capacity.
     /// Record that `targets` now hold the blocks `hashes` (replicated when gossip is on).
-    fn record<'a>(
+    pub(crate) fn record<'a>(
         &self,
         hashes: &[u64],
         block_size: usize,
@@ -304,6 +303,7 @@ impl ApproxPrefixProducer {
         true
     }
 
+    /// The pod of `c` in the index, in its current incarnation and bounded to its capacity.
     fn apply_bounds(&self, ix: &mut ApproxIndex, c: &Candidate, block_size: usize) -> PodId {
         let metrics = c.sample.as_ref().map(|s| &s.metrics);
         let capacity = metrics

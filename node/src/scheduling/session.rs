@@ -247,10 +247,22 @@ struct Binding {
     misses: u32,
 }
 
+/// Most session bindings one replica holds: ids are client strings, so a client inventing a new
+/// one per request must not grow the map without bound. When full (after dropping the expired),
+/// new sessions are not bound — existing ones keep their pods — and a warning is logged.
+pub const MAX_SESSIONS: usize = 100_000;
+
 #[derive(Default)]
 struct Bindings {
-    map: HashMap<String, Binding>,
+    /// By a 128-bit hash of the session id: a fixed size per binding, whatever the id's length.
+    map: HashMap<u128, Binding>,
     last_sweep: Option<Instant>,
+    /// The map was found full (warned once per episode).
+    full: bool,
+}
+
+fn session_key(id: &str) -> u128 {
+    xxhash_rust::xxh3::xxh3_128(id.as_bytes())
 }
 
 /// One configured instance (scorer or filter).
@@ -341,7 +353,7 @@ impl SessionAffinity {
             }
             StrategySpec::SessionId { sources, .. } => {
                 let id = self.session_id(req, sources)?;
-                self.lock().map.get(id).map(|b| b.pod.clone())
+                self.lock().map.get(&session_key(id)).map(|b| b.pod.clone())
             }
         }
     }
@@ -395,7 +407,8 @@ impl SessionAffinity {
             b.map.retain(|_, v| now.duration_since(v.last_seen) <= *ttl);
             b.last_sweep = Some(now);
         }
-        match b.map.get_mut(id) {
+        let key = session_key(id);
+        match b.map.get_mut(&key) {
             Some(e) if e.pod == picked => {
                 e.last_seen = now;
                 e.misses = 0;
@@ -418,8 +431,22 @@ impl SessionAffinity {
                 }
             }
             None => {
+                if b.map.len() >= MAX_SESSIONS {
+                    b.map.retain(|_, v| now.duration_since(v.last_seen) <= *ttl);
+                    if b.map.len() >= MAX_SESSIONS {
+                        if !std::mem::replace(&mut b.full, true) {
+                            tracing::warn!(
+                                bindings = b.map.len(),
+                                "session affinity: {MAX_SESSIONS} live sessions, new ones are \
+                                 not bound until some expire"
+                            );
+                        }
+                        return;
+                    }
+                }
+                b.full = false;
                 b.map.insert(
-                    id.to_string(),
+                    key,
                     Binding {
                         pod: picked.to_string(),
                         last_seen: now,
@@ -712,6 +739,29 @@ mod tests {
             scores(&s, &h, &cs),
             vec![0.0, 0.0, 1.0],
             "two misses: migrated to c"
+        );
+    }
+
+    #[test]
+    fn a_flood_of_session_ids_is_bounded_and_spares_existing_sessions() {
+        let cs = pods();
+        let s = plugin(SCORER_TYPE, "{strategy: session_id}").unwrap();
+        let kept = hdr("x-session-id", "kept");
+        s.pre_request(&with_headers(&kept), &cs, 2);
+        // Ids of any length cost one fixed-size binding each.
+        let long = "x".repeat(1_000);
+        for i in 0..MAX_SESSIONS + 10 {
+            let h = hdr("x-session-id", &format!("{long}{i}"));
+            s.pre_request(&with_headers(&h), &cs, i % 3);
+        }
+        assert_eq!(s.bindings(), MAX_SESSIONS);
+        assert_eq!(scores(&s, &kept, &cs), vec![0.0, 0.0, 1.0]);
+        let unbound = hdr("x-session-id", "late");
+        s.pre_request(&with_headers(&unbound), &cs, 0);
+        assert_eq!(
+            scores(&s, &unbound, &cs),
+            vec![0.0, 0.0, 0.0],
+            "not bound while full"
         );
     }
 

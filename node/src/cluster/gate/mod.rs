@@ -93,7 +93,8 @@ struct GWaiter {
 #[derive(Default)]
 struct State {
     next_seq: u64,
-    outbox: Vec<FlowCmd>,
+    /// Commands to propose, oldest first (a deque: past the bound the oldest is dropped in O(1)).
+    outbox: VecDeque<FlowCmd>,
     waiting: HashMap<u64, GWaiter>,
     /// Local admissions not yet in the applied state (sequence numbers, ascending).
     unreported: VecDeque<u64>,
@@ -109,7 +110,7 @@ struct State {
     /// Admitted requests of this replica (fast, slow or degraded) → when; pruned of those the
     /// state no longer holds, and given up after [`ADMITTED_MAX_AGE`] (response never observed).
     admitted: BTreeMap<u64, (Instant, String)>,
-    /// Degraded-mode admissions still running here, by `x-request-id`.
+    /// Degraded-mode admissions still running here, by request key.
     degraded_running: HashMap<String, u32>,
     degraded: bool,
     shutting_down: bool,
@@ -118,6 +119,17 @@ struct State {
     degraded_admits: u64,
     degraded_rejects: u64,
     dropped_cmds: u64,
+}
+
+impl State {
+    /// Queue a command for the next proposal; past [`OUTBOX_LIMIT`] the oldest is dropped.
+    fn push(&mut self, cmd: FlowCmd) {
+        if self.outbox.len() >= OUTBOX_LIMIT {
+            self.outbox.pop_front();
+            self.dropped_cmds += 1;
+        }
+        self.outbox.push_back(cmd);
+    }
 }
 
 /// Aborts a task when dropped.
@@ -199,14 +211,6 @@ impl GlobalGate {
         }
     }
 
-    fn push(&self, st: &mut State, cmd: FlowCmd) {
-        if st.outbox.len() >= OUTBOX_LIMIT {
-            st.outbox.remove(0);
-            st.dropped_cmds += 1;
-        }
-        st.outbox.push(cmd);
-    }
-
     /// Admission for one request (fast path, slow path or degraded; see the module docs).
     pub async fn admit(self: &Arc<Self>, req: AdmitRequest<'_>) -> Pending {
         let t0 = Instant::now();
@@ -268,15 +272,12 @@ impl GlobalGate {
                 .insert(seq, (Instant::now(), req.request_id.to_string()));
             st.fast += 1;
             self.metrics.cluster.flow_admission("fast");
-            self.push(
-                &mut st,
-                FlowCmd::Admitted {
-                    seq,
-                    request_id: req.request_id.to_string(),
-                    ask,
-                    pod: None,
-                },
-            );
+            st.push(FlowCmd::Admitted {
+                seq,
+                request_id: req.request_id.to_string(),
+                ask,
+                pod: None,
+            });
             drop(st);
             self.wake.notify_one();
             self.metrics.cluster.fast_admit(t0.elapsed());
@@ -301,14 +302,11 @@ impl GlobalGate {
                 degraded_deadline,
             },
         );
-        self.push(
-            &mut st,
-            FlowCmd::Enqueue {
-                seq,
-                request_id: req.request_id.to_string(),
-                ask,
-            },
-        );
+        st.push(FlowCmd::Enqueue {
+            seq,
+            request_id: req.request_id.to_string(),
+            ask,
+        });
         drop(st);
         self.wake.notify_one();
         Pending::queued(self.clone(), seq, rx)
@@ -347,15 +345,12 @@ impl GlobalGate {
         st.unreported.push_back(seq);
         st.admitted
             .insert(seq, (Instant::now(), request_id.to_string()));
-        self.push(
-            st,
-            FlowCmd::Admitted {
-                seq,
-                request_id: request_id.to_string(),
-                ask: ask.clone(),
-                pod: None,
-            },
-        );
+        st.push(FlowCmd::Admitted {
+            seq,
+            request_id: request_id.to_string(),
+            ask: ask.clone(),
+            pod: None,
+        });
         Some(Pending::ready(Verdict::Dispatched(Ticket(seq))))
     }
 
@@ -368,7 +363,7 @@ impl GlobalGate {
                 Verdict::Rejected(DropReason::RejectedContextCancelled),
             );
         }
-        self.push(&mut st, FlowCmd::Cancel { seq });
+        st.push(FlowCmd::Cancel { seq });
         drop(st);
         self.wake.notify_one();
     }
@@ -387,13 +382,10 @@ impl GlobalGate {
         });
         match unsent {
             Some(p) => *p = Some(pod.to_string()),
-            None => self.push(
-                &mut st,
-                FlowCmd::Routed {
-                    seq,
-                    pod: pod.to_string(),
-                },
-            ),
+            None => st.push(FlowCmd::Routed {
+                seq,
+                pod: pod.to_string(),
+            }),
         }
     }
 
@@ -406,13 +398,10 @@ impl GlobalGate {
                 st.degraded_running.remove(request_id);
             }
         }
-        self.push(
-            &mut st,
-            FlowCmd::Settle {
-                request_id: request_id.to_string(),
-                actual_tokens,
-            },
-        );
+        st.push(FlowCmd::Settle {
+            request_id: request_id.to_string(),
+            actual_tokens,
+        });
         drop(st);
         self.wake.notify_one();
     }
@@ -427,7 +416,7 @@ impl GlobalGate {
                 &self.metrics,
                 Verdict::Rejected(DropReason::RejectedShuttingDown),
             );
-            self.push(&mut st, FlowCmd::Cancel { seq });
+            st.push(FlowCmd::Cancel { seq });
         }
         drop(st);
         self.wake.notify_one();
@@ -482,5 +471,26 @@ impl Gate for GlobalGate {
 
     fn view(&self) -> BoxFuture<'_, Option<serde_json::Value>> {
         Box::pin(async move { serde_json::to_value(GlobalGate::view(self).await).ok() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_outbox_drops_its_oldest_commands_and_counts_them() {
+        let mut st = State::default();
+        for seq in 0..(OUTBOX_LIMIT as u64 + 3) {
+            st.push(FlowCmd::Cancel { seq });
+        }
+        assert_eq!(st.outbox.len(), OUTBOX_LIMIT);
+        assert_eq!(st.dropped_cmds, 3);
+        assert!(matches!(
+            st.outbox.front(),
+            Some(FlowCmd::Cancel { seq: 3 })
+        ));
+        let last = OUTBOX_LIMIT as u64 + 2;
+        assert!(matches!(st.outbox.back(), Some(FlowCmd::Cancel { seq }) if *seq == last));
     }
 }

@@ -50,7 +50,7 @@ impl GlobalGate {
             if !urgent {
                 tokio::time::sleep(self.opts.report_linger).await;
             }
-            let cmds = std::mem::take(&mut self.lock().outbox);
+            let cmds: Vec<FlowCmd> = std::mem::take(&mut self.lock().outbox).into();
             let t0 = Instant::now();
             let res = tokio::time::timeout(
                 lease,
@@ -79,9 +79,9 @@ impl GlobalGate {
                     {
                         let mut st = self.lock();
                         let newer = std::mem::take(&mut st.outbox);
-                        st.outbox = cmds;
+                        st.outbox = cmds.into();
                         for c in newer {
-                            self.push(&mut st, c);
+                            st.push(c);
                         }
                     }
                     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -208,7 +208,7 @@ impl GlobalGate {
                             self.metrics.cluster.flow_admission("degraded-reject");
                         }
                         w.waiter.resolve(&self.metrics, Verdict::Rejected(reason));
-                        self.push(&mut st, FlowCmd::Cancel { seq });
+                        st.push(FlowCmd::Cancel { seq });
                     }
                 }
             }
@@ -286,7 +286,7 @@ impl GlobalGate {
             };
             if !w.waiter.resolve(&self.metrics, verdict) && matches!(v, GVerdict::Dispatched) {
                 // The stream left just before its dispatch.
-                self.push(st, FlowCmd::Cancel { seq });
+                st.push(FlowCmd::Cancel { seq });
             }
         }
     }
@@ -343,7 +343,7 @@ impl GlobalGate {
             );
         }
         for seq in expired {
-            self.push(&mut st, FlowCmd::Cancel { seq });
+            st.push(FlowCmd::Cancel { seq });
         }
     }
 

@@ -84,7 +84,7 @@ pub struct GlobalView {
     pub flows: Vec<FlowRow>,
     /// Per-pod in-flight load from the ledger.
     pub pods: BTreeMap<String, flowctl::global::PodLoad>,
-    /// The oldest ledger entries in flight (at most 100): `[owner, seq, x-request-id, pod]`.
+    /// The oldest ledger entries in flight (at most 100): `[owner, seq, request key, pod]`.
     pub oldest_inflight: Vec<(u64, u64, String, Option<String>)>,
 }
 

@@ -48,8 +48,12 @@ struct StreamState {
     phase: Phase,
     started: Instant,
     headers: HashMap<String, String>,
+    /// The client's `x-request-id` (or one generated for it): for logs and the model server.
     request_id: String,
     generated_request_id: bool,
+    /// The EPP's key for the request (see [`RouteInfo::key`]): set when the routing stream
+    /// routes, decoded from the route info by an observing stream; empty until then.
+    key: String,
     body: Vec<u8>,
     /// At least one request-body message arrived (the request has a body, maybe empty).
     body_started: bool,
@@ -83,6 +87,7 @@ pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingReque
         headers: HashMap::new(),
         request_id: String::new(),
         generated_request_id: false,
+        key: String::new(),
         body: Vec::new(),
         body_started: false,
         request_body_mode: FULL_DUPLEX,

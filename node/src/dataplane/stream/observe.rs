@@ -32,14 +32,25 @@ pub(super) fn served_endpoint(md: &Metadata) -> Option<String> {
 }
 
 impl StreamState {
+    /// An observing stream learns the routing stream's decision from the route info in the
+    /// request headers (the routing filter set it). A routing stream never does: the request
+    /// headers it saw are the client's, and the client's route info means nothing.
+    fn learn_route(&mut self) {
+        if self.route_info.is_some() || !self.observability {
+            return;
+        }
+        self.route_info = self
+            .headers
+            .get(ROUTE_INFO_HEADER)
+            .and_then(|v| RouteInfo::decode(v));
+        if let Some(info) = &self.route_info {
+            self.key = info.key.clone();
+        }
+    }
+
     pub(super) async fn on_response_headers(&mut self, h: HttpHeaders) -> Result<(), ()> {
         self.settles = true;
-        if self.route_info.is_none() {
-            self.route_info = self
-                .headers
-                .get(ROUTE_INFO_HEADER)
-                .and_then(|v| RouteInfo::decode(v));
-        }
+        self.learn_route();
         if self.route_info.is_some() {
             let ct = header_value(h.headers.as_ref(), "content-type");
             self.usage = Some(UsageScanner::new(ct.as_deref()));
@@ -74,8 +85,8 @@ impl StreamState {
         if self.first_byte_at.is_none() && !b.body.is_empty() {
             // Prefill is over once bytes flow: release the prompt tokens.
             self.first_byte_at = Some(Instant::now());
-            if let Some(t) = &self.ctx.inflight {
-                t.release_tokens(&self.request_id);
+            if let Some(t) = self.ctx.inflight.as_ref().filter(|_| !self.key.is_empty()) {
+                t.release_tokens(&self.key);
             }
         }
         if eos {
@@ -111,6 +122,10 @@ impl StreamState {
     /// recorded: the prefix index learns the served pod holds the prompt, the in-flight load
     /// moves there.
     pub(super) fn on_served(&mut self, served: &str) {
+        self.learn_route();
+        if self.key.is_empty() {
+            return; // not a request this EPP routed
+        }
         // The routing stream knows its pick; an observing stream reads it from the request
         // headers the routing filter set.
         let Some(primary) = self.primary.clone().or_else(|| {
@@ -124,13 +139,13 @@ impl StreamState {
         let corrected = match &self.ctx.scheduler.prefix_index {
             Some(ix) => {
                 let candidates = self.ctx.store.candidates(Instant::now());
-                ix.served(&self.request_id, primary, served, &candidates)
+                ix.served(&self.key, primary, served, &candidates)
             }
             None => false,
         };
         if primary != served {
             if let Some(t) = &self.ctx.inflight {
-                t.moved(&self.request_id, served);
+                t.moved(&self.key, served);
             }
             tracing::debug!(request_id = %self.request_id, primary, served, corrected, "served by a fallback endpoint");
             self.ctx.metrics.served_by_fallback();
@@ -168,12 +183,15 @@ impl StreamState {
                 );
                 self.ctx.metrics.usage(&labels, u.input, u.output, u.cached);
             }
+            if self.key.is_empty() {
+                return; // nothing of ours to settle
+            }
             if let Some(t) = &self.ctx.inflight {
-                t.finish(&self.request_id);
+                t.finish(&self.key);
             }
             self.ctx
                 .gate
-                .complete(&self.request_id, usage.map(|u| u.input + u.output));
+                .complete(&self.key, usage.map(|u| u.input + u.output));
         }
     }
 

@@ -17,7 +17,7 @@ use super::{FULL_DUPLEX, Phase, REQUEST_ID_HEADER, StreamState};
 use crate::datalayer::store::Candidate;
 use crate::dataplane::reply::{self, DESTINATION_HEADER, PREFILLER_HEADER, header};
 use crate::dataplane::response::{EVICT, RESPONSE_FILTER_HEADER, Restore};
-use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo};
+use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo, new_request_key};
 use crate::request::admission::{Admit, AdmitRequest, Ticket, Verdict};
 use crate::request::meta::CONTROL_HEADERS;
 use crate::request::reject::Rejection;
@@ -46,6 +46,7 @@ impl StreamState {
         };
         let req = Request::resolve(parsed, &self.headers, &ctx.objectives, &ctx.rewrites);
         self.received(&req);
+        self.key = new_request_key();
         let ticket = match self.admit(&req).await? {
             Ok(t) => t,
             Err(r) => return self.reject(r).await,
@@ -53,7 +54,7 @@ impl StreamState {
         let t0 = Instant::now();
         let candidates = self.candidates(t0);
         let sched = SchedRequest {
-            request_id: &self.request_id,
+            request_id: &self.key,
             model: &req.model,
             target_model: &req.target_model,
             prompt: req.prompt(),
@@ -97,7 +98,7 @@ impl StreamState {
     /// while the request was queued.
     async fn admit(&self, req: &Request) -> Result<Result<Option<Ticket>, Rejection>, ()> {
         let ask = AdmitRequest {
-            request_id: &self.request_id,
+            request_id: &self.key,
             meta: &req.meta,
             bytes: self.body.len() as u64,
             tokens: req.prompt().estimated_tokens(),
@@ -190,9 +191,10 @@ impl StreamState {
             .map(|i| candidates[*i].endpoint.hostport.as_str())
             .collect::<Vec<_>>()
             .join(",");
-        tracing::debug!(request_id = %self.request_id, %destination, model = %req.model, "routed");
+        tracing::debug!(request_id = %self.request_id, key = %self.key, %destination, model = %req.model, "routed");
         let primary = decision.picked.first().copied();
         let info = RouteInfo {
+            key: self.key.clone(),
             model: req.model.clone(),
             target_model: req.target_model.clone(),
             fairness_id: req.meta.fairness_id.clone(),

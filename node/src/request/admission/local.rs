@@ -2,8 +2,8 @@
 //!
 //! A request is enqueued and its ext_proc stream waits for the verdict; dispatch happens when the
 //! detector reports headroom (a periodic pool observation, [`FlowGate::run`]) or a request
-//! completes (the response path, keyed by `x-request-id`, so the observing stream of the split
-//! data plane can settle it). A stream that goes away while queued cancels its entry.
+//! completes (the response path, keyed by the EPP's request key, so the observing stream of the
+//! split data plane can settle it). A stream that goes away while queued cancels its entry.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -36,7 +36,7 @@ struct GateState {
     next_id: u64,
     waiting: HashMap<u64, Waiter>,
     running: HashMap<u64, Running>,
-    /// `x-request-id` → in-flight ids (a client may reuse an id; the oldest completes first).
+    /// Request key → in-flight ids (keys are unique; a duplicate completes the oldest first).
     by_request_id: HashMap<String, Vec<u64>>,
     /// In-flight ids whose eviction stream is attached: firing the sender aborts the request.
     evictors: HashMap<u64, oneshot::Sender<()>>,

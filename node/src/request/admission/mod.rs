@@ -7,8 +7,8 @@
 //! * [`local::FlowGate`] — the gate on, one replica: the shell around `flowctl`'s pure state
 //!   machine. A request is enqueued and its ext_proc stream simply waits for the verdict; dispatch
 //!   happens when the detector reports headroom (a periodic pool observation) or a request
-//!   completes (the response path, keyed by `x-request-id`, so the observing stream of the split
-//!   data plane can settle it). A stream that goes away while queued cancels its entry.
+//!   completes (the response path, keyed by the EPP's request key, so the observing stream of
+//!   the split data plane can settle it). A stream that goes away while queued cancels its entry.
 //! * the cluster's gate (`crate::cluster::gate`), implementing the same trait over the
 //!   replicated global queue.
 //!
@@ -127,14 +127,12 @@ impl Waiter {
             tx,
             request_id: req.request_id.to_string(),
             enqueued: Instant::now(),
-            labels: QueueLabels {
-                fairness_id: metrics.fairness_label(&req.meta.fairness_id),
-                priority: req.meta.priority.to_string(),
-                outcome: String::new(),
-                inference_pool: metrics.pool_name().to_string(),
-                model_name: req.model.to_string(),
-                target_model_name: req.target_model.to_string(),
-            },
+            labels: metrics.queue_labels(
+                req.model,
+                req.target_model,
+                &req.meta.fairness_id,
+                req.meta.priority,
+            ),
         }
     }
 
