@@ -1,13 +1,22 @@
 //! The HTTP admin server: Prometheus `/metrics`, `/healthz` (process alive) and `/readyz` (endpoints
-//! loaded and not draining).
+//! loaded and not draining), and the `/debug` views and operations.
+//!
+//! Authorization: a caller is authorized when it presents `Authorization: Bearer <token>` with the
+//! token of `--admin-token-file` (re-read on every check, so it can be rotated in place), or —
+//! when no token file is configured — when it connects from a loopback address. Mutating calls
+//! (`POST /debug/cluster/...`: membership changes, probes) need authorization (401/403 otherwise);
+//! the `/debug` views show tenant (fairness) ids and request keys only to authorized callers,
+//! `redacted` to others. `/metrics`, `/healthz` and `/readyz` are open, as probes and Prometheus
+//! need them.
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use axum::Router;
-use axum::extract::Path;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::extract::{ConnectInfo, Path, State};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use tokio::net::TcpListener;
@@ -16,12 +25,106 @@ use tokio_util::sync::CancellationToken;
 use crate::cluster::ClusterMember;
 use crate::dataplane::PickerContext;
 
-/// What the admin endpoints read: the request path's shared context, and the cluster member in
-/// cluster mode.
+/// What the admin endpoints read: the request path's shared context, the cluster member in
+/// cluster mode, and the admin token's file.
 #[derive(Debug)]
 pub struct Admin {
     pub ctx: Arc<PickerContext>,
     pub cluster: Option<Arc<ClusterMember>>,
+    pub token_file: Option<PathBuf>,
+}
+
+/// What replaces a tenant id or request key for a caller that is not authorized.
+pub const REDACTED: &str = "redacted";
+
+/// Whether a caller from `peer` presenting `authorization` (the header's value) is authorized,
+/// given the configured token (`None`: no token file; `Some(Err)`: configured but unreadable,
+/// which authorizes nobody).
+pub fn authorized(
+    token: Option<Result<String, String>>,
+    authorization: Option<&str>,
+    peer: SocketAddr,
+) -> bool {
+    match token {
+        None => peer.ip().is_loopback(),
+        Some(Err(_)) => false,
+        Some(Ok(token)) => authorization
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| constant_time_eq(given.trim().as_bytes(), token.as_bytes())),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Read the admin token: the file's first line, trimmed; an empty or unreadable file is an error.
+pub fn read_token(path: &std::path::Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("admin token file {}: {e}", path.display()))?;
+    let token = text.lines().next().unwrap_or("").trim().to_string();
+    if token.is_empty() {
+        return Err(format!("admin token file {} is empty", path.display()));
+    }
+    Ok(token)
+}
+
+impl Admin {
+    fn authorizes(&self, headers: &HeaderMap, peer: SocketAddr) -> bool {
+        let token = self.token_file.as_deref().map(read_token);
+        if let Some(Err(e)) = &token {
+            tracing::warn!(error = %e, "admin call refused: the admin token cannot be read");
+        }
+        let auth = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        authorized(token, auth, peer)
+    }
+
+    /// The refusal for an unauthorized mutating call (counted).
+    fn refuse(&self) -> axum::response::Response {
+        self.ctx.metrics.rejected_value("admin", "authorization");
+        if self.token_file.is_some() {
+            (
+                StatusCode::UNAUTHORIZED,
+                [(header::WWW_AUTHENTICATE, "Bearer")],
+                "admin token required (Authorization: Bearer <token of --admin-token-file>)",
+            )
+                .into_response()
+        } else {
+            (
+                StatusCode::FORBIDDEN,
+                "mutating admin calls are accepted from localhost only; configure \
+                 --admin-token-file to allow them from elsewhere",
+            )
+                .into_response()
+        }
+    }
+}
+
+/// Replace tenant ids and request keys in a `/debug` view: every `fairness_id` value, and the
+/// request key of each `oldest_inflight` row (`[owner, seq, key, pod]`).
+pub fn redact(v: &mut serde_json::Value) {
+    use serde_json::Value;
+    match v {
+        Value::Object(map) => {
+            for (k, child) in map.iter_mut() {
+                match (k.as_str(), child) {
+                    ("fairness_id", c @ Value::String(_)) => *c = Value::from(REDACTED),
+                    ("oldest_inflight", Value::Array(rows)) => {
+                        for row in rows {
+                            if let Some(key) = row.get_mut(2) {
+                                *key = Value::from(REDACTED);
+                            }
+                        }
+                    }
+                    (_, c) => redact(c),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(redact),
+        _ => {}
+    }
 }
 
 pub async fn run(
@@ -42,9 +145,12 @@ pub async fn run(
         .route("/debug/cost-model", get(cost_model_view))
         .route("/debug/inflight", get(inflight_view))
         .with_state(admin);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async move { shutdown.cancelled().await })
+    .await
 }
 
 async fn metrics(State(admin): State<Arc<Admin>>) -> impl IntoResponse {
@@ -184,9 +290,18 @@ async fn cluster_probes(State(admin): State<Arc<Admin>>) -> axum::response::Resp
 
 /// `GET /debug/flow`: flow control — cluster-wide (this replica's side and the replicated global
 /// queue, credit and ledger) or this replica's own queue.
-async fn flow_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {
+async fn flow_view(
+    State(admin): State<Arc<Admin>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> axum::response::Response {
     match admin.ctx.gate.view().await {
-        Some(view) => axum::Json(view).into_response(),
+        Some(mut view) => {
+            if !admin.authorizes(&headers, peer) {
+                redact(&mut view);
+            }
+            axum::Json(view).into_response()
+        }
         None => (
             StatusCode::NOT_FOUND,
             "flow control is off (the flowControl feature gate is not set)",
@@ -197,9 +312,15 @@ async fn flow_view(State(admin): State<Arc<Admin>>) -> axum::response::Response 
 
 async fn cluster_op(
     State(admin): State<Arc<Admin>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
     Path(op): Path<String>,
     body: axum::body::Bytes,
 ) -> axum::response::Response {
+    if !admin.authorizes(&headers, peer) {
+        tracing::warn!(%peer, %op, "unauthorized admin call refused");
+        return admin.refuse();
+    }
     let Some(c) = &admin.cluster else {
         return (StatusCode::NOT_FOUND, "not in cluster mode").into_response();
     };
@@ -224,5 +345,61 @@ async fn cluster_op(
     match c.membership(&op, req).await {
         Ok(msg) => (StatusCode::OK, msg).into_response(),
         Err(e) => (StatusCode::CONFLICT, e).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn localhost_or_the_token_authorizes() {
+        let local: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let local6: SocketAddr = "[::1]:5000".parse().unwrap();
+        let remote: SocketAddr = "10.1.2.3:5000".parse().unwrap();
+        // No token file: localhost only.
+        assert!(authorized(None, None, local));
+        assert!(authorized(None, None, local6));
+        assert!(!authorized(None, Some("Bearer x"), remote));
+        // A token: from anywhere with it, from nowhere without it.
+        let tok = || Some(Ok("s3cret".to_string()));
+        assert!(authorized(tok(), Some("Bearer s3cret"), remote));
+        assert!(!authorized(tok(), None, local), "localhost needs it too");
+        assert!(!authorized(tok(), Some("Bearer s3cre"), remote));
+        assert!(!authorized(tok(), Some("Bearer s3cretX"), remote));
+        assert!(!authorized(tok(), Some("Basic s3cret"), remote));
+        // A configured but unreadable token authorizes nobody.
+        assert!(!authorized(Some(Err("gone".into())), None, local));
+    }
+
+    #[test]
+    fn tokens_are_read_from_the_first_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("token");
+        std::fs::write(&p, "  abc  \nignored\n").unwrap();
+        assert_eq!(read_token(&p).unwrap(), "abc");
+        std::fs::write(&p, "\n").unwrap();
+        assert!(read_token(&p).unwrap_err().contains("empty"));
+        assert!(read_token(&dir.path().join("missing")).is_err());
+    }
+
+    #[test]
+    fn views_lose_tenant_ids_and_request_keys() {
+        let mut v = serde_json::json!({
+            "local": {"node_id": 1},
+            "global": {
+                "flows": [{"fairness_id": "tenant-a", "priority": 0, "queued": 1}],
+                "oldest_inflight": [[1, 7, "0123abcd", "10.0.0.1:8000"]],
+                "pods": {"10.0.0.1:8000": {"requests": 1}},
+            },
+        });
+        redact(&mut v);
+        assert_eq!(v["global"]["flows"][0]["fairness_id"], REDACTED);
+        assert_eq!(v["global"]["flows"][0]["queued"], 1);
+        assert_eq!(
+            v["global"]["oldest_inflight"][0],
+            serde_json::json!([1, 7, REDACTED, "10.0.0.1:8000"])
+        );
+        assert_eq!(v["global"]["pods"]["10.0.0.1:8000"]["requests"], 1);
     }
 }

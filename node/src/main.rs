@@ -33,6 +33,9 @@ enum Cmd {
         /// Admin URL of any replica, e.g. http://127.0.0.1:9090
         #[arg(long, default_value = "http://127.0.0.1:9090")]
         admin: String,
+        /// The replicas' admin token (their `--admin-token-file`), sent as a bearer token.
+        #[arg(long)]
+        admin_token_file: Option<PathBuf>,
         #[command(subcommand)]
         op: ClusterCmd,
     },
@@ -93,6 +96,10 @@ struct ServeArgs {
     /// splits), read at start-up.
     #[arg(long)]
     model_rewrites_file: Option<PathBuf>,
+    /// File holding the bearer token for mutating admin calls (`POST /debug/cluster/...`) and
+    /// unredacted `/debug` views; re-read on every call. Without it only localhost is trusted.
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
     #[command(flatten)]
     cluster: ClusterArgs,
 }
@@ -285,12 +292,21 @@ fn main() -> anyhow::Result<()> {
             println!("{}", built.summary);
             Ok(())
         }
-        Cmd::Cluster { admin, op } => {
+        Cmd::Cluster {
+            admin,
+            admin_token_file,
+            op,
+        } => {
+            let token = admin_token_file
+                .as_deref()
+                .map(node::admin::read_token)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!(e))?;
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .context("starting the tokio runtime")?;
-            rt.block_on(cluster_cmd(&admin, op))
+            rt.block_on(cluster_cmd(&admin, token.as_deref(), op))
         }
         Cmd::Serve(args) => {
             if args.refresh_metrics_interval < Duration::from_millis(1) {
@@ -312,6 +328,7 @@ fn main() -> anyhow::Result<()> {
                 model_rewrites_file: args.model_rewrites_file,
                 cluster: args.cluster.options(args.bind),
                 disable_subset_filter: args.disable_endpoint_subset_filter,
+                admin_token_file: args.admin_token_file,
             };
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
@@ -362,6 +379,7 @@ fn options_for_validation(
         model_rewrites_file: None,
         cluster: None,
         disable_subset_filter: false,
+        admin_token_file: None,
     }
 }
 
@@ -383,7 +401,7 @@ async fn wait_for_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-async fn cluster_cmd(admin: &str, op: ClusterCmd) -> anyhow::Result<()> {
+async fn cluster_cmd(admin: &str, token: Option<&str>, op: ClusterCmd) -> anyhow::Result<()> {
     let base = admin.trim_end_matches('/');
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
@@ -408,11 +426,17 @@ async fn cluster_cmd(admin: &str, op: ClusterCmd) -> anyhow::Result<()> {
         ),
     };
     let url = format!("{base}/{path}");
-    let resp = match body {
-        None => client.get(&url).send().await,
-        Some(b) => client.post(&url).json(&b).send().await,
+    let mut req = match body {
+        None => client.get(&url),
+        Some(b) => client.post(&url).json(&b),
+    };
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
     }
-    .with_context(|| format!("contacting {url}"))?;
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("contacting {url}"))?;
     let status = resp.status();
     let text = resp.text().await?;
     if !status.is_success() {

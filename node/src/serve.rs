@@ -56,6 +56,9 @@ pub struct ServeOptions {
     pub cluster: Option<ClusterOptions>,
     /// Ignore the proxy's subset hint (`--disable-endpoint-subset-filter`).
     pub disable_subset_filter: bool,
+    /// Bearer token for mutating admin calls and unredacted `/debug` views; `None`: only
+    /// callers on localhost are authorized (see `admin`).
+    pub admin_token_file: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -208,6 +211,9 @@ pub async fn serve(
         },
     };
 
+    if let Some(path) = &opts.admin_token_file {
+        crate::admin::read_token(path).map_err(ServeError::Server)?;
+    }
     let grpc = bind("ext_proc gRPC", opts.grpc_addr).await?;
     let health = bind("gRPC health", opts.health_addr).await?;
     let admin = bind("admin HTTP", opts.admin_addr).await?;
@@ -314,6 +320,7 @@ pub async fn serve(
         let state = Arc::new(Admin {
             ctx: ctx.clone(),
             cluster: cluster.clone(),
+            token_file: opts.admin_token_file.clone(),
         });
         let stop = stop.clone();
         async move {
