@@ -125,3 +125,42 @@ pub fn observed_response(route: &str, body: &[u8]) -> Vec<ProcessingRequest> {
         })),
     ]
 }
+
+/// An ext_proc client of `epp serve`.
+pub type Client = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient<
+    tonic::transport::Channel,
+>;
+
+/// Route one chat request `body` carrying `x-request-id: request_id` and read the answer to its
+/// end; the route info the EPP set (what the observing filter needs to settle it).
+pub async fn route(client: &mut Client, body: &[u8], request_id: &str) -> anyhow::Result<String> {
+    let msgs = chat_request_with(body, &[("x-request-id", request_id)], None);
+    let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
+    let mut route = None;
+    while let Some(msg) = responses.message().await? {
+        if let Some(Resp::ImmediateResponse(i)) = &msg.response {
+            anyhow::bail!("refused: {:?}", i.status);
+        }
+        route = route.or_else(|| route_info(&msg));
+    }
+    route.ok_or_else(|| anyhow::anyhow!("not routed"))
+}
+
+/// The observing filter reports the end of the response routed with route info `route` (and,
+/// when given, the client's `x-request-id`).
+pub async fn observe(
+    client: &mut Client,
+    route: &str,
+    request_id: Option<&str>,
+) -> anyhow::Result<()> {
+    let mut msgs = observed_response(route, br#"{"choices":[]}"#);
+    if let (Some(id), Some(Req::RequestHeaders(h))) = (request_id, msgs[0].request.as_mut()) {
+        h.headers
+            .get_or_insert_default()
+            .headers
+            .push(header("x-request-id", id));
+    }
+    let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
+    while responses.message().await?.is_some() {}
+    Ok(())
+}

@@ -9,29 +9,23 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use chaos::epp::EppProcess;
-use chaos::extproc::{chat_request_with, header, observed_response, route_info};
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
+use chaos::extproc;
 use sim::{Sim, SimConfig};
 
-/// Route one chat request with these headers; the route info the EPP set.
-async fn route(addr: SocketAddr, request_id: &str) -> String {
-    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    let body =
-        br#"{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#;
-    let msgs = chat_request_with(body, &[("x-request-id", request_id)], None);
-    let mut responses = client
-        .process(tokio_stream::iter(msgs))
+const BODY: &[u8] =
+    br#"{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#;
+
+async fn client(addr: SocketAddr) -> extproc::Client {
+    extproc::Client::connect(format!("http://{addr}"))
         .await
         .unwrap()
-        .into_inner();
-    let mut info = None;
-    while let Some(msg) = responses.message().await.unwrap() {
-        info = info.or_else(|| route_info(&msg));
-    }
-    info.expect("routed, with route info")
+}
+
+/// Route one chat request with this `x-request-id`; the route info the EPP set.
+async fn route(addr: SocketAddr, request_id: &str) -> String {
+    extproc::route(&mut client(addr).await, BODY, request_id)
+        .await
+        .unwrap()
 }
 
 /// The observing filter reports the end of the response routed with `info`.
@@ -41,20 +35,9 @@ async fn observe(addr: SocketAddr, info: &str) {
 
 /// [`observe`], the request also carrying the client's `x-request-id`.
 async fn observe_as(addr: SocketAddr, info: &str, request_id: Option<&str>) {
-    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
+    extproc::observe(&mut client(addr).await, info, request_id)
         .await
         .unwrap();
-    let mut msgs = observed_response(info, br#"{"choices":[]}"#);
-    if let (Some(id), Some(Req::RequestHeaders(h))) = (request_id, msgs[0].request.as_mut()) {
-        let map = h.headers.get_or_insert_default();
-        map.headers.push(header("x-request-id", id));
-    }
-    let mut responses = client
-        .process(tokio_stream::iter(msgs))
-        .await
-        .unwrap()
-        .into_inner();
-    while responses.message().await.unwrap().is_some() {}
 }
 
 async fn get_json(epp: &EppProcess, path: &str) -> serde_json::Value {

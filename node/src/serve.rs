@@ -20,6 +20,7 @@ use tonic_health::ServingStatus;
 use crate::admin::Admin;
 use crate::cluster::gate::{GlobalGate, GlobalGateOptions};
 use crate::cluster::gossip::Gossip;
+use crate::cluster::settle::SettleRelay;
 use crate::cluster::{ClusterMember, ClusterOptions};
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 use crate::datalayer::Datastore;
@@ -247,6 +248,19 @@ pub async fn serve(
             metrics.clone(),
         )
     });
+    // Cluster mode without cluster-wide flow control: responses observed here for requests
+    // charged on another replica are relayed to it (see `cluster::settle`).
+    let relay = match &opts.cluster {
+        Some(c) if global_gate.is_none() && (built.inflight.is_some() || flow_gate.is_some()) => {
+            Some(SettleRelay::new(
+                c.node_id,
+                built.inflight.clone(),
+                gate.clone(),
+                metrics.clone(),
+            ))
+        }
+        _ => None,
+    };
     let cluster = match (peer, &opts.cluster) {
         (Some(listener), Some(c)) => {
             let mut routes = tonic::service::Routes::default();
@@ -254,6 +268,9 @@ pub async fn serve(
                 routes = routes
                     .add_service(g.service())
                     .add_service(g.sample_service());
+            }
+            if let Some(r) = &relay {
+                routes = routes.add_service(r.service());
             }
             Some(Arc::new(
                 ClusterMember::start(c.clone(), listener, routes)
@@ -276,6 +293,7 @@ pub async fn serve(
         objectives,
         subset_filter: !opts.disable_subset_filter,
         rewrites,
+        relay: relay.as_ref().map(|r| r.sender()),
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();
@@ -372,6 +390,13 @@ pub async fn serve(
             }
             // Keep the task set's "a server stopped" check quiet: idle until shutdown.
             stop.cancelled().await;
+            Ok(())
+        });
+    }
+    if let (Some(r), Some(member)) = (relay, cluster.clone()) {
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            r.run(member, stop).await;
             Ok(())
         });
     }

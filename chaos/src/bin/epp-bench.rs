@@ -442,19 +442,8 @@ async fn route(
     rid: &str,
 ) -> anyhow::Result<(f64, String)> {
     let t = Instant::now();
-    let msgs = chaos::extproc::chat_request_with(body, &[("x-request-id", rid)], None);
-    let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
-    let mut route = None;
-    while let Some(msg) = responses.message().await? {
-        if let Some(Resp::ImmediateResponse(i)) = &msg.response {
-            bail!("refused: {:?}", i.status);
-        }
-        route = route.or_else(|| chaos::extproc::route_info(&msg));
-    }
-    let Some(route) = route else {
-        bail!("not routed");
-    };
-    Ok((t.elapsed().as_secs_f64() * 1e3, route))
+    let info = chaos::extproc::route(client, body, rid).await?;
+    Ok((t.elapsed().as_secs_f64() * 1e3, info))
 }
 
 /// The response of the request routed with `route` ended, as the response-observing filter
@@ -463,10 +452,7 @@ async fn settle(
     client: &mut ExternalProcessorClient<tonic::transport::Channel>,
     route: &str,
 ) -> anyhow::Result<()> {
-    let msgs = chaos::extproc::observed_response(route, br#"{"choices":[]}"#);
-    let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
-    while responses.message().await?.is_some() {}
-    Ok(())
+    chaos::extproc::observe(client, route, None).await
 }
 
 /// (bucket upper bound, cumulative count) of a Prometheus histogram summed over replicas.

@@ -8,6 +8,8 @@
 //! - [`gossip`]: the peer exchange — prefix-index deltas and anti-entropy (the prefix producer
 //!   hands its deltas to the gossip outbox through [`crate::scheduling::prefix::DeltaSink`]),
 //!   and the scrape fan-out of sharded collection;
+//! - [`settle`]: settlements of requests observed here but routed (and charged) elsewhere,
+//!   relayed to the peers when flow control is not cluster-wide;
 //! - [`options`]: the flags of cluster mode.
 //!
 //! Nothing here is on a request's way unless the gate is: routing reads only local state, which
@@ -17,6 +19,7 @@ pub mod gate;
 pub mod gossip;
 pub mod member;
 pub mod options;
+pub mod settle;
 
 pub use member::ClusterMember;
 pub use options::{ClusterOptions, GossipOptions, PartitionMode, parse_peers, parse_routes};

@@ -114,9 +114,13 @@ impl State {
         }
     }
 
-    fn finish(&mut self, request_id: &str) {
-        if let Some(e) = self.by_request.remove(request_id) {
-            self.credit(&e);
+    fn finish(&mut self, request_id: &str) -> bool {
+        match self.by_request.remove(request_id) {
+            Some(e) => {
+                self.credit(&e);
+                true
+            }
+            None => false,
         }
     }
 }
@@ -205,9 +209,9 @@ impl InflightTracker {
         st.by_request.insert(request_id.to_string(), e);
     }
 
-    /// The response ended (or the request was abandoned).
-    pub fn finish(&self, request_id: &str) {
-        self.lock().finish(request_id);
+    /// The response ended (or the request was abandoned); false if this replica did not hold it.
+    pub fn finish(&self, request_id: &str) -> bool {
+        self.lock().finish(request_id)
     }
 
     /// Drop entries older than `max_age` whose response was never seen; returns how many.

@@ -30,4 +30,7 @@ pub struct PickerContext {
     pub subset_filter: bool,
     /// `InferenceModelRewrite` rules (`--model-rewrites-file`).
     pub rewrites: ModelRewrites,
+    /// Cluster mode without cluster-wide flow control: where the settlements of requests this
+    /// replica observed but did not hold go (the peers; `cluster::settle`).
+    pub relay: Option<tokio::sync::mpsc::Sender<(String, Option<u64>)>>,
 }

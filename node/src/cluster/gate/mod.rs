@@ -454,8 +454,9 @@ impl Gate for GlobalGate {
         GlobalGate::routed(self, ticket, pod);
     }
 
-    fn complete(&self, request_id: &str, actual_tokens: Option<u64>) {
+    fn complete(&self, request_id: &str, actual_tokens: Option<u64>) -> bool {
         GlobalGate::complete(self, request_id, actual_tokens);
+        true // the replicated ledger settles it, whichever replica admitted it
     }
 
     fn not_ready(&self) -> Option<&'static str> {

@@ -186,12 +186,22 @@ impl StreamState {
             if self.key.is_empty() {
                 return; // nothing of ours to settle
             }
-            if let Some(t) = &self.ctx.inflight {
-                t.finish(&self.key);
+            let tokens = usage.map(|u| u.input + u.output);
+            let held = self
+                .ctx
+                .inflight
+                .as_ref()
+                .is_some_and(|t| t.finish(&self.key));
+            let slot = self.ctx.gate.complete(&self.key, tokens);
+            if !held
+                && !slot
+                && let Some(relay) = &self.ctx.relay
+            {
+                // Routed (and charged) by another replica: tell the peers.
+                if relay.try_send((self.key.clone(), tokens)).is_err() {
+                    self.ctx.metrics.gossip.dropped_batch();
+                }
             }
-            self.ctx
-                .gate
-                .complete(&self.key, usage.map(|u| u.input + u.output));
         }
     }
 

@@ -123,16 +123,17 @@ impl FlowGate {
         Pending::queued(self.clone(), id, rx)
     }
 
-    /// The response of `request_id` ended: free its slot.
-    pub fn complete(&self, request_id: &str, actual_tokens: Option<u64>) {
+    /// The response of `request_id` ended: free its slot. False if this replica did not hold it.
+    pub fn complete(&self, request_id: &str, actual_tokens: Option<u64>) -> bool {
         let now = self.now();
         let mut st = self.lock();
         let id = match st.by_request_id.get_mut(request_id) {
             Some(ids) if !ids.is_empty() => ids.remove(0),
-            _ => return,
+            _ => return false,
         };
         self.forget_running(&mut st, id);
         self.apply(&mut st, now, Command::Complete { id, actual_tokens });
+        true
     }
 
     /// A dispatched request that will never reach a model server (e.g. scheduling failed).
@@ -380,8 +381,8 @@ impl Gate for FlowGate {
         FlowGate::release(self, ticket);
     }
 
-    fn complete(&self, request_id: &str, actual_tokens: Option<u64>) {
-        FlowGate::complete(self, request_id, actual_tokens);
+    fn complete(&self, request_id: &str, actual_tokens: Option<u64>) -> bool {
+        FlowGate::complete(self, request_id, actual_tokens)
     }
 
     fn evicts(&self) -> bool {

@@ -57,8 +57,11 @@ pub trait Gate: Send + Sync + std::fmt::Debug {
     /// The pod an admitted request was routed to (the cluster ledger's per-pod load).
     fn routed(&self, _ticket: Ticket, _pod: &str) {}
 
-    /// The response of `request_id` ended (observed here, whichever replica admitted it).
-    fn complete(&self, _request_id: &str, _actual_tokens: Option<u64>) {}
+    /// The response of `request_id` ended (observed here, whichever replica admitted it). True
+    /// when the gate accounted for it: it held the request, or it settles cluster-wide.
+    fn complete(&self, _request_id: &str, _actual_tokens: Option<u64>) -> bool {
+        false
+    }
 
     /// Whether flow control may evict in-flight sheddable requests (`enableEviction`).
     fn evicts(&self) -> bool {

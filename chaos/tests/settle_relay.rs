@@ -1,0 +1,136 @@
+//! Settlement across replicas without cluster-wide flow control (over the real ext_proc protocol,
+//! a synthetic Envoy against a two-replica cluster): a request routed by replica 1 whose response
+//! replica 2 observes is released on replica 1 — its in-flight charge, and with
+//! `--flow-control-scope replica` its flow-control slot — instead of lingering until the sweep.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use chaos::extproc;
+use chaos::raft::RaftCluster;
+use sim::{Sim, SimConfig};
+
+const BODY: &[u8] =
+    br#"{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#;
+
+async fn client(c: &RaftCluster, id: u64) -> extproc::Client {
+    let addr = c.replica(id).unwrap().addrs.ext_proc;
+    extproc::Client::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+}
+
+async fn get_json(c: &RaftCluster, id: u64, path: &str) -> serde_json::Value {
+    let admin = c.replica(id).unwrap().addrs.admin;
+    reqwest::get(format!("http://{admin}{path}"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+async fn cluster(sim: &Sim, dir: &std::path::Path, extra: &[&str]) -> RaftCluster {
+    let endpoints = dir.join("endpoints.yaml");
+    std::fs::write(&endpoints, sim.pods_yaml()).unwrap();
+    let c = RaftCluster::start_with(2, &endpoints, extra).await.unwrap();
+    chaos::wait::until("a leader", Duration::from_secs(15), || async {
+        c.agreed_leader(&[1, 2]).await.is_some()
+    })
+    .await
+    .unwrap();
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_observed_elsewhere_releases_the_routing_replicas_charge() {
+    let sim = Sim::start(SimConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(&sim, dir.path(), &[]).await;
+    let info = extproc::route(&mut client(&c, 1).await, BODY, "r")
+        .await
+        .unwrap();
+    let tracked = |id| {
+        let c = &c;
+        async move { get_json(c, id, "/debug/inflight").await["tracked_requests"].clone() }
+    };
+    assert_eq!(tracked(1).await, 1);
+    extproc::observe(&mut client(&c, 2).await, &info, None)
+        .await
+        .unwrap();
+    chaos::wait::until("replica 1 released it", Duration::from_secs(5), || async {
+        tracked(1).await == 0
+    })
+    .await
+    .unwrap();
+    assert_eq!(tracked(2).await, 0);
+    c.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_scope_slot_is_freed_by_another_replicas_observation() {
+    let sim = Sim::start(SimConfig {
+        pods: 1,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: cost-model-scorer
+- name: slots
+  type: concurrency-detector
+  parameters: {maxConcurrency: 1}
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: cost-model-scorer}
+flowControl:
+  defaultRequestTTL: 30s
+  saturationDetector: {pluginRef: slots}
+";
+    let c = cluster(
+        &sim,
+        dir.path(),
+        &["--config-text", config, "--flow-control-scope", "replica"],
+    )
+    .await;
+    let first = extproc::route(&mut client(&c, 1).await, BODY, "first")
+        .await
+        .unwrap();
+    // The second request on replica 1 waits for the one slot.
+    let mut c1 = client(&c, 1).await;
+    let second = tokio::spawn(async move { extproc::route(&mut c1, BODY, "second").await });
+    chaos::wait::until(
+        "the second request queued",
+        Duration::from_secs(10),
+        || async { get_json(&c, 1, "/debug/flow").await["queued"] == 1 },
+    )
+    .await
+    .unwrap();
+    // Replica 2 sees the first response end: replica 1's slot frees, the second goes.
+    extproc::observe(&mut client(&c, 2).await, &first, None)
+        .await
+        .unwrap();
+    let info = tokio::time::timeout(Duration::from_secs(10), second)
+        .await
+        .expect("dispatched once replica 2 observed the first response")
+        .unwrap()
+        .unwrap();
+    extproc::observe(&mut client(&c, 2).await, &info, None)
+        .await
+        .unwrap();
+    chaos::wait::until("replica 1 idle", Duration::from_secs(5), || async {
+        let f = get_json(&c, 1, "/debug/flow").await;
+        f["queued"] == 0 && f["inflight"] == 0
+    })
+    .await
+    .unwrap();
+    c.shutdown().await;
+    sim.shutdown().await;
+}
