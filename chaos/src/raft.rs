@@ -30,6 +30,8 @@ pub struct RaftCluster {
     voters: Vec<u64>,
     /// Extra flags for every replica.
     extra: Vec<String>,
+    /// Extra flags for one replica (e.g. a clock offset), after the common ones.
+    own: BTreeMap<u64, Vec<String>>,
     /// Replicas started with `--join` (restarted the same way: their data holds the membership).
     joiners: Vec<u64>,
 }
@@ -54,7 +56,21 @@ impl RaftCluster {
         endpoints_file: &Path,
         extra: &[&str],
     ) -> anyhow::Result<RaftCluster> {
+        Self::start_with_each(n, endpoints_file, extra, &[]).await
+    }
+
+    /// [`RaftCluster::start_with`], and per replica id its own further flags.
+    pub async fn start_with_each(
+        n: u64,
+        endpoints_file: &Path,
+        extra: &[&str],
+        own: &[(u64, &[&str])],
+    ) -> anyhow::Result<RaftCluster> {
         let mut c = RaftCluster {
+            own: own
+                .iter()
+                .map(|(id, a)| (*id, a.iter().map(|s| s.to_string()).collect()))
+                .collect(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
             replicas: BTreeMap::new(),
             public: BTreeMap::new(),
@@ -155,6 +171,7 @@ impl RaftCluster {
             args.push(routes);
         }
         args.extend(self.extra.iter().cloned());
+        args.extend(self.own.get(&id).into_iter().flatten().cloned());
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let p = EppProcess::start(&self.endpoints_file, &refs)
             .await

@@ -25,6 +25,7 @@
 //! - [`node`]: [`ConsensusNode`], the handle the rest of the system uses.
 //! - [`testkit`]: a small append-log state machine for tests and benchmarks.
 
+pub mod clock;
 pub mod codec;
 pub mod config;
 pub mod error;

@@ -313,7 +313,7 @@ impl<S: StateMachine> Inner<S> {
     /// Leader side of a write: appends the batch if this node leads.
     pub(crate) async fn local_write(&self, batch: Batch<S::Command>) -> WriteReply<S::Output> {
         self.raft
-            .client_write(batch)
+            .client_write(batch.stamped())
             .await
             .map(|resp| resp.data.outputs)
             .map_err(RemoteError::from_raft)
@@ -510,14 +510,14 @@ async fn run_batcher<S: StateMachine>(inner: Arc<Inner<S>>, mut rx: mpsc::Receiv
             waiters.push((p.commands.len(), p.reply));
             commands.extend(p.commands);
         }
-        let batch = Batch { commands };
+        let batch = Batch::new(commands);
         // On the leader, submit here, in order, so entries keep the proposal order; the
         // spawned task only waits for the commit.
         let submitted = if inner.is_leader() {
             Some(
                 inner
                     .raft
-                    .client_write_ff(batch.clone())
+                    .client_write_ff(batch.clone().stamped())
                     .await
                     .map_err(|e| ConsensusError::Stopped {
                         reason: e.to_string(),

@@ -22,6 +22,11 @@ pub trait StateMachine: Default + Serialize + DeserializeOwned + Send + Sync + '
 
     /// Applies one committed command and returns its output.
     fn apply(&mut self, cmd: Self::Command) -> Self::Output;
+
+    /// Before an entry's commands: the time its leader stamped it with as it appended it
+    /// (µs since the UNIX epoch on the leader's clock; see [`Batch::stamp_us`]). The same on every
+    /// replica, so a state may take its time from it instead of from its proposers' clocks.
+    fn stamp(&mut self, _stamp_us: u64) {}
 }
 
 /// The application payload of one Raft log entry: proposals that arrived together are coalesced
@@ -30,6 +35,25 @@ pub trait StateMachine: Default + Serialize + DeserializeOwned + Send + Sync + '
 pub struct Batch<C> {
     /// Commands in proposal order.
     pub commands: Vec<C>,
+    /// The leader's wall clock when it appended the entry (µs since the UNIX epoch; 0 in entries
+    /// written before stamps existed). Set by the leader, whatever the proposer sent.
+    #[serde(default)]
+    pub stamp_us: u64,
+}
+
+impl<C> Batch<C> {
+    pub fn new(commands: Vec<C>) -> Batch<C> {
+        Batch {
+            commands,
+            stamp_us: 0,
+        }
+    }
+
+    /// Stamped by the leader appending it now.
+    pub(crate) fn stamped(mut self) -> Batch<C> {
+        self.stamp_us = crate::clock::now_us();
+        self
+    }
 }
 
 /// The response to one log entry: one output per command of the [`Batch`], in the same order.

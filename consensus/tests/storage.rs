@@ -54,9 +54,7 @@ fn log_id(term: u64, index: u64) -> LogId<u64> {
 fn normal(term: u64, index: u64, value: &str) -> Entry<C> {
     Entry {
         log_id: log_id(term, index),
-        payload: EntryPayload::Normal(Batch {
-            commands: vec![LogCommand::append(value)],
-        }),
+        payload: EntryPayload::Normal(Batch::new(vec![LogCommand::append(value)])),
     }
 }
 

@@ -4,7 +4,9 @@
 //! Every replica proposes a [`ClusterCommand::Heartbeat`] through the consensus log every few
 //! hundred milliseconds; a replica whose last heartbeat is older than the lease TTL is dead to
 //! everyone, at the same log position, and the flow state returns what it held. Like the rest of
-//! `flowctl` it is pure: time comes in the commands, and every replica computes the same state.
+//! `flowctl` it is pure: time comes with the log — each entry's leader stamp
+//! ([`ClusterState::stamp`]), or the commands' proposer times in a log without stamps — and every
+//! replica computes the same state. Members' clocks need not agree.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -33,7 +35,7 @@ pub struct Member {
 /// Commands of the cluster state machine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ClusterCommand {
-    /// `node` is alive at `now_ms` (the proposer's wall clock).
+    /// `node` is alive (`now_ms`: the proposer's wall clock, used only without leader stamps).
     Heartbeat {
         node: MemberId,
         now_ms: u64,
@@ -56,7 +58,8 @@ pub enum ClusterCommand {
         now_us: u64,
         cmds: Vec<FlowCmd>,
     },
-    /// The pool's endpoint metrics (sample times in wall-clock ns), proposed by the leader, and
+    /// The pool's endpoint metrics (sample times in the proposer's wall-clock ns, at its `now_us`:
+    /// what counts is their age), proposed by the leader, and
     /// the requests each pod reports running or waiting (for [`GlobalFlow::reconcile`]).
     ObservePool {
         now_us: u64,
@@ -100,8 +103,14 @@ pub enum ClusterOutput {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ClusterState {
     members: BTreeMap<MemberId, Member>,
-    /// Highest `now_ms` seen in any command: the state's notion of "now" (monotone).
+    /// The state's notion of "now" (monotone): the log clock once entries carry their leader's
+    /// stamp, else the highest proposer time seen.
     now_ms: u64,
+    /// The log clock (µs): the highest leader stamp of the entries applied so far; 0 before the
+    /// first stamped entry. Once set, proposers' clocks are not read: leases, flow time and
+    /// sample ages do not depend on members' clocks agreeing.
+    #[serde(default)]
+    clock_us: u64,
     #[serde(default)]
     flow: Option<GlobalFlow>,
     #[serde(default)]
@@ -109,6 +118,20 @@ pub struct ClusterState {
 }
 
 impl ClusterState {
+    /// The leader's stamp of the entry whose commands follow.
+    pub fn stamp(&mut self, stamp_us: u64) {
+        self.clock_us = self.clock_us.max(stamp_us);
+    }
+
+    /// A command's time (µs): the log clock when entries are stamped, else the proposer's.
+    fn time_us(&self, proposer_us: u64) -> u64 {
+        if self.clock_us > 0 {
+            self.clock_us
+        } else {
+            proposer_us
+        }
+    }
+
     pub fn apply(&mut self, cmd: ClusterCommand) -> ClusterOutput {
         let heartbeat = match &cmd {
             ClusterCommand::Heartbeat {
@@ -142,12 +165,12 @@ impl ClusterState {
             return;
         };
         let now = match cmd {
-            ClusterCommand::Heartbeat { now_ms, .. } => *now_ms,
+            ClusterCommand::Heartbeat { now_ms, .. } => self.time_us(now_ms.saturating_mul(1000)),
             ClusterCommand::Flow { now_us, .. } | ClusterCommand::ObservePool { now_us, .. } => {
-                now_us / 1000
+                self.time_us(*now_us)
             }
             _ => return,
-        };
+        } / 1000;
         let period = lease / 3;
         let gap = now.saturating_sub(self.now_ms);
         if self.now_ms > 0 && gap > period {
@@ -202,6 +225,7 @@ impl ClusterState {
                 now_us,
                 cmds,
             } => {
+                let now_us = self.time_us(now_us);
                 self.now_ms = self.now_ms.max(now_us / 1000);
                 let Some(flow) = self.flow.as_mut() else {
                     return ClusterOutput::NoFlow;
@@ -209,14 +233,25 @@ impl ClusterState {
                 ClusterOutput::Flow(flow.apply_batch(now_us, node, incarnation, cmds))
             }
             ClusterCommand::ObservePool {
-                now_us,
-                endpoints,
+                now_us: proposed_us,
+                mut endpoints,
                 observed,
             } => {
+                let now_us = self.time_us(proposed_us);
                 self.now_ms = self.now_ms.max(now_us / 1000);
                 let Some(flow) = self.flow.as_mut() else {
                     return ClusterOutput::NoFlow;
                 };
+                // Sample times are on the proposer's clock: keep their age, on the log clock.
+                let (at, now) = (
+                    proposed_us.saturating_mul(1000),
+                    now_us.saturating_mul(1000),
+                );
+                for e in &mut endpoints {
+                    e.sampled_at = e
+                        .sampled_at
+                        .map(|t| now.saturating_sub(at.saturating_sub(t)));
+                }
                 flow.observe_pool(endpoints);
                 flow.reconcile(now_us, &observed);
                 ClusterOutput::Configured(true)
@@ -228,6 +263,7 @@ impl ClusterState {
                 admin,
                 started_ms,
             } => {
+                let now_ms = self.time_us(now_ms.saturating_mul(1000)) / 1000;
                 self.now_ms = self.now_ms.max(now_ms);
                 match self.members.get_mut(&node) {
                     Some(m) if m.started_ms == started_ms => {
@@ -315,6 +351,60 @@ mod tests {
             admin: String::new(),
             started_ms,
         }
+    }
+
+    /// Three members heartbeating every 100 ms for 5 s, member 2's clock 2 s behind and member
+    /// 3's 2 s ahead; who is live at the end with a 1.5 s lease, when entries carry the leader's
+    /// stamp (`stamped`) or not.
+    fn live_after_skewed_heartbeats(stamped: bool) -> Vec<MemberId> {
+        let mut s = ClusterState::default();
+        let skew = |node: MemberId| match node {
+            2 => -2000i64,
+            3 => 2000,
+            _ => 0,
+        };
+        for tick in 0..50u64 {
+            let real = 1_000_000 + tick * 100;
+            for node in [1, 2, 3] {
+                if stamped {
+                    s.stamp(real * 1000); // the leader's clock, node 1's
+                }
+                let own = real.saturating_add_signed(skew(node));
+                s.apply(hb(node, own, 7));
+            }
+        }
+        s.live(s.now_ms(), 1500).map(|(id, _)| id).collect()
+    }
+
+    #[test]
+    fn skewed_clocks_do_not_end_live_leases_on_the_log_clock() {
+        assert_eq!(live_after_skewed_heartbeats(true), vec![1, 2, 3]);
+        // Proposers' clocks: the one 2 s ahead drags "now" along and the others look dead.
+        assert_eq!(live_after_skewed_heartbeats(false), vec![3]);
+    }
+
+    #[test]
+    fn pool_samples_keep_their_age_on_the_log_clock() {
+        let mut s = ClusterState::default();
+        s.apply(ClusterCommand::ConfigureFlow {
+            config: Box::default(),
+            params: GlobalParams::default(),
+        });
+        // The proposer's clock is 5 s behind the leader's; its sample is 10 ms old.
+        let leader_us = 2_000_000_000;
+        let proposer_us = leader_us - 5_000_000;
+        s.stamp(leader_us);
+        s.apply(ClusterCommand::ObservePool {
+            now_us: proposer_us,
+            endpoints: vec![EndpointSnapshot {
+                sampled_at: Some((proposer_us - 10_000) * 1000),
+                ..EndpointSnapshot::default()
+            }],
+            observed: vec![],
+        });
+        let f = s.flow().unwrap();
+        let sampled = f.controller().pool_samples()[0].sampled_at.unwrap();
+        assert_eq!(sampled, (leader_us - 10_000) * 1000);
     }
 
     #[test]

@@ -25,7 +25,8 @@
 //!   its queued entries are rejected (`rejected-saturated`, retryable) and its reservations return
 //!   to the pool, at the same log position on every replica (invariant I4).
 //!
-//! Time is the largest proposer wall clock seen (µs precision), clamped monotone.
+//! Time is the state's (`ClusterState` passes its log clock — the leaders' stamps — once entries
+//! carry them, else the largest proposer wall clock seen), µs precision, clamped monotone.
 
 use std::collections::{BTreeMap, BTreeSet};
 

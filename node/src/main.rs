@@ -100,6 +100,9 @@ struct ServeArgs {
     /// unredacted `/debug` views; re-read on every call. Without it only localhost is trusted.
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
+    /// Tests only: shift this replica's wall clock by this many milliseconds (clock skew).
+    #[arg(long, hide = true, default_value_t = 0, allow_negative_numbers = true)]
+    clock_offset_ms: i64,
     #[command(flatten)]
     cluster: ClusterArgs,
 }
@@ -311,6 +314,13 @@ fn main() -> anyhow::Result<()> {
         Cmd::Serve(args) => {
             if args.refresh_metrics_interval < Duration::from_millis(1) {
                 anyhow::bail!("--refresh-metrics-interval must be at least 1ms");
+            }
+            if args.clock_offset_ms != 0 {
+                tracing::warn!(
+                    offset_ms = args.clock_offset_ms,
+                    "this replica's wall clock is shifted (--clock-offset-ms: tests only)"
+                );
+                consensus::clock::set_offset_ms(args.clock_offset_ms);
             }
             let opts = ServeOptions {
                 pool_name: args.pool_name,

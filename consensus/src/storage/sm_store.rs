@@ -235,6 +235,9 @@ impl<S: StateMachine> RaftStateMachine<TypeConfig<S>> for StateMachineStore<S> {
             match entry.payload {
                 EntryPayload::Blank => responses.push(BatchOutput::default()),
                 EntryPayload::Normal(batch) => {
+                    if batch.stamp_us > 0 {
+                        applied.state.stamp(batch.stamp_us);
+                    }
                     let outputs = batch
                         .commands
                         .into_iter()

@@ -368,6 +368,14 @@ impl FlowController {
         self.totals
     }
 
+    /// The pool's endpoint samples as last observed (none for a fixed pool).
+    pub fn pool_samples(&self) -> &[EndpointSnapshot] {
+        match &self.pool {
+            Pool::Endpoints(v) => v,
+            Pool::Fixed { .. } => &[],
+        }
+    }
+
     /// Endpoints in the pool as last observed (0 = none: everything waits, then 503).
     pub fn pool_endpoints(&self) -> u64 {
         match &self.pool {

@@ -301,7 +301,11 @@ impl Gossip {
             .shard
             .take()
             .into_iter()
-            .map(|(pod, m, t)| sample_to_pb(pod, m, t))
+            .map(|(pod, m, t)| {
+                let mut s = sample_to_pb(pod, m, t);
+                s.age_us = Some(unix_us().saturating_sub(t));
+                s
+            })
             .collect();
         self.samples.send_replace(Arc::new(pb::SampleBatch {
             from: self.node_id,
@@ -320,7 +324,10 @@ impl Gossip {
             let Some(ep) = by_addr.get(s.pod.as_str()) else {
                 continue; // not (yet) in this replica's endpoint set
             };
-            let age = Duration::from_micros(now_us.saturating_sub(s.scraped_unix_us));
+            let age = Duration::from_micros(
+                s.age_us
+                    .unwrap_or_else(|| now_us.saturating_sub(s.scraped_unix_us)),
+            );
             let Some(scraped_at) = now.checked_sub(age) else {
                 continue;
             };
@@ -774,6 +781,7 @@ fn sample_to_pb(pod: String, m: EndpointMetrics, scraped_unix_us: u64) -> pb::Sa
         active_models: m.active_models,
         waiting_models: m.waiting_models,
         started_ms: m.started_ms,
+        age_us: None,
     }
 }
 

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use consensus::{ConsensusNode, StateMachine};
 use flowctl::cluster::{ClusterCommand, ClusterOutput, ClusterState, Member, MemberId};
@@ -31,6 +31,10 @@ impl StateMachine for Replicated {
 
     fn apply(&mut self, cmd: ClusterCommand) -> ClusterOutput {
         self.0.apply(cmd)
+    }
+
+    fn stamp(&mut self, stamp_us: u64) {
+        self.0.stamp(stamp_us);
     }
 }
 
@@ -55,10 +59,10 @@ impl std::fmt::Debug for ClusterMember {
     }
 }
 
+/// This replica's wall clock (with the test offset): heartbeats carry it, but the replicated
+/// state keeps time by its leaders' stamps (`consensus::clock`).
 fn wall_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    consensus::clock::now_ms()
 }
 
 /// `/debug/cluster`: Raft's view plus the replicated membership leases.
@@ -235,11 +239,12 @@ impl ClusterMember {
 
     pub async fn view(&self) -> ClusterView {
         let raft = self.node.status().await;
-        let now = wall_ms();
         let lease = self.opts.lease_ms();
         let (members, _) = self
             .node
             .local_read(|s| {
+                // Liveness as of the state's own time (its leaders' clocks), not this replica's.
+                let now = s.0.now_ms();
                 s.0.members()
                     .iter()
                     .map(|(id, m)| MemberView {

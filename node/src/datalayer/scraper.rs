@@ -76,11 +76,10 @@ pub async fn scrape_loop(
     }
 }
 
-/// Microseconds since the UNIX epoch: a scrape's time as other replicas understand it.
+/// Microseconds since the UNIX epoch (with the test offset of `consensus::clock`): a scrape's
+/// time, and the prefix index's clock.
 pub fn unix_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
+    consensus::clock::now_us()
 }
 
 async fn fetch(client: &reqwest::Client, url: &str, timeout: Duration) -> Result<String, String> {

@@ -32,7 +32,7 @@ pub mod view;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use flowctl::global::{Ask, FlowCmd, GlobalParams};
 use flowctl::{ControllerConfig, DropReason, FlowKey, Nanos};
@@ -165,10 +165,10 @@ impl std::fmt::Debug for GlobalGate {
     }
 }
 
+/// This replica's wall clock (with the test offset). Proposals carry it; the replicated state
+/// re-times them by its leaders' stamps, so members' clocks need not agree.
 fn wall_us() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
+    consensus::clock::now_us()
 }
 
 impl GlobalGate {

@@ -387,12 +387,13 @@ impl GlobalGate {
         let candidates = self.store.candidates(Instant::now());
         self.capacity
             .check(&self.config.detector, &candidates, &self.metrics);
-        let now_ns = wall_us().saturating_mul(1000);
         let me = self.node_id;
         let (stats, _) = member
             .node
             .local_read(|s| {
                 s.0.flow().map(|f| {
+                    // Saturation as of the state's time (sample ages are kept on its clock).
+                    let now_ns = f.now_us().saturating_mul(1000);
                     let others: HashMap<String, InflightLoad> = f
                         .others_load(me)
                         .into_iter()
