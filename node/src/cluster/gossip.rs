@@ -951,6 +951,50 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 512,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Whatever bytes arrive on the peer port decode to an error or to states that are
+        /// bounded before they touch the index; samples are bounded before they are applied.
+        #[test]
+        fn peer_messages_of_any_bytes(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+            if let Ok(d) = pb::Deltas::decode(bytes.as_slice())
+                && let Ok(states) = from_pb_all(d.pods)
+            {
+                for s in states {
+                    let _ = s.max_ts();
+                }
+            }
+            if let Ok(r) = pb::SyncReply::decode(bytes.as_slice()) {
+                let _ = from_pb_all(r.pods);
+            }
+            if let Ok(b) = pb::SampleBatch::decode(bytes.as_slice()) {
+                for s in b.samples {
+                    let mut m = sample_from_pb(s);
+                    m.sanitize(1_800_000_000_000);
+                    proptest::prop_assert!(m.kv_cache_usage.is_none_or(|v| (0.0..=1.0).contains(&v)));
+                }
+            }
+            let _ = pb::SettleBatch::decode(bytes.as_slice());
+        }
+
+        /// Deltas survive the wire format, whatever their (time-sorted) contents.
+        #[test]
+        fn deltas_round_trip(
+            epoch in proptest::prelude::any::<u64>(),
+            entries in proptest::collection::vec((proptest::prelude::any::<u64>(), proptest::prelude::any::<u64>()), 0..64),
+        ) {
+            let mut st = state("p", epoch, &entries);
+            st.normalize();
+            let mut back = from_pb(to_pb(st.clone())).unwrap();
+            back.normalize();
+            proptest::prop_assert_eq!(back, st);
+        }
+    }
+
     #[test]
     fn chunks_respect_the_entry_bound() {
         let states = vec![
