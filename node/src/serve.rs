@@ -240,13 +240,22 @@ pub async fn serve(
             .prefix_index
             .clone()
             .filter(|_| c.prefix_replication);
-        Gossip::new(
+        let g = Gossip::new(
             c.node_id,
             producer,
             store.clone(),
             c.gossip.clone(),
             metrics.clone(),
-        )
+        );
+        // Without cluster-wide flow control the replicas share their ledgers' load this way.
+        if global_gate.is_none()
+            && let Some(tracker) = &built.inflight
+        {
+            let (feed, view) = inflight::remote_load();
+            tracker.connect_remote(view);
+            g.share_load(tracker.clone(), feed);
+        }
+        g
     });
     // Cluster mode without cluster-wide flow control: responses observed here for requests
     // charged on another replica are relayed to it (see `cluster::settle`).

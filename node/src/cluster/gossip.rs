@@ -23,7 +23,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use index::{PodDigest, PodState};
@@ -35,6 +35,7 @@ use tonic::{Request, Response, Status};
 use super::member::ClusterMember;
 use super::options::GossipOptions;
 use crate::datalayer::EndpointMetrics;
+use crate::datalayer::inflight::{InflightLoad, InflightTracker, RemoteLoadFeed};
 use crate::datalayer::scraper::unix_us;
 use crate::datalayer::store::Datastore;
 use crate::metrics::Metrics;
@@ -63,6 +64,10 @@ const PEER_LIVENESS: Duration = Duration::from_secs(2);
 /// How far beyond this replica's clock a peer's index timestamps and pod incarnations may be.
 /// Generous against clock skew; tight enough that a garbage value cannot pin anything.
 const MAX_PEER_AHEAD: Duration = Duration::from_secs(60);
+
+/// Bounds on a peer's load report for one pod.
+const MAX_POD_REQUESTS: u64 = 1_000_000;
+const MAX_POD_TOKENS: u64 = 1 << 40;
 
 /// Largest gossip message either side sends or accepts.
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -233,6 +238,11 @@ pub struct Gossip {
     samples: tokio::sync::watch::Sender<Arc<pb::SampleBatch>>,
     /// When each peer (node id) was last heard from: the liveness scrape ownership uses.
     heard: Mutex<HashMap<u64, Instant>>,
+    /// Load sharing (no cluster-wide flow control): this replica's ledger, reported with every
+    /// fan-out batch, and the feed where the peers' reports go, summed.
+    load: OnceLock<(Arc<InflightTracker>, RemoteLoadFeed)>,
+    /// Each peer's last load report.
+    peer_load: Mutex<HashMap<u64, (Instant, Vec<pb::PodLoad>)>>,
 }
 
 impl Gossip {
@@ -260,7 +270,39 @@ impl Gossip {
             metrics,
             samples,
             heard: Mutex::new(HashMap::new()),
+            load: OnceLock::new(),
+            peer_load: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Share in-flight load with the peers: report `tracker`'s own load with every fan-out
+    /// batch, and publish the peers' (summed per pod) into `feed`, which the tracker reads.
+    /// For clusters without cluster-wide flow control (its ledger already knows everyone's).
+    pub fn share_load(&self, tracker: Arc<InflightTracker>, feed: RemoteLoadFeed) -> bool {
+        self.load.set((tracker, feed)).is_ok()
+    }
+
+    /// Fold in peer `from`'s load report and publish the live peers' sum.
+    fn peer_load(&self, from: u64, load: Vec<pb::PodLoad>) {
+        let Some((_, feed)) = self.load.get() else {
+            return;
+        };
+        let known = self.store.hostports();
+        let mut reports = self.peer_load.lock().unwrap_or_else(|p| p.into_inner());
+        reports.insert(from, (Instant::now(), load));
+        reports.retain(|_, (at, _)| at.elapsed() < PEER_LIVENESS);
+        let mut sum: HashMap<String, InflightLoad> = HashMap::new();
+        for (_, pods) in reports.values() {
+            for p in pods {
+                if !known.contains(&p.pod) {
+                    continue;
+                }
+                let e = sum.entry(p.pod.clone()).or_default();
+                e.requests = e.requests.saturating_add(p.requests.min(MAX_POD_REQUESTS));
+                e.tokens = e.tokens.saturating_add(p.tokens.min(MAX_POD_TOKENS));
+            }
+        }
+        feed.publish_others(sum);
     }
 
     fn heard_from(&self, node: u64) {
@@ -307,9 +349,20 @@ impl Gossip {
                 s
             })
             .collect();
+        let load = self.load.get().map_or_else(Vec::new, |(t, _)| {
+            t.own_load()
+                .into_iter()
+                .map(|(pod, l)| pb::PodLoad {
+                    pod,
+                    requests: l.requests,
+                    tokens: l.tokens,
+                })
+                .collect()
+        });
         self.samples.send_replace(Arc::new(pb::SampleBatch {
             from: self.node_id,
             samples,
+            load,
         }));
     }
 
@@ -759,9 +812,13 @@ impl SampleFanout for GossipService {
         &self,
         req: Request<pb::SampleBatch>,
     ) -> Result<Response<pb::PushReply>, Status> {
-        let batch = req.into_inner();
+        let mut batch = req.into_inner();
         self.0.heard_from(batch.from);
         let bytes = batch.encoded_len();
+        if batch.from != self.0.node_id {
+            self.0
+                .peer_load(batch.from, std::mem::take(&mut batch.load));
+        }
         let applied = self.0.apply_samples(batch);
         self.0.metrics.gossip.samples_received(bytes, applied);
         Ok(Response::new(pb::PushReply {}))

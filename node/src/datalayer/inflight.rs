@@ -8,7 +8,8 @@
 //! by the EPP's request key (`dataplane::usage::RouteInfo::key`), so the response may be observed on a different ext_proc stream than the one
 //! that routed it. Entries whose response is never seen are dropped by [`InflightTracker::sweep`].
 //!
-//! Cluster mode with cluster-wide flow control: the replicated ledger knows every replica's load.
+//! Cluster mode: the other replicas' load comes from the replicated ledger with cluster-wide flow
+//! control, else from what each replica reports of its own ledger with its scrape fan-out.
 //! The cluster room publishes, through a [`RemoteLoadFeed`], the others' per-endpoint load and
 //! the ids of this replica's requests that were settled elsewhere (their response was observed
 //! by another replica). The tracker reads that feed ([`RemoteLoad`]) — it is the only writer of
@@ -251,6 +252,15 @@ impl InflightTracker {
             .collect()
     }
 
+    /// This replica's own load per endpoint (what it shares with the other replicas).
+    pub fn own_load(&self) -> Vec<(String, InflightLoad)> {
+        self.lock()
+            .per_endpoint
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect()
+    }
+
     pub fn tracked_requests(&self) -> usize {
         self.lock().by_request.len()
     }
@@ -291,7 +301,8 @@ pub struct InflightView {
     pub tracked_requests: usize,
     /// This replica's requests per endpoint (requests, unprefilled tokens).
     pub own: Vec<(String, InflightLoad)>,
-    /// The other replicas' per endpoint, from the replicated ledger.
+    /// The other replicas' per endpoint, from the replicated ledger (cluster-wide flow control)
+    /// or as they report it (the scrape fan-out).
     pub others: Vec<(String, InflightLoad)>,
 }
 

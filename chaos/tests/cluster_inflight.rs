@@ -1,7 +1,8 @@
-//! Settlement across replicas without cluster-wide flow control (over the real ext_proc protocol,
-//! a synthetic Envoy against a two-replica cluster): a request routed by replica 1 whose response
-//! replica 2 observes is released on replica 1 — its in-flight charge, and with
-//! `--flow-control-scope replica` its flow-control slot — instead of lingering until the sweep.
+//! In-flight load across replicas without cluster-wide flow control (over the real ext_proc
+//! protocol, a synthetic Envoy against a two-replica cluster): a request routed by replica 1 whose
+//! response replica 2 observes is released on replica 1 — its in-flight charge, and with
+//! `--flow-control-scope replica` its flow-control slot — instead of lingering until the sweep;
+//! and each replica's scorers see the other's in-flight requests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
@@ -131,6 +132,57 @@ flowControl:
     })
     .await
     .unwrap();
+    c.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_replica_routes_on_the_clusters_in_flight_load() {
+    let sim = Sim::start(SimConfig {
+        pods: 2,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(&sim, dir.path(), &[]).await;
+    // Six requests routed by replica 1 and still running (their responses not observed).
+    let mut c1 = client(&c, 1).await;
+    for i in 0..6 {
+        extproc::route(&mut c1, BODY, &format!("r1-{i}"))
+            .await
+            .unwrap();
+    }
+    let own1 = get_json(&c, 1, "/debug/inflight").await["own"].clone();
+    let per_pod: Vec<u64> = own1
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e[1]["requests"].as_u64().unwrap())
+        .collect();
+    assert_eq!(per_pod.iter().sum::<u64>(), 6, "{own1}");
+    chaos::wait::until(
+        "replica 2 sees replica 1's load",
+        Duration::from_secs(5),
+        || async { get_json(&c, 2, "/debug/inflight").await["others"] == own1 },
+    )
+    .await
+    .unwrap();
+    // Replica 2's own ledger is empty, yet its cost model counts the requests running on the
+    // pod it picks: replica 1's there.
+    let info = extproc::route(&mut client(&c, 2).await, BODY, "r2")
+        .await
+        .unwrap();
+    let running: u64 = info
+        .split(';')
+        .find_map(|kv| kv.strip_prefix("c="))
+        .and_then(|c| c.split(',').nth(4))
+        .and_then(|r| r.parse().ok())
+        .expect("a cost-model prediction in the route info");
+    assert!(
+        running >= 1 && per_pod.contains(&running),
+        "per pod on replica 1: {per_pod:?}; route info {info}"
+    );
     c.shutdown().await;
     sim.shutdown().await;
 }
