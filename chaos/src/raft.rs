@@ -80,6 +80,7 @@ impl RaftCluster {
             voters: (1..=n).collect(),
             joiners: Vec::new(),
         };
+        c.secure_by_default()?;
         for id in 1..=n {
             c.add_proxies(id).await?;
         }
@@ -87,6 +88,41 @@ impl RaftCluster {
             c.spawn(id, false).await?;
         }
         Ok(c)
+    }
+
+    /// Cluster mode requires peer mutual TLS: unless the caller chose its own TLS flags or
+    /// `--peer-insecure`, make a throwaway CA and certificate (`deploy/local/make-test-certs.sh`)
+    /// and give them to every replica.
+    fn secure_by_default(&mut self) -> anyhow::Result<()> {
+        if self
+            .extra
+            .iter()
+            .any(|a| a == "--peer-tls-cert" || a == "--peer-insecure")
+        {
+            return Ok(());
+        }
+        let certs = self.dir.path().join("certs");
+        let script = crate::locate::workspace_root().join("deploy/local/make-test-certs.sh");
+        let out = std::process::Command::new("bash")
+            .arg(&script)
+            .arg(&certs)
+            .output()
+            .with_context(|| format!("running {}", script.display()))?;
+        if !out.status.success() {
+            anyhow::bail!(
+                "making test certificates: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        for (flag, file) in [
+            ("--peer-tls-cert", "node.pem"),
+            ("--peer-tls-key", "node.key"),
+            ("--peer-tls-ca", "ca.pem"),
+        ] {
+            self.extra.push(flag.into());
+            self.extra.push(certs.join(file).display().to_string());
+        }
+        Ok(())
     }
 
     /// Proxies for a new replica `id`: its public address and the links to and from every

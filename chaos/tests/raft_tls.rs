@@ -1,6 +1,7 @@
 //! Three `epp serve` replicas in cluster mode with mutual TLS on the peer port (certificates from
 //! `deploy/local/make-test-certs.sh`): they elect a leader and commit heartbeats, and the peer port
-//! really speaks TLS (an `openssl s_client` handshake with the CA verifies).
+//! really speaks TLS (an `openssl s_client` handshake with the CA verifies) — and refuses a client
+//! without a certificate or with one from another CA.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
@@ -73,5 +74,34 @@ async fn replicas_elect_and_commit_over_mutual_tls() {
         "TLS handshake with the peer port failed:\n{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A client without a certificate, or with one another CA signed, is refused (TLS 1.2, where
+    // the server's refusal ends the handshake itself).
+    let other = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .arg(other.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let q = |f: &str| other.path().join(f).display().to_string();
+    let (other_cert, other_key) = (q("node.pem"), q("node.key"));
+    for client in [None, Some((&other_cert, &other_key))] {
+        let mut cmd = std::process::Command::new("openssl");
+        cmd.args(["s_client", "-connect", &peer, "-CAfile", &ca, "-tls1_2"]);
+        if let Some((cert, key)) = client {
+            cmd.args(["-cert", cert, "-key", key]);
+        }
+        let out = cmd.stdin(std::process::Stdio::null()).output().unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            !out.status.success() && text.contains("alert"),
+            "client {:?} was not refused:\n{text}",
+            client.map(|c| c.0)
+        );
+    }
     c.shutdown().await;
 }

@@ -157,6 +157,11 @@ struct ClusterArgs {
     /// Peer TLS: the name expected in peer certificates (default: the peer address's host).
     #[arg(long, requires = "peer_tls_cert")]
     peer_tls_server_name: Option<String>,
+    /// Run the peer port in plaintext, unauthenticated: anyone who reaches it can join the
+    /// consensus. Cluster mode otherwise requires mutual TLS (--peer-tls-cert, --peer-tls-key,
+    /// --peer-tls-ca).
+    #[arg(long, conflicts_with = "peer_tls_cert")]
+    peer_insecure: bool,
     /// Replicate the approximate prefix index between replicas (`off`: each replica learns only
     /// from the requests it routes, as in llm-d).
     #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
@@ -198,11 +203,27 @@ fn on_off(s: &str) -> Result<bool, String> {
 }
 
 impl ClusterArgs {
-    fn options(self, bind: IpAddr) -> Option<node::cluster::ClusterOptions> {
+    fn options(self, bind: IpAddr) -> anyhow::Result<Option<node::cluster::ClusterOptions>> {
         if self.peers.is_none() && !self.join {
-            return None;
+            return Ok(None);
         }
-        Some(node::cluster::ClusterOptions {
+        match (&self.peer_tls_cert, &self.peer_tls_ca, self.peer_insecure) {
+            (_, _, true) => tracing::warn!(
+                "PEER PORT IN PLAINTEXT, UNAUTHENTICATED (--peer-insecure): anyone who reaches \
+                 it can join the consensus and propose entries; use mutual TLS outside a test"
+            ),
+            (Some(_), Some(_), false) => {}
+            (Some(_), None, false) => anyhow::bail!(
+                "cluster mode authenticates peers: --peer-tls-ca is required with \
+                 --peer-tls-cert (or --peer-insecure, explicitly)"
+            ),
+            (None, _, false) => anyhow::bail!(
+                "cluster mode needs mutual TLS on the peer port: --peer-tls-cert, \
+                 --peer-tls-key and --peer-tls-ca (deploy/local/make-test-certs.sh makes a test \
+                 set), or --peer-insecure to run it in plaintext, unauthenticated"
+            ),
+        }
+        Ok(Some(node::cluster::ClusterOptions {
             node_id: self.node_id,
             peer_addr: SocketAddr::new(bind, self.peer_port),
             advertise: self.advertise_peer,
@@ -233,7 +254,7 @@ impl ClusterArgs {
             flow_credit_slack: self.flow_credit_slack,
             flow_partition: self.flow_partition,
             flow_degraded_wait: self.flow_degraded_wait,
-        })
+        }))
     }
 }
 
@@ -336,7 +357,7 @@ fn main() -> anyhow::Result<()> {
                 drain_timeout: args.drain_timeout,
                 objectives_file: args.objectives_file,
                 model_rewrites_file: args.model_rewrites_file,
-                cluster: args.cluster.options(args.bind),
+                cluster: args.cluster.options(args.bind)?,
                 disable_subset_filter: args.disable_endpoint_subset_filter,
                 admin_token_file: args.admin_token_file,
             };

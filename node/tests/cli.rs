@@ -134,3 +134,38 @@ fn example_configs_validate() {
         "{out}"
     );
 }
+
+/// Cluster mode is secure by default: without mutual TLS on the peer port (or the explicit
+/// `--peer-insecure`) `epp serve` refuses to start, and says what to give it.
+#[test]
+fn cluster_mode_refuses_an_unauthenticated_peer_port() {
+    let dir = std::env::temp_dir().join(format!("epp-cli-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let endpoints = dir.join("endpoints.yaml");
+    std::fs::write(&endpoints, "pods: []\n").unwrap();
+    let ep = endpoints.to_str().unwrap();
+    let base = [
+        "serve",
+        "--bind",
+        "127.0.0.1",
+        "--endpoints-file",
+        ep,
+        "--node-id",
+        "1",
+        "--peers",
+        "1=127.0.0.1:1",
+    ];
+    let (ok, out) = epp(&base);
+    assert!(!ok);
+    assert!(
+        out.contains("mutual TLS") && out.contains("--peer-insecure"),
+        "{out}"
+    );
+    // A certificate without a CA to verify peers with is not mutual.
+    let mut with_cert = base.to_vec();
+    with_cert.extend(["--peer-tls-cert", ep, "--peer-tls-key", ep]);
+    let (ok, out) = epp(&with_cert);
+    assert!(!ok);
+    assert!(out.contains("--peer-tls-ca is required"), "{out}");
+    std::fs::remove_dir_all(&dir).ok();
+}
