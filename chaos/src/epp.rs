@@ -141,7 +141,8 @@ impl EppProcess {
         self.admin_json("/debug/flow").await
     }
 
-    async fn admin_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
+    /// `GET` one of the admin port's JSON views.
+    pub async fn admin_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
         let resp = reqwest::Client::new()
             .get(format!("http://{}{path}", self.addrs.admin))
             .timeout(Duration::from_secs(2))

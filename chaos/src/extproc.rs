@@ -126,6 +126,10 @@ pub fn observed_response(route: &str, body: &[u8]) -> Vec<ProcessingRequest> {
     ]
 }
 
+/// A small chat request body for the simulator's model.
+pub const SMALL_CHAT: &[u8] =
+    br#"{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#;
+
 /// An ext_proc client of `epp serve`.
 pub type Client = envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient<
     tonic::transport::Channel,

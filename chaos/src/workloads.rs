@@ -71,3 +71,27 @@ pub fn objectives_yaml(objectives: &[(&str, i32)]) -> String {
         .collect::<Vec<_>>()
         .join("---\n")
 }
+
+/// An `EndpointPickerConfig` with flow control on: the cost model routes, a concurrency detector
+/// allows `max_concurrency` requests per pod, requests wait up to 30 s.
+pub fn flow_control_config(max_concurrency: u32) -> String {
+    format!(
+        "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- type: cost-model-scorer
+- name: slots
+  type: concurrency-detector
+  parameters: {{maxConcurrency: {max_concurrency}}}
+schedulingProfiles:
+- name: default
+  plugins:
+  - {{pluginRef: cost-model-scorer}}
+flowControl:
+  defaultRequestTTL: 30s
+  saturationDetector: {{pluginRef: slots}}
+"
+    )
+}

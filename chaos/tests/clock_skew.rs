@@ -13,35 +13,10 @@ use chaos::raft::RaftCluster;
 use futures::StreamExt;
 use sim::{Sim, SimConfig};
 
-const BODY: &[u8] =
-    br#"{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#;
-
-const CONFIG: &str = "\
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-featureGates: [flowControl]
-plugins:
-- type: cost-model-scorer
-- name: slots
-  type: concurrency-detector
-  parameters: {maxConcurrency: 4}
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: cost-model-scorer}
-flowControl:
-  defaultRequestTTL: 10s
-  saturationDetector: {pluginRef: slots}
-";
+const BODY: &[u8] = extproc::SMALL_CHAT;
 
 async fn get_json(c: &RaftCluster, id: u64, path: &str) -> serde_json::Value {
-    let admin = c.replica(id).unwrap().addrs.admin;
-    reqwest::get(format!("http://{admin}{path}"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    c.replica(id).unwrap().admin_json(path).await.unwrap()
 }
 
 async fn client(c: &RaftCluster, id: u64) -> extproc::Client {
@@ -62,10 +37,11 @@ async fn skewed_clocks_keep_leases_and_flow_control_working() {
     let dir = tempfile::tempdir().unwrap();
     let endpoints = dir.path().join("endpoints.yaml");
     std::fs::write(&endpoints, sim.pods_yaml()).unwrap();
+    let config = chaos::workloads::flow_control_config(4);
     let c = RaftCluster::start_with_each(
         3,
         &endpoints,
-        &["--config-text", CONFIG],
+        &["--config-text", &config],
         &[
             (2, &["--clock-offset-ms", "-2000"]),
             (3, &["--clock-offset-ms", "2000"]),

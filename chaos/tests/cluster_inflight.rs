@@ -11,8 +11,7 @@ use chaos::extproc;
 use chaos::raft::RaftCluster;
 use sim::{Sim, SimConfig};
 
-const BODY: &[u8] =
-    br#"{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#;
+const BODY: &[u8] = extproc::SMALL_CHAT;
 
 async fn client(c: &RaftCluster, id: u64) -> extproc::Client {
     let addr = c.replica(id).unwrap().addrs.ext_proc;
@@ -22,13 +21,7 @@ async fn client(c: &RaftCluster, id: u64) -> extproc::Client {
 }
 
 async fn get_json(c: &RaftCluster, id: u64, path: &str) -> serde_json::Value {
-    let admin = c.replica(id).unwrap().addrs.admin;
-    reqwest::get(format!("http://{admin}{path}"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    c.replica(id).unwrap().admin_json(path).await.unwrap()
 }
 
 async fn cluster(sim: &Sim, dir: &std::path::Path, extra: &[&str]) -> RaftCluster {
@@ -78,27 +71,11 @@ async fn a_replica_scope_slot_is_freed_by_another_replicas_observation() {
     .await
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let config = "\
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-featureGates: [flowControl]
-plugins:
-- type: cost-model-scorer
-- name: slots
-  type: concurrency-detector
-  parameters: {maxConcurrency: 1}
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: cost-model-scorer}
-flowControl:
-  defaultRequestTTL: 30s
-  saturationDetector: {pluginRef: slots}
-";
+    let config = chaos::workloads::flow_control_config(1);
     let c = cluster(
         &sim,
         dir.path(),
-        &["--config-text", config, "--flow-control-scope", "replica"],
+        &["--config-text", &config, "--flow-control-scope", "replica"],
     )
     .await;
     let first = extproc::route(&mut client(&c, 1).await, BODY, "first")

@@ -12,9 +12,6 @@ use chaos::epp::EppProcess;
 use chaos::extproc;
 use sim::{Sim, SimConfig};
 
-const BODY: &[u8] =
-    br#"{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#;
-
 async fn client(addr: SocketAddr) -> extproc::Client {
     extproc::Client::connect(format!("http://{addr}"))
         .await
@@ -23,7 +20,7 @@ async fn client(addr: SocketAddr) -> extproc::Client {
 
 /// Route one chat request with this `x-request-id`; the route info the EPP set.
 async fn route(addr: SocketAddr, request_id: &str) -> String {
-    extproc::route(&mut client(addr).await, BODY, request_id)
+    extproc::route(&mut client(addr).await, extproc::SMALL_CHAT, request_id)
         .await
         .unwrap()
 }
@@ -41,12 +38,7 @@ async fn observe_as(addr: SocketAddr, info: &str, request_id: Option<&str>) {
 }
 
 async fn get_json(epp: &EppProcess, path: &str) -> serde_json::Value {
-    reqwest::get(format!("http://{}{path}", epp.addrs.admin))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    epp.admin_json(path).await.unwrap()
 }
 
 /// Requests tracked by the in-flight ledger.
@@ -104,24 +96,8 @@ async fn the_ledger_files_requests_under_its_own_keys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reused_request_id_cannot_free_another_requests_slot() {
     let (sim, _dir, endpoints) = pool(1).await;
-    let config = "\
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-featureGates: [flowControl]
-plugins:
-- type: cost-model-scorer
-- name: slots
-  type: concurrency-detector
-  parameters: {maxConcurrency: 1}
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: cost-model-scorer}
-flowControl:
-  defaultRequestTTL: 30s
-  saturationDetector: {pluginRef: slots}
-";
-    let epp = EppProcess::start(&endpoints, &["--config-text", config])
+    let config = chaos::workloads::flow_control_config(1);
+    let epp = EppProcess::start(&endpoints, &["--config-text", &config])
         .await
         .unwrap();
     let addr = epp.addrs.ext_proc;
