@@ -34,8 +34,7 @@ use tonic::{Request, Response, Status};
 
 use super::member::ClusterMember;
 use super::options::GossipOptions;
-use crate::datalayer::EndpointMetrics;
-use crate::datalayer::inflight::{InflightLoad, InflightTracker, RemoteLoadFeed};
+use crate::datalayer::inflight::{InflightTracker, RemoteLoadFeed};
 use crate::datalayer::scraper::unix_us;
 use crate::datalayer::store::Datastore;
 use crate::metrics::Metrics;
@@ -47,10 +46,11 @@ pub mod pb {
     tonic::include_proto!("epp.gossip.v1");
 }
 
+mod fanout;
+
 use pb::prefix_gossip_client::PrefixGossipClient;
 use pb::prefix_gossip_server::{PrefixGossip, PrefixGossipServer};
 use pb::sample_fanout_client::SampleFanoutClient;
-use pb::sample_fanout_server::{SampleFanout, SampleFanoutServer};
 
 /// How often every pod's capacity and incarnation are applied from the scraped metrics.
 const BOUNDS_REFRESH: Duration = Duration::from_millis(100);
@@ -64,10 +64,6 @@ const PEER_LIVENESS: Duration = Duration::from_secs(2);
 /// How far beyond this replica's clock a peer's index timestamps and pod incarnations may be.
 /// Generous against clock skew; tight enough that a garbage value cannot pin anything.
 const MAX_PEER_AHEAD: Duration = Duration::from_secs(60);
-
-/// Bounds on a peer's load report for one pod.
-const MAX_POD_REQUESTS: u64 = 1_000_000;
-const MAX_POD_TOKENS: u64 = 1 << 40;
 
 /// Largest gossip message either side sends or accepts.
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -275,36 +271,6 @@ impl Gossip {
         })
     }
 
-    /// Share in-flight load with the peers: report `tracker`'s own load with every fan-out
-    /// batch, and publish the peers' (summed per pod) into `feed`, which the tracker reads.
-    /// For clusters without cluster-wide flow control (its ledger already knows everyone's).
-    pub fn share_load(&self, tracker: Arc<InflightTracker>, feed: RemoteLoadFeed) -> bool {
-        self.load.set((tracker, feed)).is_ok()
-    }
-
-    /// Fold in peer `from`'s load report and publish the live peers' sum.
-    fn peer_load(&self, from: u64, load: Vec<pb::PodLoad>) {
-        let Some((_, feed)) = self.load.get() else {
-            return;
-        };
-        let known = self.store.hostports();
-        let mut reports = self.peer_load.lock().unwrap_or_else(|p| p.into_inner());
-        reports.insert(from, (Instant::now(), load));
-        reports.retain(|_, (at, _)| at.elapsed() < PEER_LIVENESS);
-        let mut sum: HashMap<String, InflightLoad> = HashMap::new();
-        for (_, pods) in reports.values() {
-            for p in pods {
-                if !known.contains(&p.pod) {
-                    continue;
-                }
-                let e = sum.entry(p.pod.clone()).or_default();
-                e.requests = e.requests.saturating_add(p.requests.min(MAX_POD_REQUESTS));
-                e.tokens = e.tokens.saturating_add(p.tokens.min(MAX_POD_TOKENS));
-            }
-        }
-        feed.publish_others(sum);
-    }
-
     fn heard_from(&self, node: u64) {
         if node != self.node_id {
             let mut h = self.heard.lock().unwrap_or_else(|p| p.into_inner());
@@ -326,73 +292,6 @@ impl Gossip {
             .as_ref()
             .map(|(p, _)| p.as_ref())
             .ok_or_else(|| Status::failed_precondition("prefix replication is off on this replica"))
-    }
-
-    /// The scrape fan-out gRPC service.
-    pub fn sample_service(self: &Arc<Self>) -> SampleFanoutServer<GossipService> {
-        SampleFanoutServer::new(GossipService(self.clone()))
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES)
-    }
-
-    /// Queue this replica's fresh scrapes for the peers — also when there are none: the batch
-    /// is this replica's liveness signal to them.
-    fn publish_samples(&self) {
-        let samples: Vec<pb::Sample> = self
-            .store
-            .shard
-            .take()
-            .into_iter()
-            .map(|(pod, m, t)| {
-                let mut s = sample_to_pb(pod, m, t);
-                s.age_us = Some(unix_us().saturating_sub(t));
-                s
-            })
-            .collect();
-        let load = self.load.get().map_or_else(Vec::new, |(t, _)| {
-            t.own_load()
-                .into_iter()
-                .map(|(pod, l)| pb::PodLoad {
-                    pod,
-                    requests: l.requests,
-                    tokens: l.tokens,
-                })
-                .collect()
-        });
-        self.samples.send_replace(Arc::new(pb::SampleBatch {
-            from: self.node_id,
-            samples,
-            load,
-        }));
-    }
-
-    /// Apply peers' samples that are newer than what this replica holds.
-    fn apply_samples(&self, batch: pb::SampleBatch) -> usize {
-        let endpoints = self.store.endpoints();
-        let by_addr: HashMap<&str, &Arc<crate::datalayer::Endpoint>> =
-            endpoints.iter().map(|e| (e.hostport.as_str(), e)).collect();
-        let (now, now_us) = (Instant::now(), unix_us());
-        let mut applied = 0;
-        for s in batch.samples {
-            let Some(ep) = by_addr.get(s.pod.as_str()) else {
-                continue; // not (yet) in this replica's endpoint set
-            };
-            let age = Duration::from_micros(
-                s.age_us
-                    .unwrap_or_else(|| now_us.saturating_sub(s.scraped_unix_us)),
-            );
-            let Some(scraped_at) = now.checked_sub(age) else {
-                continue;
-            };
-            if ep.sample().is_some_and(|cur| cur.scraped_at >= scraped_at) {
-                continue;
-            }
-            let mut m = sample_from_pb(s);
-            ep.check(&mut m, "peer", &self.metrics);
-            ep.set_metrics(m, scraped_at);
-            applied += 1;
-        }
-        applied
     }
 
     /// The gRPC service to serve on the peer port.
@@ -548,30 +447,6 @@ impl Gossip {
             peers.insert(addr, peer);
         }
         self.metrics.gossip.set_peers(peers.len());
-    }
-
-    /// Sends each new fan-out batch to one peer; a batch superseded while a send was in flight
-    /// is skipped (only the newest samples matter).
-    async fn sample_loop(
-        self: Arc<Self>,
-        mut client: SampleFanoutClient<tonic::transport::Channel>,
-        mut rx: tokio::sync::watch::Receiver<Arc<pb::SampleBatch>>,
-        stop: CancellationToken,
-    ) {
-        loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                changed = rx.changed() => if changed.is_err() { return },
-            }
-            let batch = (*rx.borrow_and_update()).clone();
-            let bytes = batch.encoded_len();
-            let mut req = Request::new((*batch).clone());
-            req.set_timeout(self.opts.rpc_timeout);
-            match tokio::time::timeout(self.opts.rpc_timeout, client.samples(req)).await {
-                Ok(Ok(_)) => self.metrics.gossip.samples_sent(bytes),
-                _ => self.metrics.gossip.push_failed(),
-            }
-        }
     }
 
     fn flush(&self, peers: &BTreeMap<String, Peer>) {
@@ -806,60 +681,11 @@ impl PrefixGossip for GossipService {
     }
 }
 
-#[tonic::async_trait]
-impl SampleFanout for GossipService {
-    async fn samples(
-        &self,
-        req: Request<pb::SampleBatch>,
-    ) -> Result<Response<pb::PushReply>, Status> {
-        let mut batch = req.into_inner();
-        self.0.heard_from(batch.from);
-        let bytes = batch.encoded_len();
-        if batch.from != self.0.node_id {
-            self.0
-                .peer_load(batch.from, std::mem::take(&mut batch.load));
-        }
-        let applied = self.0.apply_samples(batch);
-        self.0.metrics.gossip.samples_received(bytes, applied);
-        Ok(Response::new(pb::PushReply {}))
-    }
-}
-
-fn sample_to_pb(pod: String, m: EndpointMetrics, scraped_unix_us: u64) -> pb::Sample {
-    pb::Sample {
-        pod,
-        scraped_unix_us,
-        waiting_queue_size: m.waiting_queue_size,
-        running_requests: m.running_requests,
-        kv_cache_usage: m.kv_cache_usage,
-        block_size: m.block_size,
-        num_gpu_blocks: m.num_gpu_blocks,
-        max_active_models: m.max_active_models,
-        active_models: m.active_models,
-        waiting_models: m.waiting_models,
-        started_ms: m.started_ms,
-        age_us: None,
-    }
-}
-
-fn sample_from_pb(s: pb::Sample) -> EndpointMetrics {
-    let finite = |v: Option<f64>| v.filter(|x| x.is_finite());
-    EndpointMetrics {
-        waiting_queue_size: finite(s.waiting_queue_size),
-        running_requests: finite(s.running_requests),
-        kv_cache_usage: finite(s.kv_cache_usage).map(|v| v.clamp(0.0, 1.0)),
-        block_size: s.block_size,
-        num_gpu_blocks: s.num_gpu_blocks,
-        max_active_models: s.max_active_models,
-        active_models: s.active_models,
-        waiting_models: s.waiting_models,
-        started_ms: s.started_ms,
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::fanout::{sample_from_pb, sample_to_pb};
     use super::*;
+    use crate::datalayer::EndpointMetrics;
 
     fn state(name: &str, epoch: u64, entries: &[(u64, u64)]) -> PodState {
         PodState {
