@@ -263,7 +263,7 @@ impl GlobalFlow {
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
-            self.reclaim(id);
+            self.reclaim(id, false);
             if let Some(m) = self.members.get_mut(&id) {
                 m.expired = true;
             }
@@ -369,7 +369,18 @@ impl GlobalFlow {
         if m.incarnation != incarnation {
             let old = m.incarnation;
             if old != 0 {
-                self.reclaim(member);
+                self.reclaim(member, true);
+                // Nobody waits for the old life's verdicts, and its sequence numbers come again.
+                let stale: Vec<(u64, MemberId, u64)> = self
+                    .verdict_times
+                    .iter()
+                    .filter(|(_, m, _)| *m == member)
+                    .copied()
+                    .collect();
+                for t in stale {
+                    self.verdict_times.remove(&t);
+                    self.verdicts.remove(&(t.1, t.2));
+                }
             }
             let m = self.members.entry(member).or_default();
             *m = MemberFlow {
@@ -584,7 +595,10 @@ impl GlobalFlow {
         let Some(e) = self.entries.remove(&id) else {
             return;
         };
-        self.by_key.remove(&e.key);
+        // A restarted owner's new request may hold the same key by now.
+        if self.by_key.get(&e.key) == Some(&id) {
+            self.by_key.remove(&e.key);
+        }
         if let Some(ids) = self.by_request.get_mut(&e.request_id) {
             ids.retain(|x| *x != id);
             if ids.is_empty() {
@@ -610,8 +624,14 @@ impl GlobalFlow {
         }
     }
 
-    /// Return everything `member` holds: queued entries are rejected, reservations released.
-    fn reclaim(&mut self, member: MemberId) {
+    /// Return what `member` holds (its lease ended, or `new_life`: it restarted): queued
+    /// entries are rejected and reservations not yet routed released. Routed ones stay: their
+    /// owner's fate does not stop a response already streaming from its pod (Envoy keeps it
+    /// going, I9), so the capacity is still in use; they end when any replica settles them or when
+    /// the pod reports fewer requests than the ledger holds ([`GlobalFlow::reconcile`]). A new
+    /// life numbers its requests from 1 again, so its predecessor's kept entries leave the
+    /// sequence index.
+    fn reclaim(&mut self, member: MemberId, new_life: bool) {
         let ids: Vec<(Key, RequestId)> = self
             .by_key
             .range((member, 0)..=(member, u64::MAX))
@@ -622,6 +642,12 @@ impl GlobalFlow {
             ids.into_iter().partition(|(_, id)| self.fc.is_queued(*id));
         for (key, id) in queued.into_iter().chain(inflight) {
             let was_queued = self.fc.is_queued(id);
+            if !was_queued && self.entries.get(&id).is_some_and(|e| e.pod.is_some()) {
+                if new_life {
+                    self.by_key.remove(&key);
+                }
+                continue;
+            }
             // Cancelling may free capacity: `run` books what it dispatches to others.
             self.run(Command::Cancel { id });
             if was_queued {
@@ -694,8 +720,14 @@ impl GlobalFlow {
 
     // ----- reads -----
 
-    /// The verdict on `key` if it waited in the queue and was decided (kept for a minute).
-    pub fn verdict(&self, key: Key) -> Option<Verdict> {
+    /// The verdict on `key` if it waited in the queue and was decided (kept for a minute), as
+    /// its owner's `incarnation` asks for it: a restarted member numbers its requests from 1
+    /// again, so until the state has seen the new incarnation (which drops the old one's
+    /// verdicts) no verdict is its.
+    pub fn verdict(&self, key: Key, incarnation: u64) -> Option<Verdict> {
+        if self.members.get(&key.0).map(|m| m.incarnation) != Some(incarnation) {
+            return None;
+        }
         self.verdicts.get(&key).copied()
     }
 
@@ -715,6 +747,14 @@ impl GlobalFlow {
 
     pub fn member(&self, member: MemberId) -> Option<&MemberFlow> {
         self.members.get(&member)
+    }
+
+    /// [`GlobalFlow::member`] if the state's incarnation of it is `incarnation` (a restarted
+    /// member must not take its previous life's credit or reported sequence for its own).
+    pub fn member_as(&self, member: MemberId, incarnation: u64) -> Option<&MemberFlow> {
+        self.members
+            .get(&member)
+            .filter(|m| m.incarnation == incarnation)
     }
 
     pub fn members(&self) -> &BTreeMap<MemberId, MemberFlow> {

@@ -118,7 +118,7 @@ impl Cluster {
     }
 
     fn verdict(&self, key: (u64, u64)) -> Option<Verdict> {
-        self.s.flow().unwrap().verdict(key)
+        self.s.flow().unwrap().verdict(key, 7)
     }
 
     fn inflight(&self) -> u64 {
@@ -342,6 +342,62 @@ fn restart_voids_the_old_incarnation_and_retried_batches_are_ignored() {
     assert!(matches!(c.batch_as(1, 8, cmd), ClusterOutput::Flow(r) if r.applied == 1));
     assert_eq!(c.inflight(), 1, "the old incarnation's reservation is gone");
     assert_eq!(c.s.flow().unwrap().reclaimed(), 1);
+}
+
+/// A restarted member numbers its requests from 1 again: the verdicts its previous life got
+/// (kept a minute for late readers) must not answer the new life's requests of the same number.
+/// Found by the randomized chaos suite: a new request took its predecessor's "dispatched" (or the
+/// reclaim's "rejected"), so the real entry, dispatched later, was never routed nor cancelled —
+/// a slot leaked for good, and after a few restarts the pool was full of them.
+#[test]
+fn a_restarted_member_never_reads_its_previous_life_s_verdicts() {
+    let mut c = Cluster::new(
+        &[1, 2],
+        1,
+        1,
+        vec![],
+        GlobalParams {
+            credit_slack: 0,
+            ..GlobalParams::default()
+        },
+    );
+    let enqueue = |seq: u64, rid: &str| FlowCmd::Enqueue {
+        seq,
+        request_id: rid.into(),
+        ask: ask("t", 0),
+    };
+    // Life 7: seq 1 dispatched (the one slot), seq 2 queued behind it.
+    c.batch(1, vec![enqueue(1, "old-1"), enqueue(2, "old-2")]);
+    assert_eq!(c.verdict((1, 1)), Some(Verdict::Dispatched));
+    let flow = |c: &Cluster| c.s.flow().unwrap().clone();
+    // Life 8 has not reached the log yet: nothing is its.
+    assert_eq!(flow(&c).verdict((1, 1), 8), None);
+    assert!(flow(&c).member_as(1, 8).is_none());
+    // Replica 2 takes the slot the reclaim frees; life 8's seq 1 and 2 must wait.
+    c.batch_as(
+        1,
+        8,
+        vec![FlowCmd::Cancel { seq: 0 }], // a batch that only announces the new life
+    );
+    assert_eq!(c.inflight(), 0, "the old life's reservation is reclaimed");
+    c.enqueue(2, "t", 0, "other");
+    c.batch_as(1, 8, vec![enqueue(1, "new-1"), enqueue(2, "new-2")]);
+    let f = flow(&c);
+    assert_eq!(
+        f.verdict((1, 1), 8),
+        None,
+        "new seq 1 is queued, not the old dispatch"
+    );
+    assert_eq!(
+        f.verdict((1, 2), 8),
+        None,
+        "new seq 2 is queued, not the reclaim's refusal"
+    );
+    assert!(f.member_as(1, 8).is_some() && f.member_as(1, 7).is_none());
+    // Once the slot frees, the new seq 1 gets its own verdict.
+    c.settle(2, "other");
+    assert_eq!(flow(&c).verdict((1, 1), 8), Some(Verdict::Dispatched));
+    assert_eq!(flow(&c).verdict((1, 2), 8), None);
 }
 
 #[test]
@@ -666,4 +722,98 @@ fn a_stalled_log_does_not_expire_the_survivors() {
     }
     assert!(c.s.flow().unwrap().member(2).unwrap().expired);
     assert_eq!(c.inflight(), 0);
+}
+
+/// A routed request outlives its owner's lease and its owner's restart: Envoy keeps streaming it
+/// from the pod (I9), so its capacity stays booked (I1) until it is settled — by any replica —
+/// or the pod reports it gone. Found by the randomized chaos suite: with half-second responses,
+/// releasing them when the owner's lease ended let the pods run 27 requests against a bound of
+/// 24. Unrouted reservations and queued entries are still returned at once (I4).
+#[test]
+fn routed_requests_outlive_their_owner_until_settled_or_reconciled() {
+    let mut c = Cluster::new(
+        &[1, 2],
+        3,
+        1,
+        vec![],
+        GlobalParams {
+            credit_slack: 0,
+            lease_ms: 300,
+            ..GlobalParams::default()
+        },
+    );
+    let routed = c.enqueue(1, "t", 0, "routed");
+    let streaming = c.enqueue(1, "t", 0, "streaming");
+    let unrouted = c.enqueue(1, "t", 0, "unrouted");
+    let queued = c.enqueue(1, "t", 0, "queued");
+    for k in [routed, streaming, unrouted] {
+        assert_eq!(c.verdict(k), Some(Verdict::Dispatched));
+    }
+    let route = |seq: u64| FlowCmd::Routed {
+        seq,
+        pod: "p".into(),
+    };
+    c.batch(1, vec![route(routed.1), route(streaming.1)]);
+    // Replica 1 goes silent past its lease.
+    for _ in 0..4 {
+        c.now_ms += 100;
+        c.heartbeat(&[2]);
+    }
+    assert!(c.s.flow().unwrap().member(1).unwrap().expired);
+    assert_eq!(
+        c.verdict(queued),
+        Some(Verdict::Rejected(DropReason::RejectedSaturated))
+    );
+    assert_eq!(c.inflight(), 2, "the two routed requests still run");
+    assert_eq!(c.s.flow().unwrap().reclaimed(), 2);
+    // Replica 2 observed one response end: it settles it.
+    assert!(matches!(c.settle(2, "routed"), ClusterOutput::Flow(r) if r.applied == 1));
+    assert_eq!(c.inflight(), 1);
+    // Replica 1 restarts and numbers from 1 again: its new seq 2 must not touch the old one.
+    let new = |seq: u64, rid: &str| FlowCmd::Enqueue {
+        seq,
+        request_id: rid.into(),
+        ask: ask("t", 0),
+    };
+    let new_life = |c: &mut Cluster| {
+        c.s.apply(ClusterCommand::Heartbeat {
+            node: 1,
+            now_ms: c.now_ms,
+            ext_proc: String::new(),
+            admin: String::new(),
+            started_ms: 8,
+        })
+    };
+    new_life(&mut c);
+    c.batch_as(1, 8, vec![new(1, "new-1"), new(2, "new-2")]);
+    c.batch_as(1, 8, vec![FlowCmd::Cancel { seq: 2 }]);
+    let left: Vec<String> =
+        c.s.flow()
+            .unwrap()
+            .inflight_entries()
+            .map(|(_, r, _)| r.to_string())
+            .collect();
+    assert_eq!(left, vec!["streaming", "new-1"]);
+    // The pod reports none of the old life's: reconciliation returns it.
+    for _ in 0..4 {
+        c.now_ms += 1000;
+        c.heartbeat(&[2]);
+        new_life(&mut c);
+        c.s.apply(ClusterCommand::ObservePool {
+            now_us: c.now_ms * US_PER_MS,
+            endpoints: vec![EndpointSnapshot::default()],
+            observed: vec![("p".into(), 0)],
+        });
+    }
+    let left: Vec<String> =
+        c.s.flow()
+            .unwrap()
+            .inflight_entries()
+            .map(|(_, r, _)| r.to_string())
+            .collect();
+    assert_eq!(
+        left,
+        vec!["new-1"],
+        "new-1 is not routed: the pods cannot vouch for it"
+    );
 }

@@ -232,7 +232,7 @@ impl GlobalGate {
                     .node
                     .local_read(|s| {
                         s.0.flow().map(|f| {
-                            let mf = f.member(me);
+                            let mf = f.member_as(me, m.incarnation());
                             (f.fast_path_open(me, priority), mf.map_or(0, |m| m.last_seq))
                         })
                     })
@@ -266,7 +266,16 @@ impl GlobalGate {
         while st.unreported.front().is_some_and(|s| *s <= last_seq) {
             st.unreported.pop_front();
         }
-        if !degraded && open && st.unreported.len() < st.credit as usize {
+        // Credit is spendable only while the cluster still counts this replica as live: once
+        // the lease may have ended, the leader may have re-granted it to others. Checked here,
+        // not only by the watcher's 20 ms tick — a replica that was stopped (SIGSTOP, a long
+        // pause) and resumes must not spend its old credit before the watcher sees the state.
+        let leased = self.member.get().is_some_and(|m| m.lease_valid());
+        if !leased {
+            // Void until the watcher reads the credit the state grants this replica now.
+            st.credit = 0;
+        }
+        if !degraded && open && leased && st.unreported.len() < st.credit as usize {
             st.unreported.push_back(seq);
             st.admitted
                 .insert(seq, (Instant::now(), req.request_id.to_string()));
@@ -333,6 +342,10 @@ impl GlobalGate {
         let share = st.credit.max(1) as usize;
         let running: u32 = st.degraded_running.values().sum();
         let leased = self.member.get().is_some_and(|m| m.lease_valid());
+        if !leased {
+            // Void until the watcher reads the credit the state grants this replica now.
+            st.credit = 0;
+        }
         if !leased || running as usize >= share {
             return None;
         }

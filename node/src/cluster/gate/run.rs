@@ -94,6 +94,7 @@ impl GlobalGate {
     /// Follow the applied state: verdicts, credit, degradation, leader duties, gauges.
     async fn watcher(self: Arc<Self>, member: Arc<ClusterMember>, stop: CancellationToken) {
         let me = self.node_id;
+        let incarnation = member.incarnation();
         let lease = Duration::from_millis(self.opts.params.lease_ms);
         let mut applied = member.node.watch();
         let mut tick = tokio::time::interval(Duration::from_millis(20));
@@ -135,13 +136,13 @@ impl GlobalGate {
                     let f = s.0.flow()?;
                     let verdicts: Vec<(u64, GVerdict)> = keys
                         .iter()
-                        .filter_map(|k| f.verdict((me, *k)).map(|v| (*k, v)))
+                        .filter_map(|k| f.verdict((me, *k), incarnation).map(|v| (*k, v)))
                         .collect();
                     let open: Vec<(i32, bool)> = priorities
                         .iter()
                         .map(|p| (*p, f.fast_path_open(me, *p)))
                         .collect();
-                    let mf = f.member(me);
+                    let mf = f.member_as(me, incarnation);
                     let same_config = f.config() == &self.config && f.params() == self.opts.params;
                     Some((
                         verdicts,
