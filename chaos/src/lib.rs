@@ -17,6 +17,7 @@
 //! - [`netproxy`]: a controllable TCP link (partition, latency, blackhole) to put between processes;
 //! - [`workloads`]: pod fleets and load shapes shared by tests, benchmarks and the demo;
 //! - [`noregret`]: the no-regret admission benchmark (premium latency under a best-effort burst);
+//! - [`random`]: the randomized chaos suite (seeded faults under load, invariants checked after);
 //! - [`peers`]: `sglang-router` and `vllm-router` (from PyPI) as child processes;
 //! - [`peerbench`]: the peer benchmark (EPP vs round robin vs those routers), with [`plot`] for
 //!   its SVG.
@@ -32,5 +33,6 @@ pub mod peerbench;
 pub mod peers;
 pub mod plot;
 pub mod raft;
+pub mod random;
 pub mod wait;
 pub mod workloads;

@@ -271,7 +271,40 @@ impl RaftCluster {
     pub fn heal_all(&self) {
         for link in self.links.values() {
             link.heal();
+            link.set_latency(Duration::ZERO);
         }
+    }
+
+    /// Heal every link to and from `id` (cuts and latency).
+    pub fn heal(&self, id: u64) {
+        for ((a, b), link) in &self.links {
+            if *a == id || *b == id {
+                link.heal();
+                link.set_latency(Duration::ZERO);
+            }
+        }
+    }
+
+    /// The link `from` dials `to` through: cutting it is a one-way partition (`from` cannot
+    /// reach `to`, while `to` still reaches `from`).
+    pub fn link(&self, from: u64, to: u64) -> anyhow::Result<&LinkProxy> {
+        self.links
+            .get(&(from, to))
+            .ok_or_else(|| anyhow!("no link {from} -> {to}"))
+    }
+
+    /// Delay every peer link to and from `id` by `latency` in each direction.
+    pub fn set_latency(&self, id: u64, latency: Duration) {
+        for ((a, b), link) in &self.links {
+            if *a == id || *b == id {
+                link.set_latency(latency);
+            }
+        }
+    }
+
+    /// Replace replica `id`'s own extra flags, used from its next (re)start on.
+    pub fn set_own_args(&mut self, id: u64, args: Vec<String>) {
+        self.own.insert(id, args);
     }
 
     /// `/debug/cluster` of replica `id`.
