@@ -81,9 +81,11 @@ async fn main() -> anyhow::Result<()> {
             replicas: args.replicas,
             run,
         };
-        let report = chaos::random::run(&spec)
-            .await
-            .with_context(|| format!("seed {seed}"))?;
+        // On SIGINT/SIGTERM the run is dropped, and with it every process it started.
+        let report = tokio::select! {
+            r = chaos::random::run(&spec) => r.with_context(|| format!("seed {seed}"))?,
+            _ = stop_signal() => anyhow::bail!("interrupted during seed {seed}"),
+        };
         print!("{}", report.render());
         if let Some(path) = &args.json {
             chaos::random::append_json(path, &report)?;
@@ -103,4 +105,20 @@ async fn main() -> anyhow::Result<()> {
         "invariants violated for seeds {failed:?}"
     );
     Ok(())
+}
+
+async fn stop_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) {
+        (Ok(mut int), Ok(mut term)) => {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+        }
+        _ => std::future::pending().await,
+    }
 }

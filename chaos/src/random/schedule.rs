@@ -14,6 +14,13 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+/// One-way latency a delayed replica's links get (milliseconds). At most a sixth of the
+/// harness's minimum election timeout (300 ms), so a round trip stays well inside it: Raft needs
+/// its broadcast time well below the election timeout, and beyond that (seen with 90–250 ms here)
+/// followers keep timing out, leaders keep changing and nothing commits for as long as the delay
+/// lasts — the operator's knob is the election timeout, not something the EPP can route around.
+pub const LATENCY_MS: (u64, u64) = (10, 50);
+
 /// Clock offsets a skewed replica gets (milliseconds), the issue's ±2 s.
 pub const SKEWS_MS: [i64; 2] = [-2000, 2000];
 
@@ -153,7 +160,7 @@ pub fn plan(seed: u64, shape: &Shape) -> Vec<Planned> {
                 3 => Fault::Isolate { id },
                 4 => Fault::Latency {
                     id,
-                    ms: rng.random_range(20..=250),
+                    ms: rng.random_range(LATENCY_MS.0..=LATENCY_MS.1),
                 },
                 // One member at a time runs on a wrong clock; choosing it again moves its clock.
                 _ if skewed.is_some_and(|s| s != id) => Fault::Kill { id },

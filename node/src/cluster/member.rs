@@ -46,7 +46,9 @@ pub struct ClusterMember {
     started_ms: u64,
     /// When the last committed heartbeat was proposed: the rest of the cluster holds this
     /// replica's lease until at most that instant + the lease.
-    lease_from: std::sync::Mutex<Option<Instant>>,
+    /// When the last committed heartbeat was proposed, and the local applied index at which this
+    /// replica's own state first reflected it.
+    lease_from: std::sync::Mutex<Option<(Instant, u64)>>,
     /// Sequence number of this replica's last probe (`epp cluster probe`).
     probe_seq: AtomicU64,
 }
@@ -171,12 +173,45 @@ impl ClusterMember {
     /// younger than the lease, measured from when it was proposed — never later than the others'
     /// view).
     pub fn lease_valid(&self) -> bool {
+        self.lease_index().is_some()
+    }
+
+    /// While the lease is valid: the local applied index from which this replica's own state
+    /// knows it (a state read at an earlier index may predate the lease — e.g. show the credit
+    /// this replica had before a partition, which the leader has since re-granted).
+    pub fn lease_index(&self) -> Option<u64> {
         let lease = self.lease();
         self.lease_from
             .lock()
             .ok()
             .and_then(|l| *l)
-            .is_some_and(|t| t.elapsed() < lease)
+            .filter(|(t, _)| t.elapsed() < lease)
+            .map(|(_, i)| i)
+    }
+
+    /// After a heartbeat committed: wait (within `deadline`) until the local state applied it,
+    /// and return that applied index.
+    async fn applied_own_heartbeat(&self, count: u64, deadline: Instant) -> Option<u64> {
+        let (me, started) = (self.opts.node_id, self.started_ms);
+        let mut applied = self.node.watch();
+        loop {
+            let (seen, index) = self
+                .node
+                .local_read(|s| {
+                    s.0.members()
+                        .get(&me)
+                        .is_some_and(|m| m.started_ms == started && m.heartbeats >= count)
+                })
+                .await;
+            if seen {
+                return Some(index);
+            }
+            let left = deadline.checked_duration_since(Instant::now())?;
+            tokio::time::timeout(left, applied.changed())
+                .await
+                .ok()?
+                .ok()?;
+        }
     }
 
     pub fn has_quorum(&self) -> bool {
@@ -214,10 +249,19 @@ impl ClusterMember {
             )
             .await;
             let ok = matches!(res, Ok(Ok(_)));
-            if ok {
-                if let Ok(mut l) = self.lease_from.lock() {
-                    *l = Some(t0);
+            if let Ok(Ok(out)) = &res {
+                let count = match out {
+                    ClusterOutput::Heartbeats(n) => *n,
+                    _ => 1,
+                };
+                let deadline = t0 + Duration::from_millis(self.opts.lease_ms());
+                if let Some(index) = self.applied_own_heartbeat(count, deadline).await
+                    && let Ok(mut l) = self.lease_from.lock()
+                {
+                    *l = Some((t0, index));
                 }
+            }
+            if ok {
                 metrics.cluster.proposal(t0.elapsed().as_secs_f64());
                 if warned {
                     tracing::info!("cluster quorum regained");

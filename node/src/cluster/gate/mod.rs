@@ -98,8 +98,9 @@ struct State {
     waiting: HashMap<u64, GWaiter>,
     /// Local admissions not yet in the applied state (sequence numbers, ascending).
     unreported: VecDeque<u64>,
-    /// This replica's credit in the applied state.
+    /// This replica's credit in the applied state, and the applied index it was read at.
     credit: u32,
+    credit_index: u64,
     /// The applied state's answer to "would a request of this priority be dispatched now?" for
     /// every priority seen here, and this replica's last applied sequence number — refreshed by
     /// the watcher on every apply, so the fast path takes no lock on the state machine.
@@ -266,15 +267,7 @@ impl GlobalGate {
         while st.unreported.front().is_some_and(|s| *s <= last_seq) {
             st.unreported.pop_front();
         }
-        // Credit is spendable only while the cluster still counts this replica as live: once
-        // the lease may have ended, the leader may have re-granted it to others. Checked here,
-        // not only by the watcher's 20 ms tick — a replica that was stopped (SIGSTOP, a long
-        // pause) and resumes must not spend its old credit before the watcher sees the state.
-        let leased = self.member.get().is_some_and(|m| m.lease_valid());
-        if !leased {
-            // Void until the watcher reads the credit the state grants this replica now.
-            st.credit = 0;
-        }
+        let leased = self.credit_spendable(&mut st);
         if !degraded && open && leased && st.unreported.len() < st.credit as usize {
             st.unreported.push_back(seq);
             st.admitted
@@ -321,6 +314,26 @@ impl GlobalGate {
         Pending::queued(self.clone(), seq, rx)
     }
 
+    /// Whether this replica may spend its credit now. Only while the cluster still counts it as
+    /// live: once its lease may have ended, the leader may have re-granted the credit. Checked at
+    /// admission, not only by the watcher's 20 ms tick — a replica resuming from a pause must not
+    /// spend its old credit before the watcher sees the state. And only credit read from a state
+    /// that already knew the current lease: after a partition the local state can still show the
+    /// credit the leader has since re-granted. Otherwise the credit is void until the watcher
+    /// reads what the state grants now.
+    fn credit_spendable(&self, st: &mut State) -> bool {
+        let credit_index = st.credit_index;
+        let ok = self
+            .member
+            .get()
+            .and_then(|m| m.lease_index())
+            .is_some_and(|i| credit_index >= i);
+        if !ok {
+            st.credit = 0;
+        }
+        ok
+    }
+
     /// Admission without quorum: `Some` = decided here (admitted on the local share, or 429 when
     /// failing closed); `None` = wait like a queued request, for at most `degraded_wait`.
     fn admit_degraded(
@@ -341,11 +354,7 @@ impl GlobalGate {
         // lease (so they cannot have re-granted that credit).
         let share = st.credit.max(1) as usize;
         let running: u32 = st.degraded_running.values().sum();
-        let leased = self.member.get().is_some_and(|m| m.lease_valid());
-        if !leased {
-            // Void until the watcher reads the credit the state grants this replica now.
-            st.credit = 0;
-        }
+        let leased = self.credit_spendable(st);
         if !leased || running as usize >= share {
             return None;
         }

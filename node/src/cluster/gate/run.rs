@@ -130,7 +130,7 @@ impl GlobalGate {
                     st.open_by_priority.keys().copied().collect(),
                 )
             };
-            let (view, _) = member
+            let (view, applied_index) = member
                 .node
                 .local_read(|s| {
                     let f = s.0.flow()?;
@@ -173,6 +173,7 @@ impl GlobalGate {
                     Some((verdicts, open, credit, last_seq, same_config)) => {
                         st.configured = true;
                         st.credit = credit;
+                        st.credit_index = applied_index;
                         st.applied_last_seq = last_seq;
                         st.open_by_priority.extend(open);
                         while st.unreported.front().is_some_and(|s| *s <= last_seq) {
