@@ -15,7 +15,8 @@
 //! - I5 nothing lost: every request ends as a complete 200, a 429 with a reason, or a 503; none
 //!   times out, none gets another status.
 //! - I6 no double dispatch: the pods served exactly as many requests as clients got 200s; and
-//!   dispatch never stalls longer than the failover limit (gap between successive responses).
+//!   dispatch resumes: the longest gap between successive responses stays within one fault's
+//!   hold plus one failover (see [`super::stall_limit`]).
 //! - I8 convergence: every replica's prefix index is the same shortly after the load stops.
 //! - I9 streams survive: no 200 stream ends early.
 

@@ -149,6 +149,16 @@ pub fn shape(replicas: u64, run: Duration) -> Shape {
     }
 }
 
+/// The longest tolerated gap between two responses: one fault's longest hold plus one failover.
+/// Clients whose requests a paused replica holds wait out the pause (Envoy ejects the replica
+/// only when its health checks time out), so a paused leader costs its pause plus the election;
+/// the bound for one leader loss alone is enforced by the targeted failover tests
+/// (`tests/raft_cluster.rs`, `tests/e2e_global_flow.rs`). A stuck cluster — like the leaked slots
+/// the suite first found, 15 s without a response — fails it.
+pub fn stall_limit(replicas: u64, run: Duration) -> Duration {
+    shape(replicas, run).hold.1 + crate::raft::failover_hard_limit()
+}
+
 /// The cluster of a run.
 struct Rig {
     sim: Sim,
@@ -422,7 +432,7 @@ pub async fn run(spec: &RunSpec) -> anyhow::Result<Report> {
         ledger_drained,
         ledger_limit,
         indexes_converged,
-        stall_limit: crate::raft::failover_hard_limit(),
+        stall_limit: stall_limit(spec.replicas, spec.run),
         records,
     };
     let report = Report {
