@@ -44,10 +44,9 @@ pub struct ClusterMember {
     opts: ClusterOptions,
     quorum: AtomicBool,
     started_ms: u64,
-    /// When the last committed heartbeat was proposed: the rest of the cluster holds this
-    /// replica's lease until at most that instant + the lease.
-    /// When the last committed heartbeat was proposed, and the local applied index at which this
-    /// replica's own state first reflected it.
+    /// When the last committed heartbeat was proposed (the rest of the cluster holds this
+    /// replica's lease until at most that instant + the lease), and the local applied index at
+    /// which this replica's own state first reflected it.
     lease_from: std::sync::Mutex<Option<(Instant, u64)>>,
     /// Sequence number of this replica's last probe (`epp cluster probe`).
     probe_seq: AtomicU64,
