@@ -498,7 +498,7 @@ async fn drive(
     Ok(applied)
 }
 
-/// Write `reports` as JSON lines to `path` (appending).
+/// Append `report` to `path` as one JSON line.
 pub fn append_json(path: &Path, report: &Report) -> anyhow::Result<()> {
     use std::io::Write;
     let mut f = std::fs::OpenOptions::new()
