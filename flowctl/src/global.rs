@@ -24,6 +24,13 @@
 //! * **Leases.** A member whose heartbeat lease ends (or that restarts) loses everything it held:
 //!   its queued entries are rejected (`rejected-saturated`, retryable) and its reservations return
 //!   to the pool, at the same log position on every replica (invariant I4).
+//! * **Quarantine.** What it may have forwarded without reporting stays booked: its credit (spent
+//!   on admissions it never got to report, which now run in the pods unseen by the ledger) stays
+//!   counted as held, and its dispatched reservations with no pod reported stay in the ledger as
+//!   *orphans*. Both are eased down to the requests the pods report beyond the ledger (a lost
+//!   life's admissions end like any others; a member that comes back reports its own), or after
+//!   [`QUARANTINE_MAX_MS`], so nobody else is granted them meanwhile (I1). An orphan released so
+//!   turns its verdict into a rejection: an owner back from a partition must not forward it then.
 //!
 //! Time is the state's (`ClusterState` passes its log clock — the leaders' stamps — once entries
 //! carry them, else the largest proposer wall clock seen), µs precision, clamped monotone.
@@ -56,6 +63,16 @@ pub const RECONCILE_PERSIST_MS: u64 = 1_000;
 /// …and only entries at least this old are released (younger ones may not have reached the pod
 /// or its latest scrape yet).
 pub const RECONCILE_MIN_AGE_MS: u64 = 2_000;
+
+/// A quarantine is eased only on pod reports taken this long after it began (what the lost life
+/// forwarded has reached the pods and their scrapes)…
+pub const QUARANTINE_MIN_AGE_MS: u64 = 1_000;
+/// …and to the most requests beyond the ledger the pods reported over this window (one report
+/// can miss a request between two scrapes).
+pub const QUARANTINE_WINDOW_MS: u64 = 1_000;
+/// Quarantined credit returns after this long whatever the pods report (they may serve traffic
+/// that never passed through this cluster, which would otherwise pin it forever).
+pub const QUARANTINE_MAX_MS: u64 = 300_000;
 
 /// Cluster parameters of the global flow state (identical on every replica).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,6 +132,10 @@ pub enum FlowCmd {
         request_id: String,
         actual_tokens: Option<u64>,
     },
+    /// The member's last batch before a graceful exit: everything it admitted is reported (in
+    /// this batch or before) and it admits nothing more, so its credit returns at once, without
+    /// quarantine.
+    Retire,
 }
 
 /// The decision about a queued request, as its owner reads it.
@@ -146,6 +167,9 @@ struct Entry {
     inflight: bool,
     /// When it entered the state (µs).
     since_us: u64,
+    /// Dispatched, no pod reported, and its owner's life ended (µs): see the module docs.
+    #[serde(default)]
+    orphaned_us: Option<u64>,
 }
 
 /// Per-member flow bookkeeping.
@@ -161,8 +185,19 @@ pub struct MemberFlow {
     pub credit: u32,
     /// Its lease ended and its resources were returned.
     pub expired: bool,
+    /// This life retired ([`FlowCmd::Retire`]): it holds no credit again.
+    #[serde(default)]
+    pub retired: bool,
     pub admitted_local: u64,
     pub enqueued: u64,
+}
+
+/// Credit a member's past life may have spent without reporting it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct Quarantine {
+    credit: u32,
+    /// When it began (µs).
+    since_us: u64,
 }
 
 /// Per-pod in-flight load from the ledger.
@@ -203,6 +238,19 @@ pub struct GlobalFlow {
     early_times: BTreeSet<(u64, String)>,
     /// Pods reporting fewer requests than the ledger holds for them: since when (µs).
     excess_since: BTreeMap<String, u64>,
+    /// Credit of members' lives whose lease ended or that restarted, by (member, incarnation):
+    /// still held (see the module docs).
+    #[serde(with = "pairs", default)]
+    quarantine: BTreeMap<(MemberId, u64), Quarantine>,
+    /// Since when (µs) the pods' reports are being watched to ease the quarantine, and the most
+    /// requests beyond the ledger they showed since.
+    #[serde(default)]
+    unaccounted_window: Option<(u64, u64)>,
+    /// Credit taken from live members by a rebalance, by (member, incarnation): (credit, until
+    /// µs). A member may spend what it had until it has seen the change — at the latest when the
+    /// lease it held then ends — so nobody else is granted it before.
+    #[serde(with = "pairs", default)]
+    shrunk: BTreeMap<(MemberId, u64), (u32, u64)>,
     reconciled: u64,
     dispatched: u64,
     reclaimed: u64,
@@ -231,6 +279,9 @@ impl GlobalFlow {
             early: BTreeMap::new(),
             early_times: BTreeSet::new(),
             excess_since: BTreeMap::new(),
+            quarantine: BTreeMap::new(),
+            unaccounted_window: None,
+            shrunk: BTreeMap::new(),
             reconciled: 0,
             dispatched: 0,
             reclaimed: 0,
@@ -264,10 +315,13 @@ impl GlobalFlow {
             .collect();
         for id in expired {
             self.reclaim(id, false);
+            self.quarantine_credit(id);
             if let Some(m) = self.members.get_mut(&id) {
                 m.expired = true;
             }
         }
+        let now = self.now_us;
+        self.shrunk.retain(|_, (_, until)| *until > now);
         if self.now_us.saturating_sub(self.last_rebalance_us) >= self.params.rebalance_ms * 1000 {
             self.last_rebalance_us = self.now_us;
             self.rebalance(live);
@@ -302,6 +356,18 @@ impl GlobalFlow {
     pub fn reconcile(&mut self, now_us: u64, observed: &[(String, u64)]) -> u64 {
         self.now_us = self.now_us.max(now_us);
         let now = self.now_us;
+        // A pod without fresh metrics may run anything: no easing on an incomplete report.
+        let unaccounted: u64 = if (observed.len() as u64) < self.fc.pool_endpoints() {
+            u64::MAX
+        } else {
+            observed
+                .iter()
+                .map(|(pod, seen)| {
+                    seen.saturating_sub(self.pods.get(pod).map_or(0, |l| l.requests))
+                })
+                .sum()
+        };
+        self.ease_quarantine(unaccounted);
         let mut release: Vec<RequestId> = Vec::new();
         for (pod, seen) in observed {
             let held = self.pods.get(pod).map_or(0, |l| l.requests);
@@ -370,6 +436,7 @@ impl GlobalFlow {
             let old = m.incarnation;
             if old != 0 {
                 self.reclaim(member, true);
+                self.quarantine_credit(member);
                 // Nobody waits for the old life's verdicts, and its sequence numbers come again.
                 let stale: Vec<(u64, MemberId, u64)> = self
                     .verdict_times
@@ -382,12 +449,13 @@ impl GlobalFlow {
                     self.verdicts.remove(&(t.1, t.2));
                 }
             }
-            let m = self.members.entry(member).or_default();
-            *m = MemberFlow {
-                incarnation,
-                credit: m.credit,
-                ..MemberFlow::default()
-            };
+            self.members.insert(
+                member,
+                MemberFlow {
+                    incarnation,
+                    ..MemberFlow::default()
+                },
+            );
         }
     }
 
@@ -422,6 +490,7 @@ impl GlobalFlow {
                     load.tokens += e.tokens;
                 }
                 e.pod = Some(pod);
+                e.orphaned_us = None;
                 true
             }
             FlowCmd::Cancel { seq } => {
@@ -457,6 +526,15 @@ impl GlobalFlow {
                 };
                 self.run(Command::Complete { id, actual_tokens });
                 self.forget(id);
+                true
+            }
+            FlowCmd::Retire => {
+                let Some(m) = self.members.get_mut(&member) else {
+                    return false;
+                };
+                m.credit = 0;
+                m.retired = true;
+                self.shrunk.remove(&(member, m.incarnation));
                 true
             }
         }
@@ -513,6 +591,7 @@ impl GlobalFlow {
                 // An admitted request never waits: no verdict for it.
                 inflight: admitted,
                 since_us: self.now_us,
+                orphaned_us: None,
             },
         );
         self.by_key.insert(key, id);
@@ -625,11 +704,12 @@ impl GlobalFlow {
     }
 
     /// Return what `member` holds (its lease ended, or `new_life`: it restarted): queued
-    /// entries are rejected and reservations not yet routed released. Routed ones stay: their
-    /// owner's fate does not stop a response already streaming from its pod (Envoy keeps it
-    /// going, I9), so the capacity is still in use; they end when any replica settles them or when
-    /// the pod reports fewer requests than the ledger holds ([`GlobalFlow::reconcile`]). A new
-    /// life numbers its requests from 1 again, so its predecessor's kept entries leave the
+    /// entries are rejected. Its reservations stay booked: a routed one's response may be
+    /// streaming from its pod whatever became of the owner (Envoy keeps it going, I9), and an
+    /// unrouted one may have been forwarded before the owner could report its pod. Routed ones
+    /// end when any replica settles them or when their pod reports fewer requests than the ledger
+    /// holds ([`GlobalFlow::reconcile`]); unrouted ones become orphans (see the module docs). A
+    /// new life numbers its requests from 1 again, so its predecessor's kept entries leave the
     /// sequence index.
     fn reclaim(&mut self, member: MemberId, new_life: bool) {
         let ids: Vec<(Key, RequestId)> = self
@@ -640,37 +720,161 @@ impl GlobalFlow {
         // Queued entries first, so that releasing its reservations cannot dispatch them.
         let (queued, inflight): (Vec<_>, Vec<_>) =
             ids.into_iter().partition(|(_, id)| self.fc.is_queued(*id));
-        for (key, id) in queued.into_iter().chain(inflight) {
-            let was_queued = self.fc.is_queued(id);
-            if !was_queued && self.entries.get(&id).is_some_and(|e| e.pod.is_some()) {
-                if new_life {
-                    self.by_key.remove(&key);
-                }
-                continue;
-            }
+        let now = self.now_us;
+        for (key, id) in queued {
             // Cancelling may free capacity: `run` books what it dispatches to others.
             self.run(Command::Cancel { id });
-            if was_queued {
-                self.decide(key, Verdict::Rejected(DropReason::RejectedSaturated));
-            }
+            self.decide(key, Verdict::Rejected(DropReason::RejectedSaturated));
             self.forget(id);
             self.reclaimed += 1;
         }
+        for (key, id) in inflight {
+            if let Some(e) = self.entries.get_mut(&id)
+                && e.pod.is_none()
+            {
+                e.orphaned_us.get_or_insert(now);
+            }
+            if new_life {
+                self.by_key.remove(&key);
+            }
+        }
+    }
+
+    /// Move into quarantine, under `member`'s current incarnation, its credit and what a
+    /// rebalance took from it that it may not have seen.
+    fn quarantine_credit(&mut self, member: MemberId) {
+        let Some(m) = self.members.get_mut(&member) else {
+            return;
+        };
+        let shrunk = self
+            .shrunk
+            .remove(&(member, m.incarnation))
+            .map_or(0, |s| s.0);
+        let credit = std::mem::take(&mut m.credit).saturating_add(shrunk);
+        if credit == 0 {
+            return;
+        }
+        let now = self.now_us;
+        let q = self
+            .quarantine
+            .entry((member, m.incarnation))
+            .or_insert(Quarantine {
+                credit: 0,
+                since_us: now,
+            });
+        q.credit = q.credit.saturating_add(credit);
+        q.since_us = now;
+    }
+
+    /// Ease the quarantine with the pods' latest reports (`unaccounted`: the requests they run or
+    /// hold beyond what the ledger has routed to them). Orphans and quarantined credit old enough
+    /// that their lives' forwarding has reached the pods shrink, orphans first (they hold
+    /// capacity) and oldest first, to the most the pods showed over a whole window: what a lost
+    /// life forwarded unreported is among those requests until it ends. An owner that comes back
+    /// reads a released orphan's verdict as a rejection.
+    fn ease_quarantine(&mut self, unaccounted: u64) {
+        let now = self.now_us;
+        let min_age = QUARANTINE_MIN_AGE_MS * 1000;
+        let max_age = QUARANTINE_MAX_MS * 1000;
+        self.quarantine
+            .retain(|_, q| now.saturating_sub(q.since_us) < max_age);
+        let orphans: Vec<(u64, RequestId)> = self
+            .entries
+            .iter()
+            .filter_map(|(id, e)| e.orphaned_us.map(|t| (t, *id)))
+            .collect();
+        let oldest = orphans
+            .iter()
+            .map(|o| o.0)
+            .chain(self.quarantine.values().map(|q| q.since_us))
+            .min();
+        if oldest.is_none_or(|t| now.saturating_sub(t) < min_age) {
+            self.unaccounted_window = None;
+            return;
+        }
+        let (start, most) = match self.unaccounted_window {
+            Some((start, most)) => (start, most.max(unaccounted)),
+            None => (now, unaccounted),
+        };
+        let expired = |t: u64| now.saturating_sub(t) >= max_age;
+        if now.saturating_sub(start) < QUARANTINE_WINDOW_MS * 1000
+            && !orphans.iter().any(|o| expired(o.0))
+        {
+            self.unaccounted_window = Some((start, most));
+            return;
+        }
+        self.unaccounted_window = None;
+        let eligible = |t: u64| t.saturating_add(min_age) <= start || expired(t);
+        let mut orphans: Vec<(u64, RequestId)> =
+            orphans.into_iter().filter(|o| eligible(o.0)).collect();
+        orphans.sort_unstable();
+        let mut credit: Vec<(u64, (MemberId, u64))> = self
+            .quarantine
+            .iter()
+            .filter(|(_, q)| eligible(q.since_us))
+            .map(|(k, q)| (q.since_us, *k))
+            .collect();
+        credit.sort_unstable();
+        let held = orphans.len() as u64
+            + credit
+                .iter()
+                .filter_map(|(_, k)| self.quarantine.get(k))
+                .map(|q| u64::from(q.credit))
+                .sum::<u64>();
+        let mut excess = held.saturating_sub(most);
+        for (t, id) in orphans {
+            if excess == 0 && !expired(t) {
+                break;
+            }
+            excess = excess.saturating_sub(1);
+            if let Some(key) = self.entries.get(&id).map(|e| e.key) {
+                // Only while the key is still this entry's (a new life reuses sequence numbers).
+                if self.by_key.get(&key) == Some(&id) && self.verdicts.contains_key(&key) {
+                    self.decide(key, Verdict::Rejected(DropReason::RejectedSaturated));
+                }
+                self.run(Command::Cancel { id });
+                self.forget(id);
+                self.reclaimed += 1;
+            }
+        }
+        for (_, k) in credit {
+            if excess == 0 {
+                break;
+            }
+            let Some(q) = self.quarantine.get_mut(&k) else {
+                continue;
+            };
+            let take = excess.min(u64::from(q.credit));
+            q.credit -= take as u32;
+            excess -= take;
+            if q.credit == 0 {
+                self.quarantine.remove(&k);
+            }
+        }
+    }
+
+    /// Credit members hold or may still spend: theirs, what rebalances took from them lately,
+    /// and the quarantined.
+    fn credit_held(&self) -> u64 {
+        let own: u64 = self.members.values().map(|m| u64::from(m.credit)).sum();
+        let shrunk: u64 = self.shrunk.values().map(|s| u64::from(s.0)).sum();
+        own + shrunk + self.quarantined_credit()
     }
 
     /// Re-split `credit_slack` between live members: the target is one each (while it lasts)
-    /// plus the rest by demand (largest remainder), but credit moves in two steps so that the
-    /// credit members may still be using never sums above the slack. A member may have admitted up
-    /// to its old credit before it saw this rebalance, so shrinking takes effect now while growing
-    /// only spends what no member held before: Σ max(old, new) ≤ slack at every epoch. (Members
-    /// report local admissions within milliseconds, far inside one rebalance period.)
+    /// plus the rest by demand (largest remainder), but credit moves so that the credit members
+    /// may still be using never sums above the slack. A member may admit up to its old credit
+    /// until it sees this rebalance — a cut-off one until its lease ends — so what shrinking
+    /// takes stays held for a lease (then, if the member expired, in quarantine), and growing
+    /// only spends what nobody holds.
     fn rebalance(&mut self, live: &BTreeSet<MemberId>) {
-        let slack = u64::from(self.params.credit_slack);
+        // What quarantine holds is nobody's to target: the live members share the rest.
+        let slack = u64::from(self.params.credit_slack).saturating_sub(self.quarantined_credit());
         let ids: Vec<MemberId> = self
             .members
             .keys()
             .copied()
-            .filter(|id| live.contains(id))
+            .filter(|id| live.contains(id) && self.members.get(id).is_some_and(|m| !m.retired))
             .collect();
         let mut target: BTreeMap<MemberId, u64> = BTreeMap::new();
         if !ids.is_empty() && slack > 0 {
@@ -700,12 +904,19 @@ impl GlobalFlow {
                 target.insert(*id, base + shares[i].0);
             }
         }
-        let held: u64 = self.members.values().map(|m| u64::from(m.credit)).sum();
-        let mut budget = slack.saturating_sub(held);
+        let held = self.credit_held();
+        let mut budget = u64::from(self.params.credit_slack).saturating_sub(held);
+        let until = self.now_us.saturating_add(self.params.lease_ms * 1000);
         for (id, m) in self.members.iter_mut() {
             let cur = u64::from(m.credit);
             let want = target.get(id).copied().unwrap_or(0);
             let new = if want <= cur {
+                if want < cur {
+                    let s = self.shrunk.entry((*id, m.incarnation)).or_default();
+                    s.0 =
+                        s.0.saturating_add(u32::try_from(cur - want).unwrap_or(u32::MAX));
+                    s.1 = until;
+                }
                 want
             } else {
                 let grant = (want - cur).min(budget);
@@ -741,7 +952,7 @@ impl GlobalFlow {
     pub fn fast_path_open(&self, member: MemberId, priority: i32) -> bool {
         self.members
             .get(&member)
-            .is_some_and(|m| !m.expired && m.credit > 0)
+            .is_some_and(|m| !m.expired && !m.retired && m.credit > 0)
             && self.fc.admits_now(priority, self.now_ns())
     }
 
@@ -805,12 +1016,17 @@ impl GlobalFlow {
         self.dispatched
     }
 
-    /// Ledger entries released by reconciliation with the pods so far.
     /// Settlements waiting for the admission they settle.
     pub fn early_settlements(&self) -> usize {
         self.early.len()
     }
 
+    /// Credit in quarantine (lives whose lease ended or that restarted, see the module docs).
+    pub fn quarantined_credit(&self) -> u64 {
+        self.quarantine.values().map(|q| u64::from(q.credit)).sum()
+    }
+
+    /// Ledger entries released by reconciliation with the pods so far.
     pub fn reconciled(&self) -> u64 {
         self.reconciled
     }

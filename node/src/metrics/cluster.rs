@@ -178,6 +178,7 @@ pub struct ClusterMetrics {
     flow_batch_commands: Histogram,
     flow_batch_seconds: Histogram,
     flow_credit: Gauge,
+    flow_quarantined: Gauge,
     flow_unreported: Gauge,
     flow_waiting: Gauge,
     flow_degraded: Gauge,
@@ -214,6 +215,7 @@ impl ClusterMetrics {
                 scheduler_buckets().into_iter().chain([0.2, 0.5, 1.0, 2.0]),
             ),
             flow_credit: Gauge::default(),
+            flow_quarantined: Gauge::default(),
             flow_unreported: Gauge::default(),
             flow_waiting: Gauge::default(),
             flow_degraded: Gauge::default(),
@@ -243,6 +245,12 @@ impl ClusterMetrics {
             "cluster_flow_credit",
             "Requests this replica may admit on local credit (replicated state)",
             m.flow_credit.clone(),
+        );
+        registry.register(
+            "cluster_flow_quarantined_credit",
+            "Credit of replicas whose lease ended or that restarted, kept from the others while \
+             the pods may still run what they admitted unreported (replicated state)",
+            m.flow_quarantined.clone(),
         );
         registry.register(
             "cluster_flow_unreported",
@@ -319,6 +327,11 @@ impl ClusterMetrics {
         self.flow_unreported.set(i(unreported));
         self.flow_waiting.set(i(waiting));
         self.flow_degraded.set(i64::from(degraded));
+    }
+
+    pub fn flow_quarantined(&self, credit: u64) {
+        self.flow_quarantined
+            .set(i64::try_from(credit).unwrap_or(i64::MAX));
     }
 
     pub fn proposal(&self, seconds: f64) {

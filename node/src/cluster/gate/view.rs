@@ -79,6 +79,8 @@ pub struct GlobalView {
     /// Entries released because their pod reported fewer requests (settlement lost).
     pub reconciled: u64,
     pub rebalances: u64,
+    /// Credit of lives whose lease ended or that restarted, still held (see `flowctl::global`).
+    pub quarantined_credit: u64,
     pub members: BTreeMap<u64, flowctl::global::MemberFlow>,
     pub bands: Vec<flowctl::BandStats>,
     pub flows: Vec<FlowRow>,
@@ -108,6 +110,7 @@ impl GlobalView {
             reclaimed: f.reclaimed(),
             reconciled: f.reconciled(),
             rebalances: f.rebalances(),
+            quarantined_credit: f.quarantined_credit(),
             members: f.members().clone(),
             bands: f.controller().band_stats(),
             flows: f
