@@ -525,131 +525,7 @@ fn same_commands_same_state_and_snapshots_round_trip() {
     assert_eq!(serde_json::to_string(&restored).unwrap(), a);
 }
 
-#[derive(Debug, Clone)]
-enum Op {
-    /// A request arrives at a member.
-    Arrive(u8, u8),
-    /// A member flushes its unreported local admissions.
-    Flush(u8),
-    /// The oldest running request completes (settled by some member).
-    Complete(u8),
-    /// Time passes (heartbeats, rebalancing).
-    Tick(u16),
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        4 => (0u8..3, 0u8..3).prop_map(|(m, t)| Op::Arrive(m, t)),
-        2 => (0u8..3).prop_map(Op::Flush),
-        3 => (0u8..3).prop_map(Op::Complete),
-        1 => (1u16..400).prop_map(Op::Tick),
-    ]
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(200))]
-
-    /// I1 with the real protocol: members admit locally only while the replicated state says
-    /// "would dispatch now" and their unreported admissions are below their credit; everything
-    /// else queues. Whatever the interleaving, the requests actually running never exceed
-    /// capacity + the credit slack, and nothing is dispatched twice.
-    #[test]
-    fn admission_is_bounded_by_capacity_plus_slack(ops in proptest::collection::vec(op(), 1..400)) {
-        const CAPACITY: u64 = 6;
-        const SLACK: u32 = 5;
-        let mut c = Cluster::new(
-            &[1, 2, 3],
-            3,
-            2,
-            vec![],
-            GlobalParams { credit_slack: SLACK, rebalance_ms: 200, ..GlobalParams::default() },
-        );
-        let mut unreported: BTreeMap<u64, Vec<FlowCmd>> = BTreeMap::new();
-        let mut waiting: BTreeMap<(u64, u64), String> = BTreeMap::new();
-        let mut running: VecDeque<String> = VecDeque::new();
-        let mut seen = std::collections::BTreeSet::new();
-        let mut rid = 0u64;
-        for op in ops {
-            match op {
-                Op::Arrive(m, t) => {
-                    let m = u64::from(m) + 1;
-                    rid += 1;
-                    let r = format!("r{rid}");
-                    let f = c.s.flow().unwrap();
-                    let credit = f.member(m).map_or(0, |x| x.credit) as usize;
-                    let pending = unreported.get(&m).map_or(0, Vec::len);
-                    if f.fast_path_open(m, 0) && pending < credit {
-                        let seq = c.next_seq(m);
-                        unreported.entry(m).or_default().push(FlowCmd::Admitted {
-                            seq,
-                            request_id: r.clone(),
-                            ask: ask(&format!("t{t}"), 0),
-                            pod: None,
-                        });
-                        running.push_back(r);
-                    } else {
-                        // A member's earlier local admissions are reported before its enqueue.
-                        let mut cmds = unreported.remove(&m).unwrap_or_default();
-                        let seq = c.next_seq(m);
-                        cmds.push(FlowCmd::Enqueue { seq, request_id: r.clone(), ask: ask(&format!("t{t}"), 0) });
-                        c.batch(m, cmds);
-                        waiting.insert((m, seq), r);
-                    }
-                }
-                Op::Flush(m) => {
-                    let m = u64::from(m) + 1;
-                    if let Some(cmds) = unreported.remove(&m) {
-                        c.batch(m, cmds);
-                    }
-                }
-                Op::Complete(m) => {
-                    if let Some(r) = running.pop_front() {
-                        // The settlement may overtake the owner's report of the admission.
-                        c.settle(u64::from(m) + 1, &r);
-                    }
-                }
-                Op::Tick(ms) => {
-                    // Members report well within a rebalance period.
-                    for (node, cmds) in std::mem::take(&mut unreported) {
-                        c.batch(node, cmds);
-                    }
-                    c.now_ms += u64::from(ms);
-                    c.heartbeat(&[1, 2, 3]);
-                }
-            }
-            let decided: Vec<(u64, u64)> =
-                waiting.keys().copied().filter(|k| c.verdict(*k).is_some()).collect();
-            for k in decided {
-                prop_assert_eq!(c.verdict(k), Some(Verdict::Dispatched), "no TTL, no caps");
-                let r = waiting.remove(&k).unwrap();
-                prop_assert!(seen.insert(r.clone()), "dispatched twice: {}", r);
-                running.push_back(r);
-            }
-            prop_assert!(
-                running.len() as u64 <= CAPACITY + u64::from(SLACK),
-                "{} running > capacity {} + slack {}", running.len(), CAPACITY, SLACK
-            );
-            let credit: u32 = c.s.flow().unwrap().members().values().map(|m| m.credit).sum();
-            prop_assert!(credit <= SLACK);
-        }
-        // Drain: everything that waited is eventually dispatched.
-        for (node, cmds) in std::mem::take(&mut unreported) {
-            c.batch(node, cmds);
-        }
-        while let Some(r) = running.pop_front() {
-            c.settle(1, &r);
-            let decided: Vec<(u64, u64)> =
-                waiting.keys().copied().filter(|k| c.verdict(*k).is_some()).collect();
-            for k in decided {
-                running.push_back(waiting.remove(&k).unwrap());
-            }
-        }
-        prop_assert!(waiting.is_empty(), "{} never dispatched", waiting.len());
-        prop_assert_eq!(c.inflight(), 0);
-    }
-}
-
-/// What happens to a member in [`admission_stays_bounded_when_members_vanish`].
+/// What happens in [`admission_is_bounded_by_capacity_plus_slack`].
 #[derive(Debug, Clone)]
 enum Life {
     /// A request of tenant `.1` reaches member `.0`.
@@ -686,13 +562,17 @@ fn life() -> impl Strategy<Value = Life> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
-    /// I1 when members die or are cut off with admissions they never reported — the
-    /// randomized chaos suite saw 27 requests run against a bound of 24. A member admits on
-    /// credit while its lease lasts whatever the others decided meanwhile, so neither the
-    /// credit a rebalance takes from it nor what it held when its lease ended (or it
-    /// restarted) may be granted to others while the pods may still run what it spent.
+    /// I1 with the real protocol: members admit locally only while the replicated state says
+    /// "would dispatch now" and their unreported admissions are below their credit; everything
+    /// else queues. Whatever the interleaving, the requests actually running never exceed
+    /// capacity + the credit slack, and nothing is dispatched twice — also when members die or
+    /// are cut off with admissions they never reported (the randomized chaos suite saw 27 run
+    /// against a bound of 24). A member admits on credit while its lease lasts whatever the
+    /// others decided meanwhile, so neither the credit a rebalance takes from it nor what it
+    /// held when its lease ended (or it restarted) may be granted to others while the pods may
+    /// still run what it spent.
     #[test]
-    fn admission_stays_bounded_when_members_vanish(ops in proptest::collection::vec(life(), 1..400)) {
+    fn admission_is_bounded_by_capacity_plus_slack(ops in proptest::collection::vec(life(), 1..400)) {
         const CAPACITY: u64 = 6;
         const SLACK: u32 = 5;
         const LEASE_MS: u64 = 1500;
@@ -710,6 +590,7 @@ proptest! {
         // Cut-off member → (when its lease began, the credit it last saw).
         let mut cut: BTreeMap<u64, (u64, u32)> = BTreeMap::new();
         let mut last_heartbeat: BTreeMap<u64, u64> = members.iter().map(|m| (*m, c.now_ms)).collect();
+        let mut seen = std::collections::BTreeSet::new();
         let mut rid = 0u64;
         for op in ops {
             match op {
@@ -804,6 +685,7 @@ proptest! {
             for (k, v) in decided {
                 let r = waiting.remove(&k).unwrap();
                 if v == Verdict::Dispatched {
+                    prop_assert!(seen.insert(r.clone()), "dispatched twice: {}", r);
                     running.push_back(r);
                     c.batch(k.0, vec![FlowCmd::Routed { seq: k.1, pod: "p".into() }]);
                 }
@@ -812,6 +694,7 @@ proptest! {
                 running.len() as u64 <= CAPACITY + u64::from(SLACK),
                 "{} running > capacity {} + slack {}", running.len(), CAPACITY, SLACK
             );
+            prop_assert!(members.map(|m| c.credit(m)).iter().sum::<u32>() <= SLACK);
         }
         // Heal, let everything finish: the ledger and the credit come back whole (I4).
         for (m, _) in std::mem::take(&mut cut) {
@@ -856,11 +739,8 @@ proptest! {
     }
 }
 
-/// The quarantine of a lost life's credit (see `admission_stays_bounded_when_members_vanish`)
-/// is eased only by what the pods report: not while a pod has no fresh metrics, not below what
-/// they run beyond the ledger — and whatever they report, not for longer than five minutes.
-#[test]
-fn a_lost_life_s_credit_returns_as_the_pods_vouch_for_it() {
+/// Three members, two endpoints of ten slots, a slack of 6 settled at two credits each.
+fn three_with_two_credits_each() -> Cluster {
     let mut c = Cluster::new(
         &[1, 2, 3],
         10,
@@ -872,6 +752,15 @@ fn a_lost_life_s_credit_returns_as_the_pods_vouch_for_it() {
         },
     );
     c.quiet_pods(2, &[1, 2, 3], 3000);
+    c
+}
+
+/// The quarantine of a lost life's credit (see `admission_is_bounded_by_capacity_plus_slack`)
+/// is eased only by what the pods report: not while a pod has no fresh metrics, not below what
+/// they run beyond the ledger — and whatever they report, not for longer than five minutes.
+#[test]
+fn a_lost_life_s_credit_returns_as_the_pods_vouch_for_it() {
+    let mut c = three_with_two_credits_each();
     assert_eq!([1, 2, 3].map(|m| c.credit(m)), [2, 2, 2]);
     // Replica 3 admits two on credit, forwards them and dies before reporting them.
     c.restart(3);
@@ -913,17 +802,7 @@ fn a_lost_life_s_credit_returns_as_the_pods_vouch_for_it() {
 /// retired life is granted none again while its heartbeats last.
 #[test]
 fn a_retired_member_s_credit_returns_at_once() {
-    let mut c = Cluster::new(
-        &[1, 2, 3],
-        10,
-        2,
-        vec![],
-        GlobalParams {
-            credit_slack: 6,
-            ..GlobalParams::default()
-        },
-    );
-    c.quiet_pods(2, &[1, 2, 3], 3000);
+    let mut c = three_with_two_credits_each();
     assert_eq!(c.credit(3), 2);
     let admitted = |seq: u64| FlowCmd::Admitted {
         seq,

@@ -112,7 +112,8 @@ impl Default for GossipOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PartitionMode {
-    /// Admit while fewer than its last credit (≥ 1) of its own degraded admissions run.
+    /// Admit while its own degraded admissions running (plus what it had admitted unreported
+    /// when it lost the quorum) are fewer than its last credit.
     LocalShare,
     /// 429 `rejected-saturated` for every new request.
     FailClosed,

@@ -10,9 +10,9 @@
 //!   state carries the verdict for this replica's key (the leader-independent, deterministic
 //!   dispatch of the global queue).
 //! * **Degraded** — the replica cannot commit (no quorum, or the applied state stopped moving for a
-//!   lease): `local-share` admits while fewer than its last credit (at least one) of its own
-//!   degraded admissions run *and* the others still hold its lease (so nobody has re-granted that
-//!   credit); beyond that a request waits like a queued one (its enqueue is retried) for at most
+//!   lease): `local-share` admits while its own degraded admissions still running, plus what it
+//!   had admitted unreported when it lost the quorum, are fewer than its last credit *and* the
+//!   others still hold its lease (so nobody has re-granted that credit); beyond that a request waits like a queued one (its enqueue is retried) for at most
 //!   `--flow-degraded-wait` (3 s: an election ends well within it), then gets 429
 //!   `rejected-saturated`.
 //!   `fail-closed` answers 429 at once. Admission is never unbounded.
@@ -113,6 +113,9 @@ struct State {
     admitted: BTreeMap<u64, (Instant, String)>,
     /// Degraded-mode admissions still running here, by request key.
     degraded_running: HashMap<String, u32>,
+    /// Local admissions unreported when degraded mode began (they may still run, and they
+    /// spent the same credit).
+    degraded_base: usize,
     degraded: bool,
     shutting_down: bool,
     fast: u64,
@@ -351,11 +354,12 @@ impl GlobalGate {
             )));
         }
         // The local share is this replica's credit, usable only while the others still hold its
-        // lease (so they cannot have re-granted that credit).
-        let share = st.credit.max(1) as usize;
+        // lease (so they cannot have re-granted that credit), and never beyond it: what the
+        // others cannot see must fit in the credit they hold back (I1).
+        let share = st.credit as usize;
         let running: u32 = st.degraded_running.values().sum();
         let leased = self.credit_spendable(st);
-        if !leased || running as usize >= share {
+        if !leased || running as usize + st.degraded_base >= share {
             return None;
         }
         st.degraded_admits += 1;

@@ -202,6 +202,7 @@ impl GlobalGate {
                     if !degraded {
                         st.degraded_running.clear();
                     }
+                    st.degraded_base = if degraded { st.unreported.len() } else { 0 };
                     st.degraded = degraded;
                 }
                 match view {
