@@ -1,6 +1,8 @@
 //! Shared builders for the integration tests.
 #![allow(dead_code)]
 
+pub mod cluster;
+
 use flowctl::{
     BandConfig, BandSettings, Command, ConcurrencyDetector, ControllerConfig, EndpointSnapshot,
     EnqueueRequest, FairnessPolicy, FlowKey, Nanos, OrderingPolicy, SaturationDetector,
