@@ -34,6 +34,9 @@ pub struct RaftCluster {
     own: BTreeMap<u64, Vec<String>>,
     /// Replicas started with `--join` (restarted the same way: their data holds the membership).
     joiners: Vec<u64>,
+    /// Test certificates made by [`RaftCluster::secure_by_default`]: each replica gets its own
+    /// (`node-ID.pem`, bound to its id).
+    certs: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for RaftCluster {
@@ -43,6 +46,9 @@ impl std::fmt::Debug for RaftCluster {
             .finish_non_exhaustive()
     }
 }
+
+/// Replica ids [`RaftCluster::secure_by_default`] makes certificates for.
+const MAX_REPLICA_ID: u64 = 9;
 
 impl RaftCluster {
     /// Start `n` voters (ids 1..=n) routing for the pods in `endpoints_file`.
@@ -79,6 +85,7 @@ impl RaftCluster {
             dir: tempfile::tempdir()?,
             voters: (1..=n).collect(),
             joiners: Vec::new(),
+            certs: None,
         };
         c.secure_by_default()?;
         for id in 1..=n {
@@ -91,12 +98,14 @@ impl RaftCluster {
     }
 
     /// Cluster mode requires peer mutual TLS: unless the caller chose its own TLS flags or
-    /// `--peer-insecure`, make a throwaway CA and certificate (`deploy/local/make-test-certs.sh`)
-    /// and give them to every replica.
+    /// `--peer-insecure`, make a throwaway CA and a certificate per replica id
+    /// (`deploy/local/make-test-certs.sh`), each bound to its id as `epp serve` expects by
+    /// default (`epp-node-{id}`).
     fn secure_by_default(&mut self) -> anyhow::Result<()> {
         if self
             .extra
             .iter()
+            .chain(self.own.values().flatten())
             .any(|a| a == "--peer-tls-cert" || a == "--peer-insecure")
         {
             return Ok(());
@@ -106,6 +115,7 @@ impl RaftCluster {
         let out = std::process::Command::new("bash")
             .arg(&script)
             .arg(&certs)
+            .arg(MAX_REPLICA_ID.to_string())
             .output()
             .with_context(|| format!("running {}", script.display()))?;
         if !out.status.success() {
@@ -114,14 +124,9 @@ impl RaftCluster {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        for (flag, file) in [
-            ("--peer-tls-cert", "node.pem"),
-            ("--peer-tls-key", "node.key"),
-            ("--peer-tls-ca", "ca.pem"),
-        ] {
-            self.extra.push(flag.into());
-            self.extra.push(certs.join(file).display().to_string());
-        }
+        self.extra.push("--peer-tls-ca".into());
+        self.extra.push(certs.join("ca.pem").display().to_string());
+        self.certs = Some(certs);
         Ok(())
     }
 
@@ -205,6 +210,13 @@ impl RaftCluster {
         if !routes.is_empty() {
             args.push("--peer-routes".into());
             args.push(routes);
+        }
+        if let Some(certs) = &self.certs {
+            anyhow::ensure!(id <= MAX_REPLICA_ID, "no test certificate for replica {id}");
+            for (flag, ext) in [("--peer-tls-cert", "pem"), ("--peer-tls-key", "key")] {
+                args.push(flag.into());
+                args.push(certs.join(format!("node-{id}.{ext}")).display().to_string());
+            }
         }
         args.extend(self.extra.iter().cloned());
         args.extend(self.own.get(&id).into_iter().flatten().cloned());

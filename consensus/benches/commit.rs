@@ -101,27 +101,69 @@ fn production_timing(cfg: &mut ConsensusConfig) {
     cfg.election_timeout_max = defaults.election_timeout_max;
 }
 
+/// Certificates for [`with_tls`] (`deploy/local/make-test-certs.sh`, needs openssl).
+static CERTS: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+
+/// [`production_timing`] over mutual TLS, each node's certificate bound to its id (what
+/// `epp serve` runs by default).
+fn with_tls(cfg: &mut ConsensusConfig) {
+    production_timing(cfg);
+    let dir = CERTS.get().expect("certificates made").path();
+    cfg.tls = Some(consensus::TlsConfig {
+        identity: Some("epp-node-{id}".into()),
+        ..consensus::TlsConfig::new(
+            dir.join(format!("node-{}.pem", cfg.node_id)),
+            dir.join(format!("node-{}.key", cfg.node_id)),
+            Some(dir.join("ca.pem")),
+        )
+    });
+}
+
 fn main() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/local/make-test-certs.sh"
+    );
+    let made = std::process::Command::new("bash")
+        .arg(script)
+        .arg(dir.path())
+        .arg("3")
+        .status()
+        .unwrap();
+    assert!(made.success(), "make-test-certs.sh failed");
+    CERTS.set(dir).unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(async {
-        let cluster = Cluster::start_with(3, production_timing).await;
-        let leader = cluster.wait_leader(Duration::from_secs(10)).await;
-        let follower = cluster.follower(leader);
-        println!(
-            "3 nodes on 127.0.0.1, sled flush (fsync) on every append, heartbeat 150 ms, leader = {leader}"
-        );
-        // Warm up connections and sled.
-        sequential(&cluster, leader, 50).await;
-        report("single proposal on leader", &sequential(&cluster, leader, 1000).await);
-        report(
-            "single proposal on follower (forwarded)",
-            &sequential(&cluster, follower, 1000).await,
-        );
-        throughput(&cluster, &[leader], 50_000, 1_000).await;
-        throughput(&cluster, &[1, 2, 3], 50_000, 1_000).await;
-        cluster.shutdown().await;
-    });
+    for (transport, tweak) in [
+        ("plaintext", production_timing as fn(&mut ConsensusConfig)),
+        ("mutual TLS, identities bound", with_tls),
+    ] {
+        rt.block_on(run(transport, tweak));
+    }
+}
+
+async fn run(transport: &str, tweak: fn(&mut ConsensusConfig)) {
+    let cluster = Cluster::start_with(3, tweak).await;
+    let leader = cluster.wait_leader(Duration::from_secs(10)).await;
+    let follower = cluster.follower(leader);
+    println!(
+        "3 nodes on 127.0.0.1 ({transport}), sled flush (fsync) on every append, heartbeat \
+         150 ms, leader = {leader}"
+    );
+    // Warm up connections and sled.
+    sequential(&cluster, leader, 50).await;
+    report(
+        "single proposal on leader",
+        &sequential(&cluster, leader, 1000).await,
+    );
+    report(
+        "single proposal on follower (forwarded)",
+        &sequential(&cluster, follower, 1000).await,
+    );
+    throughput(&cluster, &[leader], 50_000, 1_000).await;
+    throughput(&cluster, &[1, 2, 3], 50_000, 1_000).await;
+    cluster.shutdown().await;
 }

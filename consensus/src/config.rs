@@ -93,9 +93,73 @@ pub struct TlsConfig {
     /// certificates). Without it clients use no custom roots and servers do not require client
     /// certificates.
     pub ca_file: Option<PathBuf>,
-    /// Server name clients expect in peer certificates (SNI / verification). Defaults to the
-    /// host part of the peer address.
+    /// Server name clients expect in peer certificates (SNI / verification) when dialing a
+    /// peer whose node id is not bound by `identity`. Defaults to the host part of the peer
+    /// address.
     pub server_name: Option<String>,
+    /// Node identity bound to certificates: a DNS-name template with `{id}` (e.g.
+    /// `epp-node-{id}`). Set (needs `ca_file`), a peer's certificate must carry the name of
+    /// the node id it acts as — the leader or candidate in Raft RPCs, a current member in
+    /// forwarded writes and membership changes, the joining node in its own `add_learner` —
+    /// and a node dialing peer `N` expects `N`'s name in the server certificate. `None`: any
+    /// certificate the CA signed may act as any node.
+    #[serde(default)]
+    pub identity: Option<String>,
+    /// How often the certificate, key and CA files are re-read; changed material is used for
+    /// new connections (existing ones keep their session). Zero: never.
+    #[serde(default = "default_reload", with = "millis")]
+    pub reload_interval: Duration,
+}
+
+fn default_reload() -> Duration {
+    Duration::from_secs(10)
+}
+
+impl TlsConfig {
+    /// TLS from PEM files, no identity binding, reloaded every 10 s.
+    pub fn new(cert_file: PathBuf, key_file: PathBuf, ca_file: Option<PathBuf>) -> Self {
+        Self {
+            cert_file,
+            key_file,
+            ca_file,
+            server_name: None,
+            identity: None,
+            reload_interval: default_reload(),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let Some(template) = &self.identity else {
+            return Ok(());
+        };
+        if template.matches("{id}").count() != 1 {
+            return Err(invalid(
+                "tls.identity",
+                format!("`{template}` must contain `{{id}}` exactly once"),
+            ));
+        }
+        if self.ca_file.is_none() {
+            return Err(invalid(
+                "tls.identity",
+                "binding node ids to certificates needs `ca_file` (mutual TLS)",
+            ));
+        }
+        let name = template.replace("{id}", "1");
+        if crate::network::tls::dns_name(&name).is_none() {
+            return Err(invalid(
+                "tls.identity",
+                format!("`{template}` does not make DNS names (`{name}`)"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The name `identity` gives node `id`, if identities are bound.
+    pub fn identity_of(&self, id: NodeId) -> Option<String> {
+        self.identity
+            .as_ref()
+            .map(|t| t.replace("{id}", &id.to_string()))
+    }
 }
 
 impl Default for SnapshotConfig {
@@ -196,6 +260,9 @@ impl ConsensusConfig {
             if d.is_zero() {
                 return Err(invalid(field, "must be > 0"));
             }
+        }
+        if let Some(tls) = &self.tls {
+            tls.validate()?;
         }
         if self.max_batch == 0 {
             return Err(invalid("max_batch", "must be >= 1"));

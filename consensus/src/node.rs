@@ -29,12 +29,14 @@ use tokio::time::Instant;
 
 use crate::config::ConsensusConfig;
 use crate::error::ConsensusError;
+use crate::network::accept::tls_incoming;
 use crate::network::client::ChannelPool;
 use crate::network::client::NetworkFactory;
 use crate::network::client::NodeRpc;
 use crate::network::proto::raft_peer_server::RaftPeerServer;
 use crate::network::server::PeerService;
-use crate::network::tls::TlsMaterial;
+use crate::network::tls::PeerTls;
+use crate::network::tls::PeerTlsStats;
 use crate::network::wire::AddLearnerRequest;
 use crate::network::wire::AdminReply;
 use crate::network::wire::MembershipChange;
@@ -80,6 +82,9 @@ pub struct ConsensusMetrics {
     pub learners: Vec<NodeId>,
     /// Leader only: milliseconds since a quorum last acknowledged it.
     pub millis_since_quorum_ack: Option<u64>,
+    /// The peer port's authentication counters (`None`: plaintext).
+    #[serde(default)]
+    pub peer_tls: Option<PeerTlsStats>,
 }
 
 /// One member as seen by this node.
@@ -119,6 +124,7 @@ pub(crate) struct Inner<S: StateMachine> {
     pub(crate) raft: Raft<S>,
     pub(crate) reader: StateReader<S>,
     pool: ChannelPool,
+    pub(crate) tls: Option<Arc<PeerTls>>,
 }
 
 /// Where a leader-only request goes next.
@@ -161,6 +167,30 @@ impl<S: StateMachine> Inner<S> {
 
     fn is_leader(&self) -> bool {
         self.raft.metrics().borrow().current_leader == Some(self.id)
+    }
+
+    /// Voters and learners of the effective membership.
+    pub(crate) fn member_ids(&self) -> Vec<NodeId> {
+        self.raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .nodes()
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// The member advertised at `addr`, if any.
+    fn id_at(&self, addr: &str) -> Option<NodeId> {
+        self.raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .nodes()
+            .find(|(_, n)| n.addr == addr)
+            .map(|(id, _)| *id)
     }
 
     fn addr_of(&self, id: NodeId) -> Option<String> {
@@ -391,6 +421,7 @@ impl<S: StateMachine> Inner<S> {
             voters: membership.voter_ids().collect(),
             learners: membership.learner_ids().collect(),
             millis_since_quorum_ack: m.millis_since_quorum_ack,
+            peer_tls: self.tls.as_ref().map(|t| t.stats()),
         }
     }
 
@@ -579,6 +610,26 @@ fn clone_error(reason: &str) -> ConsensusError {
     }
 }
 
+/// Re-reads the peer TLS files every `reload_interval`; changed material that loads is used for
+/// new connections, invalid files keep the old one (and say so).
+async fn reload_tls(tls: Arc<PeerTls>, node_id: NodeId) {
+    let mut every = tokio::time::interval(tls.reload_interval());
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await;
+    loop {
+        every.tick().await;
+        match tls.reload() {
+            Ok(true) => tracing::info!(node_id, "peer TLS material reloaded"),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(
+                node_id,
+                error = %e,
+                "peer TLS files changed but do not load; keeping the previous material"
+            ),
+        }
+    }
+}
+
 /// A running consensus node.
 pub struct ConsensusNode<S: StateMachine> {
     inner: Arc<Inner<S>>,
@@ -586,6 +637,7 @@ pub struct ConsensusNode<S: StateMachine> {
     server_shutdown: Option<oneshot::Sender<()>>,
     server: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
     batcher: Option<JoinHandle<()>>,
+    reloader: Option<JoinHandle<()>>,
 }
 
 impl<S: StateMachine> ConsensusNode<S> {
@@ -623,7 +675,11 @@ impl<S: StateMachine> ConsensusNode<S> {
             op: "create data_dir",
             source,
         })?;
-        let tls = config.tls.as_ref().map(TlsMaterial::load).transpose()?;
+        let tls = config
+            .tls
+            .as_ref()
+            .map(|t| PeerTls::load(t, config.node_id))
+            .transpose()?;
 
         let storage = storage::open::<S>(&config.data_dir)?;
         let recovered = storage.recovered;
@@ -655,17 +711,13 @@ impl<S: StateMachine> ConsensusNode<S> {
             raft,
             reader,
             pool,
+            tls: tls.clone(),
         });
 
-        // Peer server.
-        let mut builder = tonic::transport::Server::builder();
-        if let Some(tls) = &tls {
-            builder = builder
-                .tls_config(tls.server())
-                .map_err(|source| ConsensusError::Server { source })?;
-        }
+        // Peer server: TLS accepted by our own loop (reloadable material, peer certificates
+        // in each request for the identity checks).
         let max = inner.config.max_message_bytes;
-        let router = builder.add_routes(
+        let router = tonic::transport::Server::builder().add_routes(
             routes.add_service(
                 RaftPeerServer::new(PeerService::new(Arc::clone(&inner)))
                     .max_decoding_message_size(max)
@@ -673,10 +725,22 @@ impl<S: StateMachine> ConsensusNode<S> {
             ),
         );
         let (server_shutdown, shutdown_rx) = oneshot::channel::<()>();
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-        let server = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async move {
+        let stop = async move {
             let _ = shutdown_rx.await;
-        }));
+        };
+        let server = match &tls {
+            Some(tls) => tokio::spawn(
+                router.serve_with_incoming_shutdown(tls_incoming(listener, Arc::clone(tls)), stop),
+            ),
+            None => tokio::spawn(router.serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                stop,
+            )),
+        };
+        let reloader = tls
+            .clone()
+            .filter(|t| !t.reload_interval().is_zero())
+            .map(|t| tokio::spawn(reload_tls(t, inner.id)));
 
         let (proposals, rx) = mpsc::channel(inner.config.max_batch.saturating_mul(4));
         let batcher = tokio::spawn(run_batcher(Arc::clone(&inner), rx));
@@ -686,6 +750,7 @@ impl<S: StateMachine> ConsensusNode<S> {
             server_shutdown: Some(server_shutdown),
             server: Some(server),
             batcher: Some(batcher),
+            reloader,
         };
         node.bootstrap(recovered).await?;
         tracing::info!(node_id = node.inner.id, %addr, recovered, "consensus node started");
@@ -736,7 +801,7 @@ impl<S: StateMachine> ConsensusNode<S> {
     /// A channel to the peer at `addr` (an advertised peer address) with this node's peer TLS and
     /// routes, shared with Raft's own traffic — for the application's other peer services.
     pub fn peer_channel(&self, addr: &str) -> Result<tonic::transport::Channel, tonic::Status> {
-        self.inner.pool.channel(addr)
+        self.inner.pool.channel(addr, self.inner.id_at(addr))
     }
 
     /// This node's id.
@@ -905,6 +970,9 @@ impl<S: StateMachine> ConsensusNode<S> {
     /// directory can be reopened afterwards. Pending proposals fail with
     /// [`ConsensusError::Shutdown`].
     pub async fn shutdown(mut self) -> Result<(), ConsensusError> {
+        if let Some(reloader) = self.reloader.take() {
+            reloader.abort();
+        }
         if let Some(batcher) = self.batcher.take() {
             batcher.abort();
             let _ = batcher.await;
@@ -934,6 +1002,9 @@ impl<S: StateMachine> Drop for ConsensusNode<S> {
     fn drop(&mut self) {
         // Dropped without `shutdown`: stop the tasks we own. The Raft core stops once every
         // handle to it is gone.
+        if let Some(reloader) = self.reloader.take() {
+            reloader.abort();
+        }
         if let Some(batcher) = self.batcher.take() {
             batcher.abort();
         }

@@ -83,3 +83,5 @@ pub type SnapshotMeta = openraft::SnapshotMeta<NodeId, BasicNode>;
 pub type RaftMetrics = openraft::RaftMetrics<NodeId, BasicNode>;
 /// Storage error type.
 pub type StorageError = openraft::StorageError<NodeId>;
+/// A Raft vote (term and the leader or candidate it is for).
+pub type Vote = openraft::Vote<NodeId>;

@@ -157,6 +157,16 @@ struct ClusterArgs {
     /// Peer TLS: the name expected in peer certificates (default: the peer address's host).
     #[arg(long, requires = "peer_tls_cert")]
     peer_tls_server_name: Option<String>,
+    /// Peer TLS: the node identity each replica's certificate must carry, a DNS name with
+    /// `{id}` for the node id. A peer acting as node N (leader, candidate, member) must present
+    /// N's certificate; a replica dialing N expects N's name. `none`: any certificate the CA
+    /// signed may act as any node (logged as a warning).
+    #[arg(long, default_value = "epp-node-{id}", requires = "peer_tls_cert")]
+    peer_tls_identity: String,
+    /// Peer TLS: how often the certificate, key and CA files are re-read (new connections use
+    /// changed material; 0s: never).
+    #[arg(long, default_value = "10s", value_parser = duration, requires = "peer_tls_cert")]
+    peer_tls_reload: Duration,
     /// Run the peer port in plaintext, unauthenticated: anyone who reaches it can join the
     /// consensus. Cluster mode otherwise requires mutual TLS (--peer-tls-cert, --peer-tls-key,
     /// --peer-tls-ca).
@@ -212,6 +222,10 @@ impl ClusterArgs {
                 "PEER PORT IN PLAINTEXT, UNAUTHENTICATED (--peer-insecure): anyone who reaches \
                  it can join the consensus and propose entries; use mutual TLS outside a test"
             ),
+            (Some(_), Some(_), false) if self.peer_tls_identity == "none" => tracing::warn!(
+                "PEER IDENTITIES NOT BOUND (--peer-tls-identity none): any certificate the CA \
+                 signed may act as any node"
+            ),
             (Some(_), Some(_), false) => {}
             (Some(_), None, false) => anyhow::bail!(
                 "cluster mode authenticates peers: --peer-tls-ca is required with \
@@ -236,10 +250,10 @@ impl ClusterArgs {
             snapshot_logs: self.raft_snapshot_logs,
             tls: match (self.peer_tls_cert, self.peer_tls_key) {
                 (Some(cert_file), Some(key_file)) => Some(consensus::TlsConfig {
-                    cert_file,
-                    key_file,
-                    ca_file: self.peer_tls_ca,
                     server_name: self.peer_tls_server_name,
+                    identity: (self.peer_tls_identity != "none").then_some(self.peer_tls_identity),
+                    reload_interval: self.peer_tls_reload,
+                    ..consensus::TlsConfig::new(cert_file, key_file, self.peer_tls_ca)
                 }),
                 _ => None,
             },

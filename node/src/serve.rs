@@ -272,14 +272,18 @@ pub async fn serve(
     };
     let cluster = match (peer, &opts.cluster) {
         (Some(listener), Some(c)) => {
+            let identity = c
+                .tls
+                .as_ref()
+                .and_then(consensus::network::tls::PeerIdentity::of);
             let mut routes = tonic::service::Routes::default();
             if let Some(g) = &gossip {
                 routes = routes
-                    .add_service(g.service())
-                    .add_service(g.sample_service());
+                    .add_service(g.service(identity.clone()))
+                    .add_service(g.sample_service(identity.clone()));
             }
             if let Some(r) = &relay {
-                routes = routes.add_service(r.service());
+                routes = routes.add_service(r.service(identity));
             }
             Some(Arc::new(
                 ClusterMember::start(c.clone(), listener, routes)

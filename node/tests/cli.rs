@@ -169,3 +169,63 @@ fn cluster_mode_refuses_an_unauthenticated_peer_port() {
     assert!(out.contains("--peer-tls-ca is required"), "{out}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// With mutual TLS the node id is bound to the certificate (`--peer-tls-identity`, default
+/// `epp-node-{id}`): a replica given another node's certificate refuses to start and names the
+/// identity it expected.
+#[test]
+fn cluster_mode_refuses_a_certificate_for_another_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/local/make-test-certs.sh"
+    );
+    let made = Command::new("bash")
+        .arg(script)
+        .arg(dir.path())
+        .arg("2")
+        .output()
+        .expect("run make-test-certs.sh");
+    assert!(made.status.success(), "{made:?}");
+    let endpoints = dir.path().join("endpoints.yaml");
+    std::fs::write(&endpoints, "pods: []\n").unwrap();
+    let p = |f: &str| dir.path().join(f).display().to_string();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_epp"))
+        .args(["serve", "--bind", "127.0.0.1", "--grpc-port", "0"])
+        .args([
+            "--grpc-health-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--peer-port",
+            "0",
+        ])
+        .args(["--endpoints-file", &p("endpoints.yaml"), "--node-id", "1"])
+        .args(["--data-dir", &p("data"), "--peers", "1=127.0.0.1:1"])
+        .args([
+            "--peer-tls-cert",
+            &p("node-2.pem"),
+            "--peer-tls-key",
+            &p("node-2.key"),
+        ])
+        .args(["--peer-tls-ca", &p("ca.pem")])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run epp");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().ok();
+            panic!("epp started with another node's certificate");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        text.contains("not valid for this node's identity `epp-node-1`"),
+        "{text}"
+    );
+}

@@ -36,7 +36,7 @@ use tonic::transport::Endpoint;
 use super::proto::Frame;
 use super::proto::SnapshotChunk;
 use super::proto::raft_peer_client::RaftPeerClient;
-use super::tls::TlsMaterial;
+use super::tls::PeerTls;
 use crate::codec;
 use crate::error::ConsensusError;
 use crate::state_machine::StateMachine;
@@ -52,29 +52,37 @@ pub fn reconnect_backoff() -> Backoff {
     ))
 }
 
-/// Lazily connected gRPC channels keyed by peer address, shared by all clients of a node.
+/// Lazily connected gRPC channels keyed by peer address (and the name expected in its
+/// certificate), shared by all clients of a node.
 ///
 /// A tonic `Channel` reconnects by itself after a failure, so one channel per address lives for
-/// the life of the node.
+/// the life of the node — or until reloaded TLS material replaces it.
 #[derive(Clone)]
 pub struct ChannelPool {
-    channels: Arc<Mutex<HashMap<String, Channel>>>,
-    tls: Option<Arc<TlsMaterial>>,
+    channels: Arc<Mutex<Channels>>,
+    tls: Option<Arc<PeerTls>>,
     connect_timeout: Duration,
     max_message_bytes: usize,
     routes: Arc<BTreeMap<String, String>>,
 }
 
+#[derive(Default)]
+struct Channels {
+    /// The TLS generation the channels were made with.
+    generation: u64,
+    by_peer: HashMap<(String, Option<NodeId>), Channel>,
+}
+
 impl ChannelPool {
     /// A pool with the given connection settings.
-    pub fn new(
-        tls: Option<TlsMaterial>,
+    pub(crate) fn new(
+        tls: Option<Arc<PeerTls>>,
         connect_timeout: Duration,
         max_message_bytes: usize,
     ) -> Self {
         Self {
-            channels: Arc::new(Mutex::new(HashMap::new())),
-            tls: tls.map(Arc::new),
+            channels: Arc::new(Mutex::new(Channels::default())),
+            tls,
             connect_timeout,
             max_message_bytes,
             routes: Arc::new(BTreeMap::new()),
@@ -87,33 +95,45 @@ impl ChannelPool {
         self
     }
 
-    /// The (lazily connecting, shared) channel to the peer at `addr` (`host:port`), with the
-    /// pool's TLS and routes; created on first use.
-    pub fn channel(&self, addr: &str) -> Result<Channel, tonic::Status> {
-        let addr = self.routes.get(addr).map_or(addr, String::as_str);
+    /// The (lazily connecting, shared) channel to the peer at `addr` (`host:port`) — node
+    /// `target` when known, whose identity its certificate must then carry — with the pool's
+    /// TLS and routes; created on first use.
+    pub fn channel(&self, addr: &str, target: Option<NodeId>) -> Result<Channel, tonic::Status> {
+        let dial = self.routes.get(addr).map_or(addr, String::as_str);
         let mut channels = self
             .channels
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        Ok(match channels.get(addr) {
+        let generation = self.tls.as_ref().map_or(0, |t| t.generation());
+        if channels.generation != generation {
+            channels.by_peer.clear();
+            channels.generation = generation;
+        }
+        let key = (dial.to_string(), target);
+        Ok(match channels.by_peer.get(&key) {
             Some(ch) => ch.clone(),
             None => {
-                let ch = self.endpoint(addr)?.connect_lazy();
-                channels.insert(addr.to_string(), ch.clone());
+                let ch = self.endpoint(dial, target)?.connect_lazy();
+                channels.by_peer.insert(key, ch.clone());
                 ch
             }
         })
     }
 
-    /// A client for the peer at `addr` (`host:port`), creating its channel on first use.
-    pub fn client(&self, addr: &str) -> Result<RaftPeerClient<Channel>, tonic::Status> {
-        let channel = self.channel(addr)?;
+    /// A client for the peer `target` at `addr` (`host:port`), creating its channel on first
+    /// use.
+    pub fn client(
+        &self,
+        addr: &str,
+        target: Option<NodeId>,
+    ) -> Result<RaftPeerClient<Channel>, tonic::Status> {
+        let channel = self.channel(addr, target)?;
         Ok(RaftPeerClient::new(channel)
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes))
     }
 
-    fn endpoint(&self, addr: &str) -> Result<Endpoint, tonic::Status> {
+    fn endpoint(&self, addr: &str, target: Option<NodeId>) -> Result<Endpoint, tonic::Status> {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         let bad = |e: tonic::transport::Error| {
             tonic::Status::invalid_argument(format!("peer address {addr}: {e}"))
@@ -126,7 +146,10 @@ impl ChannelPool {
             .keep_alive_timeout(Duration::from_secs(5));
         if let Some(tls) = &self.tls {
             let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
-            endpoint = endpoint.tls_config(tls.client(host)).map_err(bad)?;
+            let name = tls.server_name(target, host);
+            endpoint = endpoint
+                .tls_config(tls.material().client(&name))
+                .map_err(bad)?;
         }
         Ok(endpoint)
     }
@@ -239,7 +262,7 @@ impl<S: StateMachine> RaftNetwork<TypeConfig<S>> for PeerNetwork<S> {
         let frame = Self::frame(&rpc)?;
         let mut client = self
             .pool
-            .client(&self.node.addr)
+            .client(&self.node.addr, Some(self.target))
             .map_err(Self::status_error)?;
         let bytes = self
             .call(
@@ -267,7 +290,7 @@ impl<S: StateMachine> RaftNetwork<TypeConfig<S>> for PeerNetwork<S> {
         };
         let mut client = self
             .pool
-            .client(&self.node.addr)
+            .client(&self.node.addr, Some(self.target))
             .map_err(Self::status_error)?;
         let bytes = self
             .call(
@@ -288,7 +311,7 @@ impl<S: StateMachine> RaftNetwork<TypeConfig<S>> for PeerNetwork<S> {
         let frame = Self::frame(&rpc)?;
         let mut client = self
             .pool
-            .client(&self.node.addr)
+            .client(&self.node.addr, Some(self.target))
             .map_err(Self::status_error)?;
         let bytes = self
             .call(RPCTypes::Vote, ttl, client.vote(Self::request(ttl, frame)))
@@ -353,7 +376,7 @@ impl ChannelPool {
         };
         let mut req = tonic::Request::new(frame);
         req.set_timeout(timeout);
-        let mut client = self.client(addr).map_err(rpc_err)?;
+        let mut client = self.client(addr, Some(target)).map_err(rpc_err)?;
         let fut = async move {
             match rpc {
                 NodeRpc::ClientWrite => client.client_write(req).await,

@@ -6,10 +6,13 @@
 //!   peers are retried by openraft with the exponential [`client::reconnect_backoff`].
 //! - [`server`]: the `RaftPeer` gRPC service that feeds incoming RPCs into the local node.
 //! - [`wire`]: the request/response bodies carried in `Frame.data`.
+//! - [`tls`] and [`accept`]: peer TLS (reloaded files, node identities bound to certificate
+//!   names) and the peer port's TLS accept loop.
 //!
 //! Snapshots use openraft's chunked transfer: one `InstallSnapshot` RPC per chunk of at most
 //! `snapshot.chunk_bytes`, raw bytes in the protobuf message.
 
+pub(crate) mod accept;
 pub mod client;
 pub mod server;
 pub mod tls;

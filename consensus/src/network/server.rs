@@ -2,7 +2,10 @@
 
 use std::sync::Arc;
 
+use openraft::raft::AppendEntriesRequest;
 use openraft::raft::InstallSnapshotRequest;
+use openraft::raft::VoteRequest;
+use rustls::pki_types::CertificateDer;
 use serde::Serialize;
 use tonic::Request;
 use tonic::Response;
@@ -17,6 +20,9 @@ use crate::codec;
 use crate::node::Inner;
 use crate::state_machine::Batch;
 use crate::state_machine::StateMachine;
+use crate::types::NodeId;
+use crate::types::TypeConfig;
+use crate::types::Vote;
 
 /// Serves peer RPCs for one node.
 pub(crate) struct PeerService<S: StateMachine> {
@@ -39,15 +45,67 @@ fn reply<T: Serialize>(value: &T) -> Result<Response<Frame>, Status> {
         .map_err(|e| Status::internal(e.to_string()))
 }
 
+/// The peer's certificate chain, when the connection is TLS.
+fn certs<T>(request: &Request<T>) -> Option<Arc<Vec<CertificateDer<'static>>>> {
+    request.peer_certs()
+}
+
+impl<S: StateMachine> PeerService<S> {
+    /// With identities bound: the sender must be node `id` (Raft RPCs name their leader or
+    /// candidate).
+    fn check_node(
+        &self,
+        certs: Option<&Arc<Vec<CertificateDer<'static>>>>,
+        vote: &Vote,
+        rpc: &str,
+    ) -> Result<(), Status> {
+        let Some(tls) = &self.inner.tls else {
+            return Ok(());
+        };
+        let id = vote.leader_id().voted_for();
+        tls.authorize(
+            certs.map(|c| c.as_slice()),
+            id,
+            &format!(
+                "{rpc} from node {}",
+                id.map_or("?".into(), |i| i.to_string())
+            ),
+        )
+    }
+
+    /// With identities bound: the sender must be a current member (or `or`).
+    fn check_member(
+        &self,
+        certs: Option<&Arc<Vec<CertificateDer<'static>>>>,
+        or: Option<NodeId>,
+        rpc: &str,
+    ) -> Result<(), Status> {
+        let Some(tls) = &self.inner.tls else {
+            return Ok(());
+        };
+        let mut ids = self.inner.member_ids();
+        ids.extend(or);
+        tls.authorize(
+            certs.map(|c| c.as_slice()),
+            ids,
+            &format!("{rpc} (a member)"),
+        )
+    }
+}
+
 #[tonic::async_trait]
 impl<S: StateMachine> RaftPeer for PeerService<S> {
     async fn append_entries(&self, request: Request<Frame>) -> Result<Response<Frame>, Status> {
-        let rpc = decode(&request.into_inner().data)?;
+        let certs = certs(&request);
+        let rpc: AppendEntriesRequest<TypeConfig<S>> = decode(&request.into_inner().data)?;
+        self.check_node(certs.as_ref(), &rpc.vote, "AppendEntries")?;
         reply(&self.inner.raft.append_entries(rpc).await)
     }
 
     async fn vote(&self, request: Request<Frame>) -> Result<Response<Frame>, Status> {
-        let rpc = decode(&request.into_inner().data)?;
+        let certs = certs(&request);
+        let rpc: VoteRequest<NodeId> = decode(&request.into_inner().data)?;
+        self.check_node(certs.as_ref(), &rpc.vote, "Vote")?;
         reply(&self.inner.raft.vote(rpc).await)
     }
 
@@ -55,6 +113,7 @@ impl<S: StateMachine> RaftPeer for PeerService<S> {
         &self,
         request: Request<SnapshotChunk>,
     ) -> Result<Response<Frame>, Status> {
+        let certs = certs(&request);
         let chunk = request.into_inner();
         let rpc = InstallSnapshotRequest {
             vote: decode(&chunk.vote)?,
@@ -63,28 +122,37 @@ impl<S: StateMachine> RaftPeer for PeerService<S> {
             data: chunk.data.to_vec(),
             done: chunk.done,
         };
+        self.check_node(certs.as_ref(), &rpc.vote, "InstallSnapshot")?;
         reply(&self.inner.raft.install_snapshot(rpc).await)
     }
 
     async fn client_write(&self, request: Request<Frame>) -> Result<Response<Frame>, Status> {
+        self.check_member(certs(&request).as_ref(), None, "ClientWrite")?;
         let batch: Batch<S::Command> = decode(&request.into_inner().data)?;
         reply(&self.inner.local_write(batch).await)
     }
 
-    async fn read_index(&self, _request: Request<Frame>) -> Result<Response<Frame>, Status> {
+    async fn read_index(&self, request: Request<Frame>) -> Result<Response<Frame>, Status> {
+        self.check_member(certs(&request).as_ref(), None, "ReadIndex")?;
         reply(&self.inner.local_read_index().await)
     }
 
+    /// Read-only, and how a joining node or an operator's tool finds the leader: any peer the
+    /// CA vouches for.
     async fn status(&self, _request: Request<Frame>) -> Result<Response<Frame>, Status> {
         reply(&self.inner.status().await)
     }
 
     async fn add_learner(&self, request: Request<Frame>) -> Result<Response<Frame>, Status> {
+        let certs = certs(&request);
         let req: AddLearnerRequest = decode(&request.into_inner().data)?;
+        // A node may add itself (joining); members may add others (the admin API forwards).
+        self.check_member(certs.as_ref(), Some(req.node_id), "AddLearner")?;
         reply(&self.inner.local_add_learner(req).await)
     }
 
     async fn change_membership(&self, request: Request<Frame>) -> Result<Response<Frame>, Status> {
+        self.check_member(certs(&request).as_ref(), None, "ChangeMembership")?;
         let change: MembershipChange = decode(&request.into_inner().data)?;
         reply(&self.inner.local_change_membership(change).await)
     }

@@ -22,4 +22,30 @@ pub mod options;
 pub mod settle;
 
 pub use member::ClusterMember;
+
+/// The peer port's application services (gossip, scrape fan-out, settlements): with node
+/// identities bound to certificates (`--peer-tls-identity`), a message claiming to come from
+/// node `from` must arrive with `from`'s certificate — a replica cannot speak for another.
+pub(crate) fn authorize_peer<T>(
+    identity: Option<&consensus::network::tls::PeerIdentity>,
+    req: &tonic::Request<T>,
+    from: u64,
+    metrics: &crate::metrics::Metrics,
+    service: &'static str,
+) -> Result<(), tonic::Status> {
+    let Some(identity) = identity else {
+        return Ok(());
+    };
+    let certs = req.peer_certs();
+    identity
+        .check(
+            certs.as_deref().map(Vec::as_slice),
+            [from],
+            &format!("{service} from node {from}"),
+        )
+        .inspect_err(|e| {
+            metrics.cluster.peer_refused(service);
+            tracing::debug!(reason = e.message(), "peer message refused");
+        })
+}
 pub use options::{ClusterOptions, GossipOptions, PartitionMode, parse_peers, parse_routes};

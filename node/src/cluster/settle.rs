@@ -85,8 +85,11 @@ impl SettleRelay {
     }
 
     /// The gRPC service to serve on the peer port.
-    pub fn service(self: &Arc<Self>) -> SettlementsServer<SettleService> {
-        SettlementsServer::new(SettleService(self.clone()))
+    pub fn service(
+        self: &Arc<Self>,
+        identity: Option<consensus::network::tls::PeerIdentity>,
+    ) -> SettlementsServer<SettleService> {
+        SettlementsServer::new(SettleService(self.clone(), identity))
     }
 
     /// A peer's settlements: release what this replica holds.
@@ -197,7 +200,10 @@ impl SettleRelay {
 
 /// The `Settlements` gRPC service.
 #[derive(Debug, Clone)]
-pub struct SettleService(Arc<SettleRelay>);
+pub struct SettleService(
+    Arc<SettleRelay>,
+    Option<consensus::network::tls::PeerIdentity>,
+);
 
 #[tonic::async_trait]
 impl Settlements for SettleService {
@@ -205,8 +211,10 @@ impl Settlements for SettleService {
         &self,
         req: Request<pb::SettleBatch>,
     ) -> Result<Response<pb::PushReply>, Status> {
+        let from = req.get_ref().from;
+        crate::cluster::authorize_peer(self.1.as_ref(), &req, from, &self.0.metrics, "settle")?;
         let batch = req.into_inner();
-        let (from, keys) = (batch.from, batch.settled.len());
+        let keys = batch.settled.len();
         let released = self.0.apply(batch);
         tracing::debug!(from, keys, released, "settlements relayed by a peer");
         Ok(Response::new(pb::PushReply {}))

@@ -182,6 +182,23 @@ pub struct ClusterMetrics {
     flow_unreported: Gauge,
     flow_waiting: Gauge,
     flow_degraded: Gauge,
+    peer_handshake_failures: Counter,
+    peer_refused: Family<ServiceLabels, Counter>,
+    peer_tls_reloads: Family<ResultLabels, Counter>,
+}
+
+/// Which peer-port service refused a message (`raft`, `gossip`, `samples`, `settle`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceLabels {
+    pub service: &'static str,
+}
+
+/// Moves `counter` up to `total`, a cumulative count kept elsewhere (the consensus node's).
+fn follow(counter: &Counter, total: u64) {
+    let seen = counter.get();
+    if total > seen {
+        counter.inc_by(total - seen);
+    }
 }
 
 /// How cluster flow control admitted a request: `fast` (local credit), `slow` (global queue),
@@ -219,7 +236,27 @@ impl ClusterMetrics {
             flow_unreported: Gauge::default(),
             flow_waiting: Gauge::default(),
             flow_degraded: Gauge::default(),
+            peer_handshake_failures: Counter::default(),
+            peer_refused: Family::default(),
+            peer_tls_reloads: Family::default(),
         };
+        registry.register(
+            "cluster_peer_tls_handshake_failures",
+            "Connections to the peer port whose TLS handshake failed or timed out (no or an \
+             untrusted client certificate, not TLS)",
+            m.peer_handshake_failures.clone(),
+        );
+        registry.register(
+            "cluster_peer_refused",
+            "Peer messages refused because the certificate was not the one of the node they \
+             came from (--peer-tls-identity), by service",
+            m.peer_refused.clone(),
+        );
+        registry.register(
+            "cluster_peer_tls_reloads",
+            "Changed peer TLS files loaded (ok) or refused, keeping the previous material (error)",
+            m.peer_tls_reloads.clone(),
+        );
         registry.register(
             "cluster_flow_admissions",
             "Requests admitted by cluster flow control, by path (fast: local credit, no consensus \
@@ -334,6 +371,12 @@ impl ClusterMetrics {
             .set(i64::try_from(credit).unwrap_or(i64::MAX));
     }
 
+    pub fn peer_refused(&self, service: &'static str) {
+        self.peer_refused
+            .get_or_create(&ServiceLabels { service })
+            .inc();
+    }
+
     pub fn proposal(&self, seconds: f64) {
         self.proposal_seconds.observe(seconds);
     }
@@ -347,5 +390,20 @@ impl ClusterMetrics {
         self.last_applied.set(i(m.last_applied.unwrap_or(0)));
         self.apply_lag.set(i(m.apply_lag));
         self.quorum.set(i64::from(quorum));
+        if let Some(tls) = &m.peer_tls {
+            follow(&self.peer_handshake_failures, tls.handshake_failures);
+            follow(
+                &self
+                    .peer_refused
+                    .get_or_create(&ServiceLabels { service: "raft" }),
+                tls.refused,
+            );
+            let reloads = |result| {
+                self.peer_tls_reloads
+                    .get_or_create(&ResultLabels { result })
+            };
+            follow(&reloads("ok"), tls.reloads);
+            follow(&reloads("error"), tls.reload_failures);
+        }
     }
 }

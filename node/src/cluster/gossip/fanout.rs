@@ -55,8 +55,11 @@ impl Gossip {
     }
 
     /// The scrape fan-out gRPC service.
-    pub fn sample_service(self: &Arc<Self>) -> SampleFanoutServer<GossipService> {
-        SampleFanoutServer::new(GossipService(self.clone()))
+    pub fn sample_service(
+        self: &Arc<Self>,
+        identity: Option<consensus::network::tls::PeerIdentity>,
+    ) -> SampleFanoutServer<GossipService> {
+        SampleFanoutServer::new(GossipService(self.clone(), identity))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
@@ -152,6 +155,7 @@ impl SampleFanout for GossipService {
         &self,
         req: Request<pb::SampleBatch>,
     ) -> Result<Response<pb::PushReply>, Status> {
+        self.authorize(&req, req.get_ref().from, "samples")?;
         let mut batch = req.into_inner();
         self.0.heard_from(batch.from);
         let bytes = batch.encoded_len();

@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use consensus::network::tls::PeerIdentity;
 use index::{PodDigest, PodState};
 use prost::Message;
 use tokio::sync::mpsc;
@@ -295,8 +296,11 @@ impl Gossip {
     }
 
     /// The gRPC service to serve on the peer port.
-    pub fn service(self: &Arc<Self>) -> PrefixGossipServer<GossipService> {
-        PrefixGossipServer::new(GossipService(self.clone()))
+    pub fn service(
+        self: &Arc<Self>,
+        identity: Option<PeerIdentity>,
+    ) -> PrefixGossipServer<GossipService> {
+        PrefixGossipServer::new(GossipService(self.clone(), identity))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
@@ -654,13 +658,21 @@ struct Peer {
     stop: CancellationToken,
 }
 
-/// The `PrefixGossip` gRPC service.
+/// The `PrefixGossip` and `SampleFanout` gRPC services (and the certificate binding of their
+/// senders, if any).
 #[derive(Debug, Clone)]
-pub struct GossipService(Arc<Gossip>);
+pub struct GossipService(Arc<Gossip>, Option<PeerIdentity>);
+
+impl GossipService {
+    fn authorize<T>(&self, req: &Request<T>, from: u64, what: &'static str) -> Result<(), Status> {
+        crate::cluster::authorize_peer(self.1.as_ref(), req, from, &self.0.metrics, what)
+    }
+}
 
 #[tonic::async_trait]
 impl PrefixGossip for GossipService {
     async fn push(&self, req: Request<pb::Deltas>) -> Result<Response<pb::PushReply>, Status> {
+        self.authorize(&req, req.get_ref().from, "gossip")?;
         let msg = req.into_inner();
         self.0.heard_from(msg.from);
         let bytes = msg.encoded_len();
@@ -669,6 +681,7 @@ impl PrefixGossip for GossipService {
     }
 
     async fn sync(&self, req: Request<pb::Digests>) -> Result<Response<pb::SyncReply>, Status> {
+        self.authorize(&req, req.get_ref().from, "gossip")?;
         let msg = req.into_inner();
         self.0.heard_from(msg.from);
         self.0.metrics.gossip.received(msg.encoded_len(), 0);
