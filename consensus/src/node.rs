@@ -169,28 +169,28 @@ impl<S: StateMachine> Inner<S> {
         self.raft.metrics().borrow().current_leader == Some(self.id)
     }
 
-    /// Voters and learners of the effective membership.
-    pub(crate) fn member_ids(&self) -> Vec<NodeId> {
+    /// Voters and learners of the effective membership, with their addresses.
+    fn members(&self) -> Vec<(NodeId, String)> {
         self.raft
             .metrics()
             .borrow()
             .membership_config
             .membership()
             .nodes()
-            .map(|(id, _)| *id)
+            .map(|(id, n)| (*id, n.addr.clone()))
             .collect()
+    }
+
+    /// Voters and learners of the effective membership.
+    pub(crate) fn member_ids(&self) -> Vec<NodeId> {
+        self.members().into_iter().map(|(id, _)| id).collect()
     }
 
     /// The member advertised at `addr`, if any.
     fn id_at(&self, addr: &str) -> Option<NodeId> {
-        self.raft
-            .metrics()
-            .borrow()
-            .membership_config
-            .membership()
-            .nodes()
-            .find(|(_, n)| n.addr == addr)
-            .map(|(id, _)| *id)
+        self.members()
+            .into_iter()
+            .find_map(|(id, a)| (a == addr).then_some(id))
     }
 
     fn addr_of(&self, id: NodeId) -> Option<String> {
