@@ -16,10 +16,8 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 mod cluster;
-mod discovery;
 
 pub use cluster::{ClusterMetrics, DirectionLabels, GossipMetrics, PathLabels, ResultLabels};
-pub use discovery::DiscoveryMetrics;
 
 pub const PREFIX: &str = "llm_d_epp";
 const MAX_LABEL_VALUES: usize = 1000;
@@ -214,7 +212,6 @@ pub struct Metrics {
     pub flow: FlowMetrics,
     pub cluster: ClusterMetrics,
     pub gossip: GossipMetrics,
-    pub discovery: DiscoveryMetrics,
 }
 
 /// Flow-control metrics (llm-d's `flow_control_*`), updated by [`crate::request::admission::local::FlowGate`].
@@ -444,7 +441,6 @@ impl Metrics {
         );
         let cluster = ClusterMetrics::register(&mut registry);
         let gossip = GossipMetrics::register(&mut registry);
-        let discovery = DiscoveryMetrics::register(&mut registry);
         Metrics {
             registry,
             pool_name: pool_name.to_string(),
@@ -467,7 +463,6 @@ impl Metrics {
             token_series: SeriesCap::default(),
             cluster,
             gossip,
-            discovery,
             disagg_decisions,
             model_rewrites,
             served_by_fallback,
