@@ -371,3 +371,23 @@ impl PeerTls {
         }
     }
 }
+
+/// Re-reads the peer TLS files every `reload_interval`; changed material that loads is used for
+/// new connections, invalid files keep the old one (and say so).
+pub(crate) async fn reload_loop(tls: Arc<PeerTls>, node_id: NodeId) {
+    let mut every = tokio::time::interval(tls.reload_interval());
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await;
+    loop {
+        every.tick().await;
+        match tls.reload() {
+            Ok(true) => tracing::info!(node_id, "peer TLS material reloaded"),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(
+                node_id,
+                error = %e,
+                "peer TLS files changed but do not load; keeping the previous material"
+            ),
+        }
+    }
+}

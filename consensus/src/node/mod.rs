@@ -4,6 +4,15 @@
 //! batcher task that coalesces concurrent proposals into one log entry. Leader-only operations
 //! (writes, read indexes, membership changes) run locally on the leader and are forwarded over
 //! the peer RPCs by followers, following `ForwardToLeader` hints.
+//!
+//! - [`batcher`]: proposals coalesced into log entries, written on the leader;
+//! - [`status`]: [`ConsensusMetrics`] and [`ClusterStatus`], what a node reports.
+
+mod batcher;
+mod status;
+
+use batcher::{Proposal, run_batcher};
+pub use status::{ClusterStatus, ConsensusMetrics, MemberStatus};
 
 use std::collections::BTreeMap;
 use std::collections::BTreeSet;
@@ -12,19 +21,14 @@ use std::time::Duration;
 
 use openraft::BasicNode;
 use openraft::ChangeMembers;
-use openraft::ServerState;
-use openraft::error::ClientWriteError;
 use openraft::error::InitializeError;
 use openraft::error::RaftError;
-use serde::Deserialize;
 use serde::Serialize;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio::sync::mpsc;
 use tokio::sync::oneshot;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::config::ConsensusConfig;
@@ -36,7 +40,7 @@ use crate::network::client::NodeRpc;
 use crate::network::proto::raft_peer_server::RaftPeerServer;
 use crate::network::server::PeerService;
 use crate::network::tls::PeerTls;
-use crate::network::tls::PeerTlsStats;
+use crate::network::tls::reload_loop;
 use crate::network::wire::AddLearnerRequest;
 use crate::network::wire::AdminReply;
 use crate::network::wire::MembershipChange;
@@ -51,70 +55,6 @@ use crate::types::LogId;
 use crate::types::NodeId;
 use crate::types::Raft;
 use crate::types::RaftMetrics;
-use crate::types::TypeConfig;
-
-/// A point-in-time view of this node's Raft progress.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConsensusMetrics {
-    /// This node.
-    pub node_id: NodeId,
-    /// `Leader`, `Follower`, `Candidate`, `Learner` or `Shutdown`.
-    pub state: String,
-    /// Current term.
-    pub term: u64,
-    /// Known leader.
-    pub leader: Option<NodeId>,
-    /// Index of the last entry in the local log.
-    pub last_log_index: Option<u64>,
-    /// Index of the last entry this node knows to be committed.
-    pub commit_index: Option<u64>,
-    /// Index of the last entry applied to the local state machine.
-    pub last_applied: Option<u64>,
-    /// `commit_index - last_applied` (entries committed but not yet applied here).
-    pub apply_lag: u64,
-    /// Last log index covered by the local snapshot.
-    pub snapshot_index: Option<u64>,
-    /// Last purged log index.
-    pub purged_index: Option<u64>,
-    /// Voter ids of the effective membership.
-    pub voters: Vec<NodeId>,
-    /// Learner ids of the effective membership.
-    pub learners: Vec<NodeId>,
-    /// Leader only: milliseconds since a quorum last acknowledged it.
-    pub millis_since_quorum_ack: Option<u64>,
-    /// The peer port's authentication counters (`None`: plaintext).
-    #[serde(default)]
-    pub peer_tls: Option<PeerTlsStats>,
-}
-
-/// One member as seen by this node.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct MemberStatus {
-    /// Node id.
-    pub node_id: NodeId,
-    /// Peer address.
-    pub addr: String,
-    /// Voter (true) or learner (false).
-    pub voter: bool,
-    /// Leader view only: last log index known to be replicated to this member.
-    pub matched_index: Option<u64>,
-}
-
-/// JSON-serializable cluster view for `/debug/cluster`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ClusterStatus {
-    /// This node's peer address.
-    pub addr: String,
-    /// This node's progress.
-    pub metrics: ConsensusMetrics,
-    /// All members of the effective membership.
-    pub members: Vec<MemberStatus>,
-}
-
-struct Proposal<S: StateMachine> {
-    commands: Vec<S::Command>,
-    reply: oneshot::Sender<Result<Vec<S::Output>, ConsensusError>>,
-}
 
 /// State shared by the node handle, the batcher and the peer service.
 pub(crate) struct Inner<S: StateMachine> {
@@ -394,240 +334,6 @@ impl<S: StateMachine> Inner<S> {
             .map(|resp| Some(resp.log_id))
             .map_err(RemoteError::from_raft)
     }
-
-    pub(crate) async fn metrics(&self) -> ConsensusMetrics {
-        let m = self.metrics_now();
-        let commit_index = self
-            .raft
-            .with_raft_state(|st| st.committed.as_ref().map(|l| l.index))
-            .await
-            .ok()
-            .flatten();
-        let membership = m.membership_config.membership();
-        let last_applied = m.last_applied.as_ref().map(|l| l.index);
-        ConsensusMetrics {
-            node_id: self.id,
-            state: format!("{:?}", m.state),
-            term: m.current_term,
-            leader: m.current_leader,
-            last_log_index: m.last_log_index,
-            commit_index,
-            last_applied,
-            apply_lag: commit_index
-                .unwrap_or(0)
-                .saturating_sub(last_applied.unwrap_or(0)),
-            snapshot_index: m.snapshot.as_ref().map(|l| l.index),
-            purged_index: m.purged.as_ref().map(|l| l.index),
-            voters: membership.voter_ids().collect(),
-            learners: membership.learner_ids().collect(),
-            millis_since_quorum_ack: m.millis_since_quorum_ack,
-            peer_tls: self.tls.as_ref().map(|t| t.stats()),
-        }
-    }
-
-    pub(crate) async fn status(&self) -> ClusterStatus {
-        let metrics = self.metrics().await;
-        let m = self.metrics_now();
-        let membership = m.membership_config.membership();
-        let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
-        let matched: BTreeMap<NodeId, Option<u64>> = match (&m.replication, m.state) {
-            (Some(repl), ServerState::Leader) => repl
-                .iter()
-                .map(|(id, l)| (*id, l.as_ref().map(|l| l.index)))
-                .collect(),
-            _ => BTreeMap::new(),
-        };
-        let members = membership
-            .nodes()
-            .map(|(id, node)| MemberStatus {
-                node_id: *id,
-                addr: node.addr.clone(),
-                voter: voters.contains(id),
-                matched_index: matched.get(id).copied().flatten(),
-            })
-            .collect();
-        ClusterStatus {
-            addr: self.addr.clone(),
-            metrics,
-            members,
-        }
-    }
-
-    /// Writes a batch through the leader (this node or a remote one).
-    async fn write_via_leader(
-        &self,
-        batch: &Batch<S::Command>,
-        deadline: Instant,
-    ) -> Result<Vec<S::Output>, ConsensusError> {
-        self.on_leader(NodeRpc::ClientWrite, batch, true, deadline, || {
-            self.local_write(batch.clone())
-        })
-        .await
-    }
-
-    /// Completes one batch: waits for the local leader's answer, or forwards.
-    async fn finish_batch(
-        &self,
-        batch: Batch<S::Command>,
-        submitted: Option<Result<WriteReceiver<S>, ConsensusError>>,
-    ) -> Result<Vec<S::Output>, ConsensusError> {
-        let deadline = Instant::now() + self.config.propose_timeout;
-        let work = async {
-            match submitted {
-                Some(Err(e)) => return Err(e),
-                Some(Ok(rx)) => match rx.await {
-                    Ok(Ok(resp)) => return Ok(resp.data.outputs),
-                    // Leadership moved before the entry was appended: forward it.
-                    Ok(Err(ClientWriteError::ForwardToLeader(_))) => {}
-                    Ok(Err(e)) => {
-                        return Err(ConsensusError::Rejected {
-                            node_id: self.id,
-                            reason: e.to_string(),
-                        });
-                    }
-                    Err(_) => {
-                        return Err(ConsensusError::Indeterminate {
-                            reason: "leader stepped down or stopped before answering".into(),
-                        });
-                    }
-                },
-                None => {}
-            }
-            self.write_via_leader(&batch, deadline).await
-        };
-        tokio::time::timeout_at(deadline, work)
-            .await
-            .map_err(|_| ConsensusError::Timeout {
-                op: "propose",
-                after: self.config.propose_timeout,
-            })?
-    }
-}
-
-/// The receiver `Raft::client_write_ff` returns with the oneshot responder on tokio.
-type WriteReceiver<S> = oneshot::Receiver<openraft::raft::ClientWriteResult<TypeConfig<S>>>;
-
-/// Coalesces pending proposals into batches; keeps up to `max_in_flight_batches` in flight.
-async fn run_batcher<S: StateMachine>(inner: Arc<Inner<S>>, mut rx: mpsc::Receiver<Proposal<S>>) {
-    let permits = Arc::new(Semaphore::new(inner.config.max_in_flight_batches));
-    let mut in_flight = JoinSet::new();
-    loop {
-        let first = tokio::select! {
-            p = rx.recv() => match p {
-                Some(p) => p,
-                None => break,
-            },
-            Some(_) = in_flight.join_next(), if !in_flight.is_empty() => continue,
-        };
-        // Waiting for a permit lets the next batch grow while earlier ones are in flight.
-        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
-            break;
-        };
-        while in_flight.try_join_next().is_some() {}
-        let mut proposals = vec![first];
-        let mut count = proposals[0].commands.len();
-        while count < inner.config.max_batch {
-            match rx.try_recv() {
-                Ok(p) => {
-                    count += p.commands.len();
-                    proposals.push(p);
-                }
-                Err(_) => break,
-            }
-        }
-        let mut commands = Vec::with_capacity(count);
-        let mut waiters = Vec::with_capacity(proposals.len());
-        for p in proposals {
-            waiters.push((p.commands.len(), p.reply));
-            commands.extend(p.commands);
-        }
-        let batch = Batch::new(commands);
-        // On the leader, submit here, in order, so entries keep the proposal order; the
-        // spawned task only waits for the commit.
-        let submitted = if inner.is_leader() {
-            Some(
-                inner
-                    .raft
-                    .client_write_ff(batch.clone().stamped())
-                    .await
-                    .map_err(|e| ConsensusError::Stopped {
-                        reason: e.to_string(),
-                    }),
-            )
-        } else {
-            None
-        };
-        let task_inner = Arc::clone(&inner);
-        in_flight.spawn(async move {
-            let result = task_inner.finish_batch(batch, submitted).await;
-            deliver::<S>(result, waiters);
-            drop(permit);
-        });
-    }
-}
-
-type Waiter<O> = (usize, oneshot::Sender<Result<Vec<O>, ConsensusError>>);
-
-fn deliver<S: StateMachine>(
-    result: Result<Vec<S::Output>, ConsensusError>,
-    waiters: Vec<Waiter<S::Output>>,
-) {
-    match result {
-        Ok(outputs) => {
-            let expected: usize = waiters.iter().map(|(n, _)| n).sum();
-            if outputs.len() != expected {
-                for (_, tx) in waiters {
-                    let _ = tx.send(Err(ConsensusError::Indeterminate {
-                        reason: format!(
-                            "leader returned {} outputs for {expected} commands",
-                            outputs.len()
-                        ),
-                    }));
-                }
-                return;
-            }
-            let mut outputs = outputs.into_iter();
-            for (n, tx) in waiters {
-                let _ = tx.send(Ok(outputs.by_ref().take(n).collect()));
-            }
-        }
-        Err(e) => {
-            let reason = e.to_string();
-            let mut first = Some(e);
-            for (_, tx) in waiters {
-                let err = first.take().unwrap_or_else(|| clone_error(&reason));
-                let _ = tx.send(Err(err));
-            }
-        }
-    }
-}
-
-/// Errors are not `Clone` (they carry sources); waiters after the first get an equivalent
-/// outcome-unknown error with the same text.
-fn clone_error(reason: &str) -> ConsensusError {
-    ConsensusError::Indeterminate {
-        reason: reason.to_string(),
-    }
-}
-
-/// Re-reads the peer TLS files every `reload_interval`; changed material that loads is used for
-/// new connections, invalid files keep the old one (and say so).
-async fn reload_tls(tls: Arc<PeerTls>, node_id: NodeId) {
-    let mut every = tokio::time::interval(tls.reload_interval());
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    every.tick().await;
-    loop {
-        every.tick().await;
-        match tls.reload() {
-            Ok(true) => tracing::info!(node_id, "peer TLS material reloaded"),
-            Ok(false) => {}
-            Err(e) => tracing::warn!(
-                node_id,
-                error = %e,
-                "peer TLS files changed but do not load; keeping the previous material"
-            ),
-        }
-    }
 }
 
 /// A running consensus node.
@@ -740,7 +446,7 @@ impl<S: StateMachine> ConsensusNode<S> {
         let reloader = tls
             .clone()
             .filter(|t| !t.reload_interval().is_zero())
-            .map(|t| tokio::spawn(reload_tls(t, inner.id)));
+            .map(|t| tokio::spawn(reload_loop(t, inner.id)));
 
         let (proposals, rx) = mpsc::channel(inner.config.max_batch.saturating_mul(4));
         let batcher = tokio::spawn(run_batcher(Arc::clone(&inner), rx));
