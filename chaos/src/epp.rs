@@ -35,6 +35,19 @@ impl EppProcess {
     /// Start `epp serve` on OS-chosen loopback ports with `endpoints_file` and extra flags; returns
     /// once it has printed its bound addresses.
     pub async fn start(endpoints_file: &Path, extra: &[&str]) -> anyhow::Result<EppProcess> {
+        let file = endpoints_file.display().to_string();
+        let mut args = vec!["--endpoints-file", file.as_str()];
+        args.extend_from_slice(extra);
+        Self::spawn(&args, &[]).await
+    }
+
+    /// Start `epp serve` discovering its pods from Kubernetes (`--pool-name` and the rest in
+    /// `extra`) through the API server `kubeconfig` names.
+    pub async fn start_kube(kubeconfig: &Path, extra: &[&str]) -> anyhow::Result<EppProcess> {
+        Self::spawn(extra, &[("KUBECONFIG", kubeconfig)]).await
+    }
+
+    async fn spawn(extra: &[&str], env: &[(&str, &Path)]) -> anyhow::Result<EppProcess> {
         let bin = locate::epp_binary()?;
         let mut cmd = Command::new(&bin);
         cmd.args(["serve", "--bind", "127.0.0.1"])
@@ -46,9 +59,8 @@ impl EppProcess {
                 "--metrics-port",
                 "0",
             ])
-            .arg("--endpoints-file")
-            .arg(endpoints_file)
             .args(extra)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(if std::env::var_os("EPP_TEST_LOGS").is_some() {

@@ -168,3 +168,65 @@ pub async fn observe(
     while responses.message().await?.is_some() {}
     Ok(())
 }
+
+/// Routes one small chat request carrying `metadata` over a new ext_proc stream to the EPP at
+/// `addr`: `Ok(destination)` or `Err((status, dropped reason))` for an immediate response.
+pub async fn pick(
+    addr: std::net::SocketAddr,
+    metadata: Option<Metadata>,
+) -> Result<String, (i32, String)> {
+    let mut client = Client::connect(format!("http://{addr}"))
+        .await
+        .map_err(|e| (0, format!("connect: {e}")))?;
+    let body = serde_json::to_vec(&serde_json::json!({
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+    }))
+    .unwrap_or_default();
+    let msgs = chat_request(&body, metadata);
+    let mut responses = client
+        .process(tokio_stream::iter(msgs))
+        .await
+        .map_err(|e| (0, format!("process: {e}")))?
+        .into_inner();
+    let mut destination = None;
+    while let Some(msg) = responses
+        .message()
+        .await
+        .map_err(|e| (0, format!("stream: {e}")))?
+    {
+        match msg.response {
+            Some(Resp::ImmediateResponse(i)) => {
+                let reason = i
+                    .headers
+                    .iter()
+                    .flat_map(|h| &h.set_headers)
+                    .filter_map(|o| o.header.as_ref())
+                    .find(|h| h.key == "x-llm-d-request-dropped-reason")
+                    .map(header_value)
+                    .unwrap_or_default();
+                return Err((i.status.map_or(0, |s| s.code), reason));
+            }
+            Some(r) => destination = destination.or_else(|| destination_of(&r)),
+            None => {}
+        }
+    }
+    destination.ok_or((0, "no destination in the answer".into()))
+}
+
+fn destination_of(r: &Resp) -> Option<String> {
+    let common = match r {
+        Resp::RequestHeaders(h) => h.response.as_ref(),
+        Resp::RequestBody(b) => b.response.as_ref(),
+        _ => None,
+    }?;
+    common
+        .header_mutation
+        .as_ref()?
+        .set_headers
+        .iter()
+        .filter_map(|o| o.header.as_ref())
+        .find(|h| h.key == "x-gateway-destination-endpoint")
+        .map(header_value)
+}

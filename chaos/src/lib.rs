@@ -16,6 +16,7 @@
 //! - [`raft`]: EPP replicas in cluster mode with a controllable proxy on every peer link;
 //! - [`netproxy`]: a controllable TCP link (partition, latency, blackhole) to put between processes;
 //! - [`workloads`]: pod fleets and load shapes shared by tests, benchmarks and the demo;
+//! - [`discoverybench`]: Kubernetes discovery of a large pool against `sim::kubeapi`;
 //! - [`noregret`]: the no-regret admission benchmark (premium latency under a best-effort burst);
 //! - [`random`]: the randomized chaos suite (seeded faults under load, invariants checked after);
 //! - [`peers`]: `sglang-router` and `vllm-router` (from PyPI) as child processes;
@@ -23,6 +24,7 @@
 //!   its SVG.
 
 pub mod cluster;
+pub mod discoverybench;
 pub mod envoy;
 pub mod epp;
 pub mod extproc;

@@ -7,7 +7,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chaos::epp::EppProcess;
-use chaos::extproc::{chat_request, header_value};
+use chaos::extproc::pick as route;
 use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Resp;
@@ -32,63 +32,6 @@ fn hint(entries: &[&str]) -> Metadata {
     let mut md = Metadata::default();
     md.filter_metadata.insert("envoy.lb.subset_hint".into(), s);
     md
-}
-
-/// Routes one chat request carrying `metadata`; `Ok(destination)` or `Err((status, reason))`.
-async fn route(
-    addr: std::net::SocketAddr,
-    metadata: Option<Metadata>,
-) -> Result<String, (i32, String)> {
-    let mut client = ExternalProcessorClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
-    let body = serde_json::to_vec(&serde_json::json!({
-        "model": "sim-model",
-        "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 4,
-    }))
-    .unwrap();
-    let msgs = chat_request(&body, metadata);
-    let mut responses = client
-        .process(tokio_stream::iter(msgs))
-        .await
-        .unwrap()
-        .into_inner();
-    let mut destination = None;
-    while let Some(msg) = responses.message().await.unwrap() {
-        match msg.response {
-            Some(Resp::ImmediateResponse(i)) => {
-                let reason = i
-                    .headers
-                    .iter()
-                    .flat_map(|h| &h.set_headers)
-                    .filter_map(|o| o.header.as_ref())
-                    .find(|h| h.key == "x-llm-d-request-dropped-reason")
-                    .map(header_value)
-                    .unwrap_or_default();
-                return Err((i.status.map_or(0, |s| s.code), reason));
-            }
-            Some(r) => destination = destination.or_else(|| destination_of(&r)),
-            None => {}
-        }
-    }
-    destination.ok_or((0, "no destination in the answer".into()))
-}
-
-fn destination_of(r: &Resp) -> Option<String> {
-    let common = match r {
-        Resp::RequestHeaders(h) => h.response.as_ref(),
-        Resp::RequestBody(b) => b.response.as_ref(),
-        _ => None,
-    }?;
-    common
-        .header_mutation
-        .as_ref()?
-        .set_headers
-        .iter()
-        .filter_map(|o| o.header.as_ref())
-        .find(|h| h.key == "x-gateway-destination-endpoint")
-        .map(header_value)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,6 +14,8 @@
 //!   that builds them from an `EndpointPickerConfig`;
 //! - [`datalayer`]: the pods — discovery, `/metrics` scrapers, the datastore the request path
 //!   reads, sharded collection, and the in-flight ledger;
+//! - [`k8s`]: Kubernetes — the pool's pods from its `InferencePool` (feeding the data layer's
+//!   endpoint set) and the custom resources' types;
 //! - [`cluster`]: what replicas share — Raft membership, cluster-wide flow control (a `Gate`),
 //!   prefix-index gossip and the scrape fan-out;
 //! - [`config`]: the llm-d `EndpointPickerConfig` YAML, decoded strictly;
@@ -40,6 +42,7 @@ pub mod cluster;
 pub mod config;
 pub mod datalayer;
 pub mod dataplane;
+pub mod k8s;
 pub mod metrics;
 pub mod request;
 pub mod scheduling;

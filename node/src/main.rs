@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use node::config::parse_duration;
-use node::serve::{ServeOptions, load_config, serve};
+use node::serve::{DiscoverySource, ServeOptions, load_config, serve};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
@@ -39,6 +39,8 @@ enum Cmd {
         #[command(subcommand)]
         op: ClusterCmd,
     },
+    /// Print the CustomResourceDefinitions the EPP reads (YAML; `deploy/crds/crds.yaml`).
+    Crds,
     /// Load and validate an EndpointPickerConfig, print the effective configuration and exit.
     ValidateConfig {
         #[arg(long)]
@@ -50,18 +52,27 @@ enum Cmd {
 
 #[derive(clap::Args, Debug)]
 struct ServeArgs {
-    /// Name of the InferencePool this replica serves (a metrics label).
+    /// Name of the InferencePool this replica serves: without --endpoints-file its pods are
+    /// discovered from it (Kubernetes); always the pool label of the metrics.
     #[arg(long, default_value = "default-pool")]
     pool_name: String,
+    /// Namespace of the InferencePool (default: $NAMESPACE or $POD_NAMESPACE, else `default`).
+    #[arg(long)]
+    pool_namespace: Option<String>,
+    /// API group of the InferencePool: `inference.networking.k8s.io` (v1) or the older
+    /// `inference.networking.x-k8s.io` (v1alpha2).
+    #[arg(long, default_value = "inference.networking.k8s.io")]
+    pool_group: node::k8s::PoolGroup,
     /// EndpointPickerConfig YAML file; the built-in default when neither this nor --config-text.
     #[arg(long)]
     config_file: Option<PathBuf>,
     /// EndpointPickerConfig YAML given inline.
     #[arg(long)]
     config_text: Option<String>,
-    /// YAML file listing the pool's pods (standalone discovery); re-read when it changes.
+    /// YAML file listing the pool's pods (standalone discovery, instead of the InferencePool);
+    /// re-read when it changes.
     #[arg(long)]
-    endpoints_file: PathBuf,
+    endpoints_file: Option<PathBuf>,
     /// Address every server binds to.
     #[arg(long, default_value = "0.0.0.0")]
     bind: IpAddr,
@@ -320,6 +331,10 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.cmd {
+        Cmd::Crds => {
+            print!("{}", node::k8s::crd::crds_yaml());
+            Ok(())
+        }
         Cmd::ValidateConfig {
             config_file,
             config_text,
@@ -357,11 +372,23 @@ fn main() -> anyhow::Result<()> {
                 );
                 consensus::clock::set_offset_ms(args.clock_offset_ms);
             }
+            let discovery = match args.endpoints_file {
+                Some(path) => DiscoverySource::File(path),
+                None => DiscoverySource::Kubernetes(node::k8s::PoolRef {
+                    name: args.pool_name.clone(),
+                    namespace: args
+                        .pool_namespace
+                        .or_else(|| std::env::var("NAMESPACE").ok())
+                        .or_else(|| std::env::var("POD_NAMESPACE").ok())
+                        .unwrap_or_else(|| "default".into()),
+                    group: args.pool_group,
+                }),
+            };
             let opts = ServeOptions {
                 pool_name: args.pool_name,
                 config_file: args.config_file,
                 config_text: args.config_text,
-                endpoints_file: args.endpoints_file,
+                discovery,
                 grpc_addr: SocketAddr::new(args.bind, args.grpc_port),
                 health_addr: SocketAddr::new(args.bind, args.grpc_health_port),
                 admin_addr: SocketAddr::new(args.bind, args.metrics_port),
@@ -412,7 +439,7 @@ fn options_for_validation(
         pool_name: String::new(),
         config_file,
         config_text,
-        endpoints_file: PathBuf::new(),
+        discovery: DiscoverySource::File(PathBuf::new()),
         grpc_addr: any,
         health_addr: any,
         admin_addr: any,

@@ -24,10 +24,11 @@ use crate::cluster::settle::SettleRelay;
 use crate::cluster::{ClusterMember, ClusterOptions};
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 use crate::datalayer::Datastore;
-use crate::datalayer::discovery::FileDiscovery;
+use crate::datalayer::discovery::{FileDiscovery, Scraping};
 use crate::datalayer::inflight;
 use crate::datalayer::scraper::ScrapeConfig;
 use crate::dataplane::{ExtProcService, PickerContext};
+use crate::k8s::{PoolDiscovery, PoolRef};
 use crate::metrics::Metrics;
 use crate::request::admission::legacy::LegacyAdmission;
 use crate::request::admission::local::FlowGate;
@@ -38,12 +39,37 @@ use crate::scheduling;
 
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
+/// Where the pool's pods come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiscoverySource {
+    /// A YAML file listing the pods, re-read when it changes (standalone).
+    File(PathBuf),
+    /// The pods the `InferencePool` selects (Kubernetes; client from the environment).
+    Kubernetes(PoolRef),
+}
+
+/// A discovery source ready to run (the file loaded once, or the Kubernetes client built).
+enum Discovery {
+    File(FileDiscovery, Vec<crate::datalayer::discovery::PodEntry>),
+    Kubernetes(PoolDiscovery),
+}
+
+impl Discovery {
+    async fn run(self, stop: CancellationToken) {
+        match self {
+            Discovery::File(d, initial) => d.run(initial, stop).await,
+            Discovery::Kubernetes(d) => d.run(stop).await,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
     pub pool_name: String,
     pub config_file: Option<PathBuf>,
     pub config_text: Option<String>,
-    pub endpoints_file: PathBuf,
+    /// Where the pool's pods come from.
+    pub discovery: DiscoverySource,
     pub grpc_addr: SocketAddr,
     pub health_addr: SocketAddr,
     pub admin_addr: SocketAddr,
@@ -141,9 +167,7 @@ pub async fn serve(
         .tcp_nodelay(true)
         .build()
         .map_err(|e| ServeError::Server(format!("http client: {e}")))?;
-    let discovery = FileDiscovery {
-        path: opts.endpoints_file.clone(),
-        poll: Duration::from_millis(250),
+    let scraping = Scraping {
         store: store.clone(),
         scrape: Arc::new(ScrapeConfig {
             interval,
@@ -154,7 +178,29 @@ pub async fn serve(
         metrics: metrics.clone(),
         client,
     };
-    let initial = discovery.load_initial()?;
+    let discovery = match &opts.discovery {
+        DiscoverySource::File(path) => {
+            let d = FileDiscovery {
+                path: path.clone(),
+                poll: Duration::from_millis(250),
+                scraping,
+            };
+            let initial = d.load_initial()?;
+            Discovery::File(d, initial)
+        }
+        DiscoverySource::Kubernetes(pool) => {
+            let client = crate::k8s::client().await.map_err(|e| {
+                ServeError::Server(format!(
+                    "Kubernetes client (KUBECONFIG, ~/.kube/config or in-cluster): {e}"
+                ))
+            })?;
+            Discovery::Kubernetes(PoolDiscovery {
+                pool: pool.clone(),
+                client,
+                scraping,
+            })
+        }
+    };
     let objectives = match &opts.objectives_file {
         Some(path) => Objectives::from_file(path)?,
         None => Objectives::default(),
@@ -311,7 +357,9 @@ pub async fn serve(
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();
     // Cluster-wide flow control: not ready for Envoy until the replicated configuration applies.
-    let gated = global_gate.is_some();
+    // Not ready for Envoy until the pool's pods are known (Kubernetes: the first full list)
+    // and, with cluster-wide flow control, the replicated configuration applies.
+    let gated = global_gate.is_some() || !ctx.store.synced();
     for svc in ["", "liveness", "readiness", EXT_PROC_SERVICE] {
         let status = if gated && (svc == "readiness" || svc == EXT_PROC_SERVICE) {
             ServingStatus::NotServing
@@ -323,7 +371,7 @@ pub async fn serve(
 
     let stop = CancellationToken::new();
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(discovery.run(initial, stop.clone()).then_ok());
+    tasks.spawn(discovery.run(stop.clone()).then_ok());
     {
         let svc = ExtProcService::new(ctx.clone());
         let health_svc = health_svc.clone();
@@ -387,15 +435,18 @@ pub async fn serve(
             g.run(member, s).await;
             Ok(())
         });
-        let (gate, stop, reporter) = (gate.clone(), stop.clone(), reporter.clone());
+    }
+    if gated {
+        let (gate, store) = (global_gate.clone(), ctx.store.clone());
+        let (stop, reporter) = (stop.clone(), reporter.clone());
         tasks.spawn(async move {
-            while !gate.is_ready() {
+            while !(store.synced() && gate.as_ref().is_none_or(|g| g.is_ready())) {
                 tokio::select! {
                     _ = stop.cancelled() => return Ok(()),
                     _ = tokio::time::sleep(Duration::from_millis(50)) => {}
                 }
             }
-            tracing::info!("cluster flow control ready: serving");
+            tracing::info!("endpoints known and cluster flow control ready: serving");
             for svc in ["readiness", EXT_PROC_SERVICE] {
                 reporter
                     .set_service_status(svc, ServingStatus::Serving)

@@ -30,11 +30,13 @@
 //! - [`podsvc`]: a pod's connection service — `/metrics` and `/health` answered ahead of the router.
 //! - [`fleet`]: pods and their server tasks (crash, restart, drain).
 //! - [`loadgen`]: workloads (multi-turn conversations, tenant classes) and reports.
+//! - [`kubeapi`]: a fake Kubernetes API server (list/watch over HTTP) for discovery tests.
 
 pub mod cache;
 pub mod engine;
 pub mod fleet;
 pub mod knobs;
+pub mod kubeapi;
 pub mod kvevents;
 pub mod loadgen;
 pub mod metrics;

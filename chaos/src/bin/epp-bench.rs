@@ -13,6 +13,8 @@
 //!   dispatch on another.
 //! - `no-regret`: a premium tenant's p95 TTFT alone and under a best-effort burst of 60, through
 //!   the flow-control example, with one and three replicas ([`chaos::noregret`]).
+//! - `discovery`: Kubernetes discovery of a 1000-pod pool (fake API server): start to ready, a
+//!   change to the endpoint set, recompute cost, memory ([`chaos::discoverybench`]).
 //! - `peers`: the same seeded workloads through Envoy → EPP, Envoy round robin, `sglang-router`
 //!   and `vllm-router` on one simulated pool ([`chaos::peerbench`]); Markdown tables, a JSON
 //!   file and an SVG plot.
@@ -88,6 +90,14 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', default_value = "4,8")]
         max_concurrency: Vec<u64>,
     },
+    /// Kubernetes discovery of a large pool through a fake API server ([`chaos::discoverybench`]).
+    Discovery {
+        #[arg(long, default_value_t = 1000)]
+        pods: usize,
+        /// Readiness flips measured (each one and back).
+        #[arg(long, default_value_t = 50)]
+        updates: usize,
+    },
     GlobalFlow {
         #[arg(long, default_value_t = 20000)]
         requests: usize,
@@ -115,6 +125,10 @@ async fn main() -> anyhow::Result<()> {
             pods,
             prompt_tokens,
         } => decisions(requests, concurrency, pods, prompt_tokens).await,
+        Cmd::Discovery { pods, updates } => {
+            print!("{}", chaos::discoverybench::run(pods, updates).await?);
+            Ok(())
+        }
         Cmd::GlobalFlow {
             requests,
             concurrency,

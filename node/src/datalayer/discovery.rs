@@ -7,8 +7,9 @@
 //!     port: 8000
 //!     labels: {llm-d.ai/engine-type: vllm}
 //! ```
-//! A file that fails to parse is reported and the previous endpoint set is kept. Unchanged pods keep
-//! their `Endpoint` (and its metrics); new ones get a scraper; removed ones lose theirs.
+//! A file that fails to parse is reported and the previous endpoint set is kept. [`EndpointSet`]
+//! applies each list (from this file or from Kubernetes, `crate::k8s`): unchanged pods keep their
+//! `Endpoint` (and its metrics); new ones get a scraper; removed ones lose theirs.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -41,6 +42,10 @@ pub struct PodEntry {
     pub port: u16,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// The pod's identity where the source has one (Kubernetes' uid): a pod recreated under the
+    /// same name and address is a new endpoint (fresh metrics and scraper).
+    #[serde(skip)]
+    pub uid: Option<String>,
 }
 
 pub fn parse_endpoints(text: &str) -> Result<Vec<PodEntry>, ConfigError> {
@@ -65,14 +70,112 @@ pub fn parse_endpoints(text: &str) -> Result<Vec<PodEntry>, ConfigError> {
     Ok(file.pods)
 }
 
-/// Watches the endpoints file and keeps the datastore and the scrapers in step with it.
-pub struct FileDiscovery {
-    pub path: PathBuf,
-    pub poll: Duration,
+/// Where endpoints go and how they are scraped: shared by every discovery source.
+#[derive(Clone)]
+pub struct Scraping {
     pub store: Arc<Datastore>,
     pub scrape: Arc<ScrapeConfig>,
     pub metrics: Arc<Metrics>,
     pub client: reqwest::Client,
+}
+
+impl Scraping {
+    /// An empty endpoint set whose scrapers stop with `shutdown`.
+    pub fn endpoint_set(&self, shutdown: CancellationToken) -> EndpointSet {
+        EndpointSet {
+            scraping: self.clone(),
+            current: HashMap::new(),
+            scrapers: JoinSet::new(),
+            shutdown,
+        }
+    }
+}
+
+/// The pool's endpoints and their scrapers, kept in step with the latest list of pods from a
+/// discovery source: unchanged pods keep their `Endpoint` (and its metrics); new ones get a
+/// scraper; removed ones lose theirs.
+pub struct EndpointSet {
+    scraping: Scraping,
+    current: HashMap<String, (PodEntry, Arc<Endpoint>)>,
+    scrapers: JoinSet<()>,
+    shutdown: CancellationToken,
+}
+
+impl EndpointSet {
+    /// Replace the set with `pods` (and swap the datastore's snapshot).
+    pub fn apply(&mut self, pods: Vec<PodEntry>) {
+        let s = &self.scraping;
+        let mut next = HashMap::with_capacity(pods.len());
+        let mut list = Vec::with_capacity(pods.len());
+        let (mut added, mut kept) = (0usize, 0usize);
+        for pod in pods {
+            let ep = match self.current.remove(&pod.name) {
+                Some((old, ep)) if old == pod => {
+                    kept += 1;
+                    ep
+                }
+                _ => {
+                    added += 1;
+                    let ep = Arc::new(Endpoint::new(
+                        pod.name.clone(),
+                        SocketAddr::new(pod.address, pod.port),
+                        pod.labels.clone(),
+                    ));
+                    self.scrapers.spawn(scrape_loop(
+                        Arc::downgrade(&ep),
+                        s.client.clone(),
+                        s.scrape.clone(),
+                        s.store.shard.clone(),
+                        s.metrics.clone(),
+                        self.shutdown.child_token(),
+                    ));
+                    ep
+                }
+            };
+            list.push(ep.clone());
+            next.insert(pod.name.clone(), (pod, ep));
+        }
+        let removed = self.current.len();
+        self.current = next;
+        s.store.replace(list);
+        s.metrics.set_ready_endpoints(self.current.len());
+        tracing::info!(
+            added,
+            kept,
+            removed,
+            total = self.current.len(),
+            "endpoint set updated"
+        );
+    }
+
+    /// Endpoints in the set.
+    pub fn len(&self) -> usize {
+        self.current.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.current.is_empty()
+    }
+
+    /// Waits for a scraper to finish (removed endpoints' scrapers end by themselves); pending
+    /// forever when none runs. Poll it in the source's loop so the set does not grow.
+    pub async fn reap(&mut self) {
+        if self.scrapers.join_next().await.is_none() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Stops every scraper.
+    pub async fn shutdown(mut self) {
+        self.scrapers.shutdown().await;
+    }
+}
+
+/// Watches the endpoints file and keeps the endpoint set in step with it.
+pub struct FileDiscovery {
+    pub path: PathBuf,
+    pub poll: Duration,
+    pub scraping: Scraping,
 }
 
 impl FileDiscovery {
@@ -86,9 +189,8 @@ impl FileDiscovery {
     }
 
     pub async fn run(self, initial: Vec<PodEntry>, shutdown: CancellationToken) {
-        let mut scrapers: JoinSet<()> = JoinSet::new();
-        let mut current: HashMap<String, (PodEntry, Arc<Endpoint>)> = HashMap::new();
-        self.apply(initial, &mut current, &mut scrapers, &shutdown);
+        let mut set = self.scraping.endpoint_set(shutdown.clone());
+        set.apply(initial);
         let mut last_seen = file_stamp(&self.path);
         let mut tick = tokio::time::interval(self.poll);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -96,8 +198,7 @@ impl FileDiscovery {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = tick.tick() => {}
-                // reap finished scrapers so the set does not grow
-                Some(_) = scrapers.join_next(), if !scrapers.is_empty() => continue,
+                () = set.reap() => continue,
             }
             let stamp = file_stamp(&self.path);
             if stamp == last_seen {
@@ -108,7 +209,7 @@ impl FileDiscovery {
                 .map_err(|e| e.to_string())
                 .and_then(|t| parse_endpoints(&t).map_err(|e| e.to_string()))
             {
-                Ok(pods) => self.apply(pods, &mut current, &mut scrapers, &shutdown),
+                Ok(pods) => set.apply(pods),
                 Err(err) => tracing::error!(
                     path = %self.path.display(),
                     %err,
@@ -116,57 +217,7 @@ impl FileDiscovery {
                 ),
             }
         }
-        scrapers.shutdown().await;
-    }
-
-    fn apply(
-        &self,
-        pods: Vec<PodEntry>,
-        current: &mut HashMap<String, (PodEntry, Arc<Endpoint>)>,
-        scrapers: &mut JoinSet<()>,
-        shutdown: &CancellationToken,
-    ) {
-        let mut next = HashMap::with_capacity(pods.len());
-        let mut list = Vec::with_capacity(pods.len());
-        let (mut added, mut kept) = (0usize, 0usize);
-        for pod in pods {
-            let ep = match current.remove(&pod.name) {
-                Some((old, ep)) if old == pod => {
-                    kept += 1;
-                    ep
-                }
-                _ => {
-                    added += 1;
-                    let ep = Arc::new(Endpoint::new(
-                        pod.name.clone(),
-                        SocketAddr::new(pod.address, pod.port),
-                        pod.labels.clone(),
-                    ));
-                    scrapers.spawn(scrape_loop(
-                        Arc::downgrade(&ep),
-                        self.client.clone(),
-                        self.scrape.clone(),
-                        self.store.shard.clone(),
-                        self.metrics.clone(),
-                        shutdown.child_token(),
-                    ));
-                    ep
-                }
-            };
-            list.push(ep.clone());
-            next.insert(pod.name.clone(), (pod, ep));
-        }
-        let removed = current.len();
-        *current = next;
-        self.store.replace(list);
-        self.metrics.set_ready_endpoints(current.len());
-        tracing::info!(
-            added,
-            kept,
-            removed,
-            total = current.len(),
-            "endpoint set updated"
-        );
+        set.shutdown().await;
     }
 }
 

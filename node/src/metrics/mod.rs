@@ -16,8 +16,10 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 mod cluster;
+mod discovery;
 
 pub use cluster::{ClusterMetrics, DirectionLabels, GossipMetrics, PathLabels, ResultLabels};
+pub use discovery::DiscoveryMetrics;
 
 pub const PREFIX: &str = "llm_d_epp";
 const MAX_LABEL_VALUES: usize = 1000;
@@ -212,6 +214,7 @@ pub struct Metrics {
     pub flow: FlowMetrics,
     pub cluster: ClusterMetrics,
     pub gossip: GossipMetrics,
+    pub discovery: DiscoveryMetrics,
 }
 
 /// Flow-control metrics (llm-d's `flow_control_*`), updated by [`crate::request::admission::local::FlowGate`].
@@ -441,6 +444,7 @@ impl Metrics {
         );
         let cluster = ClusterMetrics::register(&mut registry);
         let gossip = GossipMetrics::register(&mut registry);
+        let discovery = DiscoveryMetrics::register(&mut registry);
         Metrics {
             registry,
             pool_name: pool_name.to_string(),
@@ -463,6 +467,7 @@ impl Metrics {
             token_series: SeriesCap::default(),
             cluster,
             gossip,
+            discovery,
             disagg_decisions,
             model_rewrites,
             served_by_fallback,
