@@ -2,6 +2,7 @@
 //! and benchmarks can talk to `epp serve` without Envoy.
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Req;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Resp;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -175,22 +176,51 @@ pub async fn pick(
     addr: std::net::SocketAddr,
     metadata: Option<Metadata>,
 ) -> Result<String, (i32, String)> {
-    let mut client = Client::connect(format!("http://{addr}"))
-        .await
-        .map_err(|e| (0, format!("connect: {e}")))?;
+    pick_for(addr, metadata, "hello").await
+}
+
+/// [`pick`] for a request whose user message is `content` (distinct prompts keep prefix
+/// affinity from steering every pick to the same pods).
+pub async fn pick_for(
+    addr: std::net::SocketAddr,
+    metadata: Option<Metadata>,
+    content: &str,
+) -> Result<String, (i32, String)> {
     let body = serde_json::to_vec(&serde_json::json!({
         "model": "sim-model",
-        "messages": [{"role": "user", "content": "hello"}],
+        "messages": [{"role": "user", "content": content}],
         "max_tokens": 4,
     }))
     .unwrap_or_default();
-    let msgs = chat_request(&body, metadata);
+    answer(addr, chat_request(&body, metadata))
+        .await
+        .map(|r| r.destination)
+}
+
+/// What the EPP answered for a routed request.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    pub destination: String,
+    /// The body Envoy would forward, when the EPP replaced it (e.g. a rewritten model).
+    pub body: Option<Vec<u8>>,
+}
+
+/// Sends `msgs` (one request) over a new ext_proc stream to the EPP at `addr`: what it routed,
+/// or `Err((status, dropped reason))` for an immediate response.
+pub async fn answer(
+    addr: std::net::SocketAddr,
+    msgs: Vec<ProcessingRequest>,
+) -> Result<Routed, (i32, String)> {
+    let mut client = Client::connect(format!("http://{addr}"))
+        .await
+        .map_err(|e| (0, format!("connect: {e}")))?;
     let mut responses = client
         .process(tokio_stream::iter(msgs))
         .await
         .map_err(|e| (0, format!("process: {e}")))?
         .into_inner();
     let mut destination = None;
+    let mut body: Option<Vec<u8>> = None;
     while let Some(msg) = responses
         .message()
         .await
@@ -208,11 +238,25 @@ pub async fn pick(
                     .unwrap_or_default();
                 return Err((i.status.map_or(0, |s| s.code), reason));
             }
-            Some(r) => destination = destination.or_else(|| destination_of(&r)),
+            Some(r) => {
+                if let Resp::RequestBody(b) = &r
+                    && let Some(m) = b.response.as_ref().and_then(|c| c.body_mutation.as_ref())
+                {
+                    match &m.mutation {
+                        Some(Mutation::StreamedResponse(s)) => {
+                            body.get_or_insert_default().extend_from_slice(&s.body);
+                        }
+                        Some(Mutation::Body(b)) => body = Some(b.clone()),
+                        _ => {}
+                    }
+                }
+                destination = destination.or_else(|| destination_of(&r));
+            }
             None => {}
         }
     }
-    destination.ok_or((0, "no destination in the answer".into()))
+    let destination = destination.ok_or((0, "no destination in the answer".to_string()))?;
+    Ok(Routed { destination, body })
 }
 
 fn destination_of(r: &Resp) -> Option<String> {

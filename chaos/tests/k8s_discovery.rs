@@ -3,7 +3,9 @@
 //! Each simulated pod has its own loopback IP and the pool's one target port, as pods do. Every
 //! change — a pod becoming ready or unready, deleted, a new pod reusing an IP, the pool's selector
 //! edited, watches dropped, history compacted (410 Gone), the API server down then back — shows
-//! in what the EPP routes to within a second, and an outage keeps the last view.
+//! in what the EPP routes to within a second, and an outage keeps the last view. The pool's
+//! `InferenceObjective`s and `InferenceModelRewrite`s apply live: an edited priority is the
+//! next request's band, edited weights its model.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
@@ -12,7 +14,7 @@ use std::time::Duration;
 use std::time::Instant;
 
 use chaos::epp::EppProcess;
-use chaos::extproc::pick;
+use chaos::extproc::{pick, pick_for};
 use serde_json::Value;
 use serde_json::json;
 use sim::kubeapi::FakeKube;
@@ -80,11 +82,17 @@ async fn pods_on_one_port(n: usize) -> (Vec<Sim>, u16) {
 async fn routes_exactly(epp: &EppProcess, want: &[&str], within: Duration, what: &str) {
     let want: BTreeSet<String> = want.iter().map(|s| s.to_string()).collect();
     let deadline = Instant::now() + within;
+    // A pod still in the pool can go unpicked in one round, so a removal counts only after
+    // two rounds in a row, each of distinct prompts, saw exactly `want`.
+    let mut agreed = 0;
+    let mut round = 0u64;
     loop {
+        round += 1;
         let mut seen = BTreeSet::new();
         let mut other = None;
-        for _ in 0..(4 * want.len().max(1)) {
-            match pick(epp.addrs.ext_proc, None).await {
+        for i in 0..(6 * want.len().max(1)) {
+            let prompt = format!("{what} round {round} request {i}");
+            match pick_for(epp.addrs.ext_proc, None, &prompt).await {
                 Ok(d) => {
                     seen.insert(d);
                 }
@@ -92,13 +100,30 @@ async fn routes_exactly(epp: &EppProcess, want: &[&str], within: Duration, what:
             }
         }
         if seen == want && (other.is_none() || want.is_empty()) {
-            return;
+            agreed += 1;
+            if agreed == 2 {
+                return;
+            }
+            continue;
         }
+        agreed = 0;
         if Instant::now() > deadline {
             panic!("{what}: routed to {seen:?} (last error {other:?}), want {want:?}");
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Until the EPP's `/readyz` answers 200 (or a failure naming `what`).
+async fn ready(epp: &EppProcess, what: &str, within: Duration) {
+    let url = format!("http://{}/readyz", epp.addrs.admin);
+    chaos::wait::until(what, within, || async {
+        reqwest::get(&url)
+            .await
+            .is_ok_and(|r| r.status().is_success())
+    })
+    .await
+    .unwrap();
 }
 
 async fn metric(epp: &EppProcess, name: &str) -> f64 {
@@ -127,18 +152,7 @@ async fn pods_come_from_the_inference_pool_and_changes_reach_routing() {
     let epp = EppProcess::start_kube(&kubeconfig, &["--pool-name", "llm", "--pool-namespace", NS])
         .await
         .unwrap();
-    let ready = format!("http://{}/readyz", epp.addrs.admin);
-    chaos::wait::until(
-        "ready after the first sync",
-        Duration::from_secs(10),
-        || async {
-            reqwest::get(&ready)
-                .await
-                .is_ok_and(|r| r.status().is_success())
-        },
-    )
-    .await
-    .unwrap();
+    ready(&epp, "ready after the first sync", Duration::from_secs(10)).await;
     let second = Duration::from_secs(1);
     routes_exactly(&epp, &[&at(a), &at(b)], second, "the ready selected pods").await;
 
@@ -168,13 +182,24 @@ async fn pods_come_from_the_inference_pool_and_changes_reach_routing() {
     kube.apply(pod("vllm-a", a, "vllm", false)).unwrap();
     kube.compact();
     kube.set_down(false);
+    let lists = || {
+        kube.requests()
+            .iter()
+            .filter(|r| {
+                r.starts_with("GET /api/v1/namespaces/serving/pods?") && !r.contains("watch=")
+            })
+            .count()
+    };
+    let relisted = chaos::wait::until("a relist after 410", Duration::from_secs(5), || async {
+        lists() >= 2
+    })
+    .await;
+    assert!(
+        relisted.is_ok(),
+        "no relist after 410: {:?}",
+        kube.requests()
+    );
     routes_exactly(&epp, &[&at(b), &at(c)], second, "after 410 Gone").await;
-    let relists = kube
-        .requests()
-        .iter()
-        .filter(|r| r.starts_with("GET /api/v1/namespaces/serving/pods?") && !r.contains("watch="))
-        .count();
-    assert!(relists >= 2, "no relist after 410: {:?}", kube.requests());
 
     // The pool's selector edited: another set of pods.
     kube.apply(pool("other", port)).unwrap();
@@ -215,7 +240,7 @@ async fn pods_come_from_the_inference_pool_and_changes_reach_routing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_absent_pool_is_not_ready_until_it_appears() {
+async fn an_absent_pool_is_not_ready_until_it_appears_and_llmd_crds_are_optional() {
     let (_sims, port) = pods_on_one_port(1).await;
     let kube = FakeKube::start().await.unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -223,30 +248,196 @@ async fn an_absent_pool_is_not_ready_until_it_appears() {
     kube.write_kubeconfig(&kubeconfig, NS).unwrap();
     kube.apply(pod("vllm-a", "127.0.0.2", "vllm", true))
         .unwrap();
+    // A cluster with GIE but without llm-d's CRDs: the objectives' watches fail, routing not.
+    kube.uninstall("llm-d.ai/v1alpha2", "InferenceObjective");
+    kube.uninstall("llm-d.ai/v1alpha2", "InferenceModelRewrite");
     let epp = EppProcess::start_kube(&kubeconfig, &["--pool-name", "llm", "--pool-namespace", NS])
         .await
         .unwrap();
-    let ready = format!("http://{}/readyz", epp.addrs.admin);
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let r = reqwest::get(&ready).await.unwrap();
+    let r = reqwest::get(format!("http://{}/readyz", epp.addrs.admin))
+        .await
+        .unwrap();
     assert_eq!(r.status(), 503, "ready without a pool");
     kube.apply(pool("vllm", port)).unwrap();
-    chaos::wait::until(
-        "ready once the pool exists",
-        Duration::from_secs(5),
-        || async {
-            reqwest::get(&ready)
-                .await
-                .is_ok_and(|r| r.status().is_success())
-        },
-    )
-    .await
-    .unwrap();
+    ready(&epp, "ready once the pool exists", Duration::from_secs(5)).await;
     routes_exactly(
         &epp,
         &[&format!("127.0.0.2:{port}")],
         Duration::from_secs(1),
         "the pool's one pod",
     )
+    .await;
+    let text = epp.metrics().await.unwrap();
+    for resource in ["inferenceobjective", "inferencemodelrewrite"] {
+        let failed = format!("llm_d_epp_discovery_errors_total{{resource=\"{resource}\"}}");
+        assert!(text.contains(&failed), "{resource}: no watch error counted");
+    }
+}
+
+fn objective(name: &str, pool: &str, priority: i32) -> Value {
+    json!({
+        "apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceObjective",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"priority": priority, "poolRef": {"name": pool}},
+    })
+}
+
+fn rewrite(name: &str, model: &str, targets: &[(&str, u32)]) -> Value {
+    let targets: Vec<Value> = targets
+        .iter()
+        .map(|(m, w)| json!({"modelRewrite": m, "weight": w}))
+        .collect();
+    json!({
+        "apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceModelRewrite",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "poolRef": {"group": "inference.networking.k8s.io", "name": "llm"},
+            "rules": [{"matches": [{"model": {"type": "Exact", "value": model}}], "targets": targets}],
+        },
+    })
+}
+
+/// Flow-control requests the EPP counted in priority band `priority`.
+async fn in_band(epp: &EppProcess, priority: i32) -> f64 {
+    let text = epp.metrics().await.unwrap_or_default();
+    let band = format!("priority=\"{priority}\"");
+    text.lines()
+        .filter(|l| l.starts_with("llm_d_epp_flow_control_requests_total{") && l.contains(&band))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The model of the body Envoy would forward for a request naming `model` and `objective`.
+async fn served_model(epp: &EppProcess, model: &str, objective: &str) -> String {
+    let body = serde_json::to_vec(&json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+    }))
+    .unwrap();
+    let headers: &[(&str, &str)] = if objective.is_empty() {
+        &[]
+    } else {
+        &[("x-llm-d-inference-objective", objective)]
+    };
+    let msgs = chaos::extproc::chat_request_with(&body, headers, None);
+    let routed = chaos::extproc::answer(epp.addrs.ext_proc, msgs)
+        .await
+        .unwrap();
+    match routed.body {
+        Some(b) => serde_json::from_slice::<Value>(&b).unwrap()["model"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+        None => model.to_string(),
+    }
+}
+
+/// Until `check` holds (within a second of the change, as the issue asks), or a failure.
+async fn within_a_second<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let ok = chaos::wait::until(what, Duration::from_secs(1), &mut check).await;
+    assert!(ok.is_ok(), "{what}: not within a second");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn objectives_and_rewrites_from_the_api_server_apply_live() {
+    let (_sims, port) = pods_on_one_port(1).await;
+    let kube = FakeKube::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    kube.write_kubeconfig(&kubeconfig, NS).unwrap();
+    kube.apply(pool("vllm", port)).unwrap();
+    kube.apply(pod("vllm-a", "127.0.0.2", "vllm", true))
+        .unwrap();
+    kube.apply(objective("premium", "llm", 10)).unwrap();
+    // Another pool's objective of the same name space: not this pool's.
+    kube.apply(objective("elsewhere", "other", 7)).unwrap();
+    kube.apply(rewrite("canary", "assistant", &[("assistant-v1", 100)]))
+        .unwrap();
+    // Flow control counts requests by band; these requests never finish (no response phase),
+    // so the pod's limit is high.
+    let flow = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n\
+                featureGates: [flowControl]\nplugins:\n\
+                - {name: slots, type: concurrency-detector, parameters: {maxConcurrency: 1000}}\n\
+                flowControl: {saturationDetector: {pluginRef: slots}}\n";
+    let epp = EppProcess::start_kube(
+        &kubeconfig,
+        &[
+            "--pool-name",
+            "llm",
+            "--pool-namespace",
+            NS,
+            "--config-text",
+            flow,
+        ],
+    )
+    .await
+    .unwrap();
+    ready(&epp, "ready", Duration::from_secs(10)).await;
+    chaos::wait::until("objectives listed", Duration::from_secs(5), || async {
+        let text = epp.metrics().await.unwrap_or_default();
+        text.contains(
+            "llm_d_epp_discovery_objects{resource=\"inferenceobjective\",state=\"applied\"} 1",
+        )
+    })
+    .await
+    .unwrap();
+
+    // The objective names the band; another pool's objective is unknown here (band 0).
+    assert_eq!(
+        served_model(&epp, "assistant", "premium").await,
+        "assistant-v1"
+    );
+    assert_eq!(in_band(&epp, 10).await, 1.0);
+    served_model(&epp, "m", "elsewhere").await;
+    assert_eq!(
+        in_band(&epp, 7).await,
+        0.0,
+        "another pool's objective applied"
+    );
+    assert_eq!(in_band(&epp, 0).await, 1.0);
+
+    // Priority edited, an objective added: the next requests use them.
+    kube.apply(objective("premium", "llm", 5)).unwrap();
+    kube.apply(objective("batch", "llm", -1)).unwrap();
+    within_a_second("the edited priority", || async {
+        served_model(&epp, "m", "premium").await;
+        served_model(&epp, "m", "batch").await;
+        in_band(&epp, 5).await >= 1.0 && in_band(&epp, -1).await >= 1.0
+    })
+    .await;
+
+    // Weights edited: the other target; an invalid rewrite is refused, the rest apply.
+    kube.apply(rewrite(
+        "canary",
+        "assistant",
+        &[("assistant-v1", 0), ("assistant-v2", 100)],
+    ))
+    .unwrap();
+    kube.apply(rewrite("broken", "other", &[("other-v1", 0)]))
+        .unwrap();
+    within_a_second("the edited weights", || async {
+        served_model(&epp, "assistant", "").await == "assistant-v2"
+    })
+    .await;
+    assert_eq!(served_model(&epp, "other", "").await, "other");
+    let text = epp.metrics().await.unwrap();
+    assert!(
+        text.contains(
+            "llm_d_epp_discovery_objects{resource=\"inferencemodelrewrite\",state=\"refused\"} 1"
+        ),
+        "the broken rewrite not counted as refused"
+    );
+
+    // Deleted: the model is served as asked.
+    kube.delete("llm-d.ai/v1alpha2", "InferenceModelRewrite", NS, "canary");
+    within_a_second("the rewrite deleted", || async {
+        served_model(&epp, "assistant", "").await == "assistant"
+    })
     .await;
 }

@@ -28,8 +28,9 @@ use crate::datalayer::discovery::{FileDiscovery, Scraping};
 use crate::datalayer::inflight;
 use crate::datalayer::scraper::ScrapeConfig;
 use crate::dataplane::{ExtProcService, PickerContext};
-use crate::k8s::{PoolDiscovery, PoolRef};
+use crate::k8s::{ObjectWatch, PoolDiscovery, PoolRef};
 use crate::metrics::Metrics;
+use crate::request::Live;
 use crate::request::admission::legacy::LegacyAdmission;
 use crate::request::admission::local::FlowGate;
 use crate::request::admission::{AdmissionConfig, Gate};
@@ -51,14 +52,18 @@ pub enum DiscoverySource {
 /// A discovery source ready to run (the file loaded once, or the Kubernetes client built).
 enum Discovery {
     File(FileDiscovery, Vec<crate::datalayer::discovery::PodEntry>),
-    Kubernetes(PoolDiscovery),
+    /// The pool's pods, and its objectives and rewrites unless files give them.
+    Kubernetes(Box<(PoolDiscovery, ObjectWatch)>),
 }
 
 impl Discovery {
     async fn run(self, stop: CancellationToken) {
         match self {
             Discovery::File(d, initial) => d.run(initial, stop).await,
-            Discovery::Kubernetes(d) => d.run(stop).await,
+            Discovery::Kubernetes(k) => {
+                let (pods, objects) = *k;
+                futures::future::join(pods.run(stop.clone()), objects.run(stop)).await;
+            }
         }
     }
 }
@@ -178,6 +183,14 @@ pub async fn serve(
         metrics: metrics.clone(),
         client,
     };
+    let objectives = Arc::new(Live::new(match &opts.objectives_file {
+        Some(path) => Objectives::from_file(path)?,
+        None => Objectives::default(),
+    }));
+    let rewrites = Arc::new(Live::new(match &opts.model_rewrites_file {
+        Some(path) => ModelRewrites::from_file(path)?,
+        None => ModelRewrites::default(),
+    }));
     let discovery = match &opts.discovery {
         DiscoverySource::File(path) => {
             let d = FileDiscovery {
@@ -194,20 +207,23 @@ pub async fn serve(
                     "Kubernetes client (KUBECONFIG, ~/.kube/config or in-cluster): {e}"
                 ))
             })?;
-            Discovery::Kubernetes(PoolDiscovery {
+            // A file given for a kind replaces its watch (as standalone).
+            let objects = ObjectWatch {
+                client: client.clone(),
                 pool: pool.clone(),
-                client,
-                scraping,
-            })
+                objectives: opts.objectives_file.is_none().then(|| objectives.clone()),
+                rewrites: opts.model_rewrites_file.is_none().then(|| rewrites.clone()),
+                metrics: metrics.clone(),
+            };
+            Discovery::Kubernetes(Box::new((
+                PoolDiscovery {
+                    pool: pool.clone(),
+                    client,
+                    scraping,
+                },
+                objects,
+            )))
         }
-    };
-    let objectives = match &opts.objectives_file {
-        Some(path) => Objectives::from_file(path)?,
-        None => Objectives::default(),
-    };
-    let rewrites = match &opts.model_rewrites_file {
-        Some(path) => ModelRewrites::from_file(path)?,
-        None => ModelRewrites::default(),
     };
     // Admission: one gate; the flow gates' background work is started below.
     let mut flow_gate = None;
@@ -356,7 +372,6 @@ pub async fn serve(
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();
-    // Cluster-wide flow control: not ready for Envoy until the replicated configuration applies.
     // Not ready for Envoy until the pool's pods are known (Kubernetes: the first full list)
     // and, with cluster-wide flow control, the replicated configuration applies.
     let gated = global_gate.is_some() || !ctx.store.synced();

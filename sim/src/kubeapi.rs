@@ -18,7 +18,8 @@
 //!   with a 410 `Expired` status (the client must relist). `timeoutSeconds` ends the stream.
 //! - **Faults**: [`FakeKube::drop_watches`] ends every open watch (clients resume from their
 //!   last resource version), [`FakeKube::set_down`] answers every request 503 and drops the
-//!   watches until brought back. [`FakeKube::requests`] lists what clients asked.
+//!   watches until brought back, [`FakeKube::uninstall`] makes a kind unknown (404, as for a CRD
+//!   not installed). [`FakeKube::requests`] lists what clients asked.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -75,6 +76,8 @@ struct State {
     compacted: u64,
     watches: Vec<Watch>,
     down: bool,
+    /// Collections answered 404 (their CRD not installed).
+    missing: std::collections::BTreeSet<String>,
     requests: Vec<String>,
     uids: u64,
 }
@@ -210,6 +213,15 @@ impl FakeKube {
         if down {
             st.watches.clear();
         }
+    }
+
+    /// Answers 404 for the kind's collections from now on (its CRD not installed); its open
+    /// watches end.
+    pub fn uninstall(&self, api_version: &str, kind: &str) {
+        let mut st = lock(&self.state);
+        let c = collection(api_version, &plural(kind));
+        st.watches.retain(|w| w.collection != c);
+        st.missing.insert(c);
     }
 
     /// Requests received so far (`METHOD path?query`).
@@ -433,6 +445,13 @@ async fn handle(
     let Some((collection, namespace)) = parse_path(uri.path()) else {
         return status(StatusCode::NOT_FOUND, "NotFound", "no such collection");
     };
+    if lock(&state).missing.contains(&collection) {
+        return status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            "the server could not find the requested resource",
+        );
+    }
     let (labels, fields) = match (
         Selector::parse(q.get("labelSelector").map(String::as_str)),
         Selector::parse(q.get("fieldSelector").map(String::as_str)),

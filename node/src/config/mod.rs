@@ -173,6 +173,22 @@ pub struct RequestHandlerSpec {
     pub parsers: Vec<PluginRefSpec>,
 }
 
+/// Calls `f` with each non-empty document of a multi-document YAML `text`, named `what[i]`.
+pub fn each_doc(
+    text: &str,
+    what: &str,
+    mut f: impl FnMut(&Value, &str) -> Result<(), ConfigError>,
+) -> Result<(), ConfigError> {
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
+    for (i, doc) in docs.iter().enumerate() {
+        if !doc.is_null() {
+            f(doc, &format!("{what}[{i}]"))?;
+        }
+    }
+    Ok(())
+}
+
 /// Decode `value` into `T`, reporting the failing key as `prefix.path` (flowctl's strict decoder,
 /// shared so every config error reads the same).
 pub fn decode_at<T: DeserializeOwned>(value: &Value, prefix: &str) -> Result<T, ConfigError> {

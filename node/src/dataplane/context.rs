@@ -5,6 +5,7 @@ use std::sync::Arc;
 use crate::datalayer::Datastore;
 use crate::datalayer::inflight::InflightTracker;
 use crate::metrics::Metrics;
+use crate::request::Live;
 use crate::request::admission::Gate;
 use crate::request::meta::Objectives;
 use crate::request::rewrite::ModelRewrites;
@@ -24,12 +25,12 @@ pub struct PickerContext {
     pub draining: std::sync::atomic::AtomicBool,
     /// Legacy admission, flow control on this replica, or cluster-wide flow control.
     pub gate: Arc<dyn Gate>,
-    /// `InferenceObjective` name → priority.
-    pub objectives: Objectives,
+    /// `InferenceObjective` name → priority (`--objectives-file`, or watched from Kubernetes).
+    pub objectives: Arc<Live<Objectives>>,
     /// Honour the proxy's subset hint (`--disable-endpoint-subset-filter` turns it off).
     pub subset_filter: bool,
-    /// `InferenceModelRewrite` rules (`--model-rewrites-file`).
-    pub rewrites: ModelRewrites,
+    /// `InferenceModelRewrite` rules (`--model-rewrites-file`, or watched from Kubernetes).
+    pub rewrites: Arc<Live<ModelRewrites>>,
     /// Cluster mode without cluster-wide flow control: where the settlements of requests this
     /// replica observed but did not hold go (the peers; `cluster::settle`).
     pub relay: Option<tokio::sync::mpsc::Sender<(String, Option<u64>)>>,

@@ -49,6 +49,15 @@ pub enum PoolGroup {
     V1Alpha2,
 }
 
+impl PoolGroup {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::V1 => "inference.networking.k8s.io",
+            Self::V1Alpha2 => "inference.networking.x-k8s.io",
+        }
+    }
+}
+
 impl std::str::FromStr for PoolGroup {
     type Err = String;
 
@@ -87,7 +96,7 @@ type BoxStream<T> = Pin<Box<dyn Stream<Item = T> + Send>>;
 /// Short: a replica routes on a stale view while it retries, and one pool's watches are two per
 /// replica — light even for an API server that just came back.
 #[derive(Debug, Clone)]
-struct Retry(Duration);
+pub(super) struct Retry(Duration);
 
 const RETRY_MIN: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_millis(500);

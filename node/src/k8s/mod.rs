@@ -1,10 +1,12 @@
 //! Kubernetes: the pool's pods from its `InferencePool` (kube-rs watcher → reflector → store)
 //! and the custom resources' types.
 //!
-//! - [`crd`]: `InferencePool` (GIE v1 and the older v1alpha2 group) as Rust types; the CRD
-//!   manifests in `deploy/crds/` are generated from them (`epp crds`).
+//! - [`crd`]: `InferencePool` (GIE v1 and the older v1alpha2 group), `InferenceObjective` and
+//!   `InferenceModelRewrite` (`llm-d.ai/v1alpha2`) as Rust types; the CRD manifests in
+//!   `deploy/crds/` are generated from them (`epp crds`).
 //! - [`discovery`]: `--pool-name`/`--pool-namespace`/`--pool-group` discovery feeding the same
 //!   endpoint set as the file discovery.
+//! - [`objects`]: the pool's objectives and model rewrites, applied live.
 //!
 //! The client comes from the environment (`KUBECONFIG` or `~/.kube/config`, else the in-cluster
 //! service account). Tests point it at `sim::kubeapi`, a fake API server speaking the real
@@ -12,8 +14,10 @@
 
 pub mod crd;
 pub mod discovery;
+pub mod objects;
 
 pub use discovery::{PoolDiscovery, PoolGroup, PoolRef};
+pub use objects::ObjectWatch;
 
 /// The Kubernetes client from the environment, without kube's own retries of 429/503/504
 /// answers (up to 15 over minutes): the watches retry on their own schedule, so an unavailable

@@ -8,15 +8,24 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// Which watch failed (`inferencepool`, `pod`).
+/// Which watch failed (`inferencepool`, `pod`, `inferenceobjective`, `inferencemodelrewrite`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResourceLabels {
     pub resource: &'static str,
 }
 
+/// `discovery_objects` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ObjectLabels {
+    pub resource: &'static str,
+    /// `applied` or `refused`.
+    pub state: &'static str,
+}
+
 #[derive(Debug)]
 pub struct DiscoveryMetrics {
     errors: Family<ResourceLabels, Counter>,
+    objects: Family<ObjectLabels, Gauge>,
     stale: Gauge,
     update_seconds: Histogram,
 }
@@ -25,6 +34,7 @@ impl DiscoveryMetrics {
     pub(super) fn register(registry: &mut Registry) -> DiscoveryMetrics {
         let m = DiscoveryMetrics {
             errors: Family::default(),
+            objects: Family::default(),
             stale: Gauge::default(),
             update_seconds: Histogram::new([
                 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0,
@@ -35,6 +45,12 @@ impl DiscoveryMetrics {
             "Kubernetes watch errors (API server unreachable, dropped streams, relists after 410 \
              Gone, unusable pool objects), by resource",
             m.errors.clone(),
+        );
+        registry.register(
+            "discovery_objects",
+            "The pool's InferenceObjectives and InferenceModelRewrites in use (state=applied) \
+             and refused as invalid (state=refused), by resource",
+            m.objects.clone(),
         );
         registry.register(
             "discovery_stale",
@@ -54,6 +70,14 @@ impl DiscoveryMetrics {
         self.errors
             .get_or_create(&ResourceLabels { resource })
             .inc();
+    }
+
+    pub fn set_objects(&self, resource: &'static str, applied: usize, refused: usize) {
+        for (state, n) in [("applied", applied), ("refused", refused)] {
+            self.objects
+                .get_or_create(&ObjectLabels { resource, state })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
     }
 
     pub fn set_stale(&self, stale: bool) {

@@ -12,7 +12,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::config::{ConfigError, decode_at};
+use crate::config::{ConfigError, decode_at, each_doc};
 
 pub const FAIRNESS_ID_HEADER: &str = "x-llm-d-inference-fairness-id";
 pub const FAIRNESS_ID_ALIAS: &str = "x-gateway-inference-fairness-id";
@@ -83,34 +83,32 @@ impl Objectives {
 
     /// Parse one or more YAML documents of `kind: InferenceObjective` (`spec.priority`, default 0).
     pub fn from_yaml(text: &str) -> Result<Objectives, ConfigError> {
-        let docs: Vec<serde_json::Value> =
-            serde_saphyr::from_multiple(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
-        let mut map = HashMap::new();
-        for (i, doc) in docs.iter().enumerate() {
-            if doc.is_null() {
-                continue;
-            }
-            let d: ObjectiveDoc = decode_at(doc, &format!("objectives[{i}]"))?;
-            if d.kind != "InferenceObjective" {
-                return Err(ConfigError::invalid(format!(
-                    "objectives[{i}].kind: `{}` is not InferenceObjective",
-                    d.kind
-                )));
-            }
-            if !d.api_version.ends_with("/v1alpha2") && !d.api_version.ends_with("/v1alpha1") {
-                tracing::warn!(api_version = %d.api_version, "unexpected InferenceObjective apiVersion");
-            }
-            if map
-                .insert(d.metadata.name.clone(), d.spec.priority.unwrap_or(0))
-                .is_some()
-            {
-                return Err(ConfigError::invalid(format!(
-                    "objectives[{i}]: InferenceObjective `{}` defined twice",
-                    d.metadata.name
-                )));
-            }
+        let mut out = Objectives::default();
+        each_doc(text, "objectives", |doc, at| out.add(doc, at))?;
+        Ok(out)
+    }
+
+    /// Adds one `InferenceObjective` document (a manifest, or an object from the API server);
+    /// `at` names it in the error. Nothing is added when it is refused.
+    pub fn add(&mut self, doc: &serde_json::Value, at: &str) -> Result<(), ConfigError> {
+        let d: ObjectiveDoc = decode_at(doc, at)?;
+        if d.kind != "InferenceObjective" {
+            return Err(ConfigError::invalid(format!(
+                "{at}.kind: `{}` is not InferenceObjective",
+                d.kind
+            )));
         }
-        Ok(Objectives(map))
+        if !d.api_version.ends_with("/v1alpha2") && !d.api_version.ends_with("/v1alpha1") {
+            tracing::warn!(api_version = %d.api_version, "unexpected InferenceObjective apiVersion");
+        }
+        if self.0.contains_key(&d.metadata.name) {
+            return Err(ConfigError::invalid(format!(
+                "{at}: InferenceObjective `{}` defined twice",
+                d.metadata.name
+            )));
+        }
+        self.0.insert(d.metadata.name, d.spec.priority.unwrap_or(0));
+        Ok(())
     }
 
     pub fn from_file(path: &Path) -> Result<Objectives, ConfigError> {

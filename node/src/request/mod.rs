@@ -9,7 +9,9 @@
 //! - [`meta`]: [`meta::RequestMeta`] from headers and `InferenceObjective`s;
 //! - [`admission`]: the [`admission::Gate`] trait — legacy controller, flow control on this
 //!   replica; the cluster room implements it cluster-wide;
-//! - [`reject`]: every refusal as one HTTP status, error code and drop reason.
+//! - [`reject`]: every refusal as one HTTP status, error code and drop reason;
+//! - [`Live`]: objectives and rewrites as the streams read them, replaced whole when their
+//!   source (the Kubernetes watch) changes.
 //!
 //! This room knows nothing of Envoy's protocol: the data plane hands it headers and bytes and
 //! turns its [`reject::Rejection`]s into immediate responses.
@@ -21,11 +23,30 @@ pub mod reject;
 pub mod rewrite;
 
 use std::collections::HashMap;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use meta::{Objectives, RequestMeta};
 use parse::{ParsedRequest, Prompt};
 use reject::Rejection;
 use rewrite::{ModelRewrites, REWRITE_ALIAS, REWRITE_HEADER};
+
+/// A value every stream reads and a watcher replaces whole: a stream keeps the one it read.
+#[derive(Debug, Default)]
+pub struct Live<T>(RwLock<Arc<T>>);
+
+impl<T> Live<T> {
+    pub fn new(value: T) -> Self {
+        Live(RwLock::new(Arc::new(value)))
+    }
+
+    pub fn get(&self) -> Arc<T> {
+        Arc::clone(&self.0.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    pub fn set(&self, value: T) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(value);
+    }
+}
 
 /// What the routing filter sends for paths no parser handles.
 const SUPPORTED_PATHS: &str =

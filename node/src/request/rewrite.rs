@@ -14,7 +14,7 @@ use std::path::Path;
 use rand::Rng;
 use serde::Deserialize;
 
-use crate::config::{ConfigError, decode_at};
+use crate::config::{ConfigError, decode_at, each_doc};
 
 pub const REWRITE_HEADER: &str = "x-llm-d-model-name-rewrite";
 pub const REWRITE_ALIAS: &str = "x-gateway-model-name-rewrite";
@@ -94,65 +94,71 @@ struct TargetSpec {
 impl ModelRewrites {
     /// Parse YAML documents of `kind: InferenceModelRewrite`.
     pub fn from_yaml(text: &str) -> Result<ModelRewrites, ConfigError> {
-        let docs: Vec<serde_json::Value> =
-            serde_saphyr::from_multiple(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
         let mut out = ModelRewrites::default();
-        for (i, doc) in docs.iter().enumerate() {
-            if doc.is_null() {
-                continue;
+        each_doc(text, "rewrites", |doc, at| out.add(doc, at))?;
+        Ok(out)
+    }
+
+    /// Adds the rules of one `InferenceModelRewrite` document (a manifest, or an object from
+    /// the API server) after those added before it; `at` names it in the error. Nothing is
+    /// added when it is refused.
+    pub fn add(&mut self, doc: &serde_json::Value, at: &str) -> Result<(), ConfigError> {
+        let d: Doc = decode_at(doc, at)?;
+        if d.kind != "InferenceModelRewrite" {
+            return Err(ConfigError::invalid(format!(
+                "{at}.kind: `{}` is not InferenceModelRewrite",
+                d.kind
+            )));
+        }
+        if !d.api_version.ends_with("/v1alpha2") && !d.api_version.ends_with("/v1alpha1") {
+            tracing::warn!(api_version = %d.api_version, name = %d.metadata.name, "unexpected InferenceModelRewrite apiVersion");
+        }
+        let mut rules = Vec::new();
+        for (r, rule) in d.spec.rules.into_iter().enumerate() {
+            let at = format!("{at}.spec.rules[{r}]");
+            if rule.targets.is_empty() {
+                return Err(ConfigError::invalid(format!("{at}.targets: empty")));
             }
-            let at = format!("rewrites[{i}]");
-            let d: Doc = decode_at(doc, &at)?;
-            if d.kind != "InferenceModelRewrite" {
-                return Err(ConfigError::invalid(format!(
-                    "{at}.kind: `{}` is not InferenceModelRewrite",
-                    d.kind
-                )));
-            }
-            if !d.api_version.ends_with("/v1alpha2") && !d.api_version.ends_with("/v1alpha1") {
-                tracing::warn!(api_version = %d.api_version, name = %d.metadata.name, "unexpected InferenceModelRewrite apiVersion");
-            }
-            for (r, rule) in d.spec.rules.into_iter().enumerate() {
-                let at = format!("{at}.spec.rules[{r}]");
-                if rule.targets.is_empty() {
-                    return Err(ConfigError::invalid(format!("{at}.targets: empty")));
-                }
-                let mut targets = Vec::new();
-                for (t, ts) in rule.targets.into_iter().enumerate() {
-                    if ts.model_rewrite.trim().is_empty() {
-                        return Err(ConfigError::invalid(format!(
-                            "{at}.targets[{t}].modelRewrite: empty"
-                        )));
-                    }
-                    targets.push(Target {
-                        model: ts.model_rewrite,
-                        weight: ts.weight.unwrap_or(1),
-                    });
-                }
-                if targets.iter().all(|t| t.weight == 0) {
+            let mut targets = Vec::new();
+            for (t, ts) in rule.targets.into_iter().enumerate() {
+                if ts.model_rewrite.trim().is_empty() {
                     return Err(ConfigError::invalid(format!(
-                        "{at}.targets: every weight is 0"
+                        "{at}.targets[{t}].modelRewrite: empty"
                     )));
                 }
-                if rule.matches.is_empty() {
-                    out.fallback.get_or_insert(targets);
-                    continue;
-                }
-                for (m, mm) in rule.matches.iter().enumerate() {
-                    if mm.model.kind != "Exact" {
-                        return Err(ConfigError::invalid(format!(
-                            "{at}.matches[{m}].model.type: `{}` (only Exact)",
-                            mm.model.kind
-                        )));
-                    }
-                    // The first rule naming a model wins (llm-d: oldest first).
-                    out.exact
-                        .entry(mm.model.value.clone())
-                        .or_insert_with(|| targets.clone());
+                targets.push(Target {
+                    model: ts.model_rewrite,
+                    weight: ts.weight.unwrap_or(1),
+                });
+            }
+            if targets.iter().all(|t| t.weight == 0) {
+                return Err(ConfigError::invalid(format!(
+                    "{at}.targets: every weight is 0"
+                )));
+            }
+            for (m, mm) in rule.matches.iter().enumerate() {
+                if mm.model.kind != "Exact" {
+                    return Err(ConfigError::invalid(format!(
+                        "{at}.matches[{m}].model.type: `{}` (only Exact)",
+                        mm.model.kind
+                    )));
                 }
             }
+            rules.push((rule.matches, targets));
         }
-        Ok(out)
+        for (matches, targets) in rules {
+            if matches.is_empty() {
+                self.fallback.get_or_insert(targets);
+                continue;
+            }
+            for mm in matches {
+                // The first rule naming a model wins (llm-d: oldest first).
+                self.exact
+                    .entry(mm.model.value)
+                    .or_insert_with(|| targets.clone());
+            }
+        }
+        Ok(())
     }
 
     pub fn from_file(path: &Path) -> Result<ModelRewrites, ConfigError> {

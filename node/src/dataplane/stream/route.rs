@@ -44,7 +44,12 @@ impl StreamState {
             Ok(p) => p,
             Err(r) => return self.reject(r).await,
         };
-        let req = Request::resolve(parsed, &self.headers, &ctx.objectives, &ctx.rewrites);
+        let req = Request::resolve(
+            parsed,
+            &self.headers,
+            &ctx.objectives.get(),
+            &ctx.rewrites.get(),
+        );
         self.received(&req);
         self.key = new_request_key();
         let ticket = match self.admit(&req).await? {
