@@ -11,6 +11,7 @@
 //! - [`epp`]: an `epp serve` child process (start, SIGTERM, SIGKILL);
 //! - [`envoy`]: render the bootstrap and run Envoy;
 //! - [`extproc`]: the ext_proc messages Envoy sends, for tests and benchmarks without Envoy;
+//! - [`chart`]: the Helm chart rendered and validated, its StatefulSet's arguments;
 //! - [`cluster`]: sim + EPP replicas + Envoy together;
 //! - [`wait`]: waiting on observable conditions with a deadline (never fixed sleeps).
 //! - [`raft`]: EPP replicas in cluster mode with a controllable proxy on every peer link;
@@ -23,6 +24,7 @@
 //! - [`peerbench`]: the peer benchmark (EPP vs round robin vs those routers), with [`plot`] for
 //!   its SVG.
 
+pub mod chart;
 pub mod cluster;
 pub mod discoverybench;
 pub mod envoy;

@@ -111,19 +111,7 @@ impl RaftCluster {
             return Ok(());
         }
         let certs = self.dir.path().join("certs");
-        let script = crate::locate::workspace_root().join("deploy/local/make-test-certs.sh");
-        let out = std::process::Command::new("bash")
-            .arg(&script)
-            .arg(&certs)
-            .arg(MAX_REPLICA_ID.to_string())
-            .output()
-            .with_context(|| format!("running {}", script.display()))?;
-        if !out.status.success() {
-            anyhow::bail!(
-                "making test certificates: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+        make_test_certs(&certs, MAX_REPLICA_ID)?;
         self.extra.push("--peer-tls-ca".into());
         self.extra.push(certs.join("ca.pem").display().to_string());
         self.certs = Some(certs);
@@ -376,4 +364,23 @@ pub fn failover_target() -> Duration {
 /// 2.07 s while builds shared the two cores) does not fail CI; the measured value is printed.
 pub fn failover_hard_limit() -> Duration {
     2 * failover_target()
+}
+
+/// A throwaway CA and a certificate per node id 1..=`n` in `dir` (`ca.pem`, `node-ID.pem`,
+/// `node-ID.key`, each carrying `epp-node-ID`), by `deploy/local/make-test-certs.sh`.
+pub fn make_test_certs(dir: &std::path::Path, n: u64) -> anyhow::Result<()> {
+    let script = crate::locate::workspace_root().join("deploy/local/make-test-certs.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .arg(dir)
+        .arg(n.to_string())
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "making test certificates: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
 }

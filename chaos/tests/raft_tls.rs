@@ -15,17 +15,7 @@ use node::cluster::gossip::pb::prefix_gossip_client::PrefixGossipClient;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_elect_and_commit_over_mutual_tls() {
     let dir = tempfile::tempdir().unwrap();
-    let script = chaos::locate::workspace_root().join("deploy/local/make-test-certs.sh");
-    let out = std::process::Command::new("bash")
-        .arg(&script)
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    chaos::raft::make_test_certs(dir.path(), 5).unwrap();
     let endpoints = dir.path().join("endpoints.yaml");
     std::fs::write(&endpoints, "pods: []\n").unwrap();
     let p = |f: &str| dir.path().join(f).display().to_string();
@@ -91,12 +81,7 @@ async fn replicas_elect_and_commit_over_mutual_tls() {
     // A client without a certificate, or with one another CA signed, is refused (TLS 1.2, where
     // the server's refusal ends the handshake itself).
     let other = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new("bash")
-        .arg(&script)
-        .arg(other.path())
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    chaos::raft::make_test_certs(other.path(), 1).unwrap();
     let q = |f: &str| other.path().join(f).display().to_string();
     let (other_cert, other_key) = (q("node.pem"), q("node.key"));
     for client in [None, Some((&other_cert, &other_key))] {

