@@ -201,43 +201,134 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
     }
 }
 
-/// What replica `ordinal` of the rendered StatefulSet runs, on this machine: the container's
-/// arguments with Kubernetes' `$(VAR)`s, minus the fixed ports `EppProcess` chooses itself, the
-/// Secret's and the PVC's mount paths pointed at local directories, its peer port `peer_port`,
-/// and the peers' DNS names routed to their loopback ports.
-fn replica_args(
-    container: &Value,
-    ordinal: usize,
-    peer_ports: &[u16],
-    certs: &std::path::Path,
-    data: &std::path::Path,
-) -> Vec<String> {
-    let pod = format!("{FULL}-{ordinal}");
-    let args = container_args(container, &[("POD_NAME", &pod), ("POD_NAMESPACE", NS)]);
-    assert_eq!(args[0], "serve");
-    let mut out: Vec<String> = args[1..]
-        .iter()
-        .filter(|a| {
-            !["--grpc-port=", "--grpc-health-port=", "--metrics-port="]
-                .iter()
-                .any(|p| a.starts_with(p))
+/// Ordinals the tests may run (the certificates and peer ports are made for these).
+const MAX_ORDINALS: usize = 5;
+
+/// What the StatefulSet's replicas need around them: the pool (one simulated pod listed by the
+/// fake API server), the peer TLS Secret's files, a volume directory per pod, a loopback port per
+/// ordinal for its peer port.
+struct Site {
+    _sim: Sim,
+    _kube: FakeKube,
+    dir: tempfile::TempDir,
+    kubeconfig: std::path::PathBuf,
+    peer_ports: Vec<u16>,
+    /// The simulated pod's address: where every replica must route.
+    pod: String,
+}
+
+impl Site {
+    async fn new() -> Site {
+        let sim = Sim::start(SimConfig {
+            pods: 1,
+            ..SimConfig::default()
         })
-        .map(|a| {
-            if a.starts_with("--peer-port=") {
-                format!("--peer-port={}", peer_ports[ordinal])
-            } else if a.starts_with("--data-dir=") {
-                format!("--data-dir={}", data.join(&pod).display())
-            } else {
-                a.replace("/etc/epp/peer-tls/", &format!("{}/", certs.display()))
-            }
+        .await
+        .unwrap();
+        let pod_addr = sim.pods()[0].addr;
+        let kube = FakeKube::start().await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        kube.write_kubeconfig(&kubeconfig, NS).unwrap();
+        kube.apply(json!({
+            "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "llm", "namespace": NS},
+            "spec": {"selector": {"matchLabels": {"app": "vllm"}},
+                     "targetPorts": [{"number": pod_addr.port()}],
+                     "endpointPickerRef": {"name": FULL, "port": {"number": 9002}}},
+        }))
+        .unwrap();
+        kube.apply(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "vllm-a", "namespace": NS, "labels": {"app": "vllm"}},
+            "status": {"phase": "Running", "podIP": pod_addr.ip().to_string(),
+                       "conditions": [{"type": "Ready", "status": "True"}]},
+        }))
+        .unwrap();
+        // The peer TLS Secret's files (ca.pem, node-<id>.pem/.key), as the chart documents.
+        chaos::raft::make_test_certs(&dir.path().join("peer-tls"), MAX_ORDINALS as u64).unwrap();
+        let peer_ports = free_ports(MAX_ORDINALS);
+        Site {
+            _sim: sim,
+            _kube: kube,
+            dir,
+            kubeconfig,
+            peer_ports,
+            pod: pod_addr.to_string(),
+        }
+    }
+
+    /// What replica `ordinal` of the rendered StatefulSet runs, on this machine: the
+    /// container's arguments with Kubernetes' `$(VAR)`s, minus the fixed ports `EppProcess`
+    /// chooses itself, the Secret's and the PVC's mount paths pointed at local directories, its
+    /// own peer port, and the peers' DNS names routed to their loopback ports.
+    fn args(&self, container: &Value, ordinal: usize) -> Vec<String> {
+        let pod = format!("{FULL}-{ordinal}");
+        let args = container_args(container, &[("POD_NAME", &pod), ("POD_NAMESPACE", NS)]);
+        assert_eq!(args[0], "serve");
+        let certs = self.dir.path().join("peer-tls");
+        let mut out: Vec<String> = args[1..]
+            .iter()
+            .filter(|a| {
+                !["--grpc-port=", "--grpc-health-port=", "--metrics-port="]
+                    .iter()
+                    .any(|p| a.starts_with(p))
+            })
+            .map(|a| {
+                if a.starts_with("--peer-port=") {
+                    format!("--peer-port={}", self.peer_ports[ordinal])
+                } else if a.starts_with("--data-dir=") {
+                    format!(
+                        "--data-dir={}",
+                        self.dir.path().join("pvc").join(&pod).display()
+                    )
+                } else {
+                    a.replace("/etc/epp/peer-tls/", &format!("{}/", certs.display()))
+                }
+            })
+            .collect();
+        let routes: Vec<String> = self
+            .peer_ports
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("{FULL}-{i}.{FULL}-peers.{NS}.svc:9004=127.0.0.1:{p}"))
+            .collect();
+        out.push(format!("--peer-routes={}", routes.join(",")));
+        out
+    }
+
+    /// Starts replica `ordinal` as rendered in `docs`.
+    async fn start(&self, docs: &[Value], ordinal: usize) -> EppProcess {
+        let args = self.args(epp_container(docs), ordinal);
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        EppProcess::start_kube(&self.kubeconfig, &a).await.unwrap()
+    }
+
+    /// Until `replica` routes to the pool's pod.
+    async fn routes(&self, replica: &EppProcess, what: &str) {
+        chaos::wait::until(what, Duration::from_secs(10), || async {
+            chaos::extproc::pick(replica.addrs.ext_proc, None)
+                .await
+                .is_ok_and(|d| d == self.pod)
         })
-        .collect();
-    let routes: Vec<String> = peer_ports
-        .iter()
-        .enumerate()
-        .map(|(i, p)| format!("{FULL}-{i}.{FULL}-peers.{NS}.svc:9004=127.0.0.1:{p}"))
-        .collect();
-    out.push(format!("--peer-routes={}", routes.join(",")));
+        .await
+        .unwrap();
+    }
+}
+
+/// `n` loopback ports free now, below the OS's ephemeral range (32768 and up on Linux): the
+/// peer ports must be known before the replicas start, and a port the OS hands out to another
+/// process's `:0` bind meanwhile would make a replica fail to bind.
+fn free_ports(n: usize) -> Vec<u16> {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    let mut out = Vec::new();
+    while out.len() < n {
+        let port = rng.random_range(20000..32000);
+        if !out.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            out.push(port);
+        }
+    }
     out
 }
 
@@ -258,10 +349,10 @@ async fn raft(epp: &EppProcess) -> Option<(u64, Vec<u64>, u64, u64)> {
     ))
 }
 
-/// Until every replica agrees on one leader among voters 1..=3 and has committed past `after`
-/// (the liveness heartbeats commit every 500 ms: the cluster is writing); the smallest commit
-/// index then.
-async fn formed(replicas: &[EppProcess], after: u64, what: &str) -> u64 {
+/// Until every replica agrees on one leader among exactly `voters` and has committed past
+/// `after` (the liveness heartbeats commit every 500 ms: the cluster is writing); the smallest
+/// commit index then.
+async fn formed(replicas: &[&EppProcess], voters: &[u64], after: u64, what: &str) -> u64 {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let mut views = Vec::new();
@@ -272,14 +363,14 @@ async fn formed(replicas: &[EppProcess], after: u64, what: &str) -> u64 {
             let leader = views[0].0;
             if views
                 .iter()
-                .all(|(l, v, _, c)| *l == leader && *v == [1, 2, 3] && *c > after)
+                .all(|(l, v, _, c)| *l == leader && v == voters && *c > after)
             {
                 return views.iter().map(|v| v.3).min().unwrap_or(0);
             }
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "{what}: the replicas do not agree on a leader of voters 1..=3 committing past \
+            "{what}: the replicas do not agree on a leader of voters {voters:?} committing past \
              {after}: {views:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -293,73 +384,18 @@ async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
         &helm,
         &["pool.name=llm", "cluster.tls.secretName=epp-peer-tls"],
     );
-    let container = epp_container(&docs).clone();
-
-    // The pool: one simulated pod, listed by the fake API server.
-    let sim = Sim::start(SimConfig {
-        pods: 1,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
-    let pod_addr = sim.pods()[0].addr;
-    let kube = FakeKube::start().await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    kube.write_kubeconfig(&kubeconfig, NS).unwrap();
-    kube.apply(json!({
-        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-        "metadata": {"name": "llm", "namespace": NS},
-        "spec": {"selector": {"matchLabels": {"app": "vllm"}},
-                 "targetPorts": [{"number": pod_addr.port()}],
-                 "endpointPickerRef": {"name": FULL, "port": {"number": 9002}}},
-    }))
-    .unwrap();
-    kube.apply(json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "vllm-a", "namespace": NS, "labels": {"app": "vllm"}},
-        "status": {"phase": "Running", "podIP": pod_addr.ip().to_string(),
-                   "conditions": [{"type": "Ready", "status": "True"}]},
-    }))
-    .unwrap();
-
-    // The peer TLS Secret's files (ca.pem, node-<id>.pem/.key), as the chart documents them.
-    let certs = dir.path().join("peer-tls");
-    chaos::raft::make_test_certs(&certs, 3).unwrap();
-    let peer_ports: Vec<u16> = (0..3)
-        .map(|_| {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port()
-        })
-        .collect();
-    let data = dir.path().join("pvc");
-    let args: Vec<Vec<String>> = (0..3)
-        .map(|i| replica_args(&container, i, &peer_ports, &certs, &data))
-        .collect();
-    let start = |i: usize| {
-        let args = args[i].clone();
-        let kubeconfig = kubeconfig.clone();
-        async move {
-            let a: Vec<&str> = args.iter().map(String::as_str).collect();
-            EppProcess::start_kube(&kubeconfig, &a).await.unwrap()
-        }
-    };
+    let site = Site::new().await;
 
     // All three at once (podManagementPolicy: Parallel), no admin call.
-    let mut replicas = vec![start(0).await, start(1).await, start(2).await];
-    let committed = formed(&replicas, 0, "the cluster forms").await;
-    let pod = pod_addr.to_string();
+    let mut replicas = vec![
+        site.start(&docs, 0).await,
+        site.start(&docs, 1).await,
+        site.start(&docs, 2).await,
+    ];
+    let all: Vec<&EppProcess> = replicas.iter().collect();
+    let committed = formed(&all, &[1, 2, 3], 0, "the cluster forms").await;
     for r in &replicas {
-        chaos::wait::until("routes", Duration::from_secs(10), || async {
-            chaos::extproc::pick(r.addrs.ext_proc, None)
-                .await
-                .is_ok_and(|d| d == pod)
-        })
-        .await
-        .unwrap();
+        site.routes(r, "routes").await;
     }
 
     // All three restarted from their volumes: the same cluster, its log kept (pod 0 does not
@@ -367,7 +403,11 @@ async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
     for r in &mut replicas {
         r.kill9().await.unwrap();
     }
-    let replicas = vec![start(0).await, start(1).await, start(2).await];
+    let replicas = vec![
+        site.start(&docs, 0).await,
+        site.start(&docs, 1).await,
+        site.start(&docs, 2).await,
+    ];
     for (i, r) in replicas.iter().enumerate() {
         let view = r.cluster_view().await.unwrap();
         let last = view["raft"]["metrics"]["last_log_index"]
@@ -379,18 +419,95 @@ async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
              before: the data was lost"
         );
     }
-    formed(&replicas, committed, "the cluster re-forms and commits").await;
+    let all: Vec<&EppProcess> = replicas.iter().collect();
+    formed(
+        &all,
+        &[1, 2, 3],
+        committed,
+        "the cluster re-forms and commits",
+    )
+    .await;
     for r in &replicas {
-        chaos::wait::until(
-            "routes after the restart",
-            Duration::from_secs(10),
-            || async {
-                chaos::extproc::pick(r.addrs.ext_proc, None)
-                    .await
-                    .is_ok_and(|d| d == pod)
-            },
-        )
-        .await
-        .unwrap();
+        site.routes(r, "routes after the restart").await;
+    }
+}
+
+/// `helm upgrade --set replicas=4` then back to 3, as the StatefulSet carries it out: the new
+/// pod joins and becomes a voter with no admin call while the others route without an error;
+/// scaled back, the pod is stopped and the others restart one at a time with the new arguments
+/// (a rolling update); the first of them has the departed member removed after the grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_statefulset_scales_up_and_down() {
+    let helm = Helm::new().unwrap();
+    let values = |n: &'static str| {
+        vec![
+            "pool.name=llm",
+            "cluster.tls.secretName=epp-peer-tls",
+            "cluster.removeDepartedAfter=2s",
+            n,
+        ]
+    };
+    let (_, three) = render(&helm, &values("replicas=3"));
+    let (_, four) = render(&helm, &values("replicas=4"));
+    let site = Site::new().await;
+    let mut replicas = vec![
+        site.start(&three, 0).await,
+        site.start(&three, 1).await,
+        site.start(&three, 2).await,
+    ];
+    let all: Vec<&EppProcess> = replicas.iter().collect();
+    formed(&all, &[1, 2, 3], 0, "three form").await;
+
+    // Traffic through the three while the fourth joins: no request fails.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic: Vec<_> = replicas
+        .iter()
+        .map(|r| {
+            let (addr, stop, pod) = (r.addrs.ext_proc, stop.clone(), site.pod.clone());
+            tokio::spawn(async move {
+                let (mut ok, mut failed) = (0u32, Vec::new());
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    match chaos::extproc::pick(addr, None).await {
+                        Ok(d) if d == pod => ok += 1,
+                        other => failed.push(format!("{other:?}")),
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                (ok, failed)
+            })
+        })
+        .collect();
+    replicas.push(site.start(&four, 3).await);
+    let all: Vec<&EppProcess> = replicas.iter().collect();
+    formed(&all, &[1, 2, 3, 4], 0, "the fourth joins as a voter").await;
+    site.routes(&replicas[3], "the fourth routes").await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in traffic {
+        let (ok, failed) = t.await.unwrap();
+        assert!(
+            ok > 0 && failed.is_empty(),
+            "{ok} routed, failed: {failed:?}"
+        );
+    }
+
+    // Back to three: pod 3 stopped (SIGTERM, it leaves its lease), then a rolling update of the
+    // others with the new arguments, the highest ordinal first.
+    let mut fourth = replicas.pop().unwrap();
+    fourth.terminate().unwrap();
+    fourth.wait_exit(Duration::from_secs(40)).await.unwrap();
+    // Pod 2 first: once back, with three peers named, it has node 4 removed (the leader still
+    // names four) after the grace period — before the next restart takes another voter down.
+    replicas[2].kill9().await.unwrap();
+    replicas[2] = site.start(&three, 2).await;
+    let all: Vec<&EppProcess> = replicas.iter().collect();
+    formed(&all, &[1, 2, 3], 0, "the departed member removed").await;
+    for i in [1, 0] {
+        replicas[i].kill9().await.unwrap();
+        replicas[i] = site.start(&three, i).await;
+        let all: Vec<&EppProcess> = replicas.iter().collect();
+        formed(&all, &[1, 2, 3], 0, &format!("pod {i} restarted")).await;
+    }
+    for r in &replicas {
+        site.routes(r, "routes after scaling down").await;
     }
 }

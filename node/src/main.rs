@@ -128,6 +128,14 @@ struct ClusterArgs {
     /// Start without bootstrapping: wait to be added (`epp cluster add-learner` on a member).
     #[arg(long)]
     join: bool,
+    /// Not a member 3 s after start (a new replica of a grown StatefulSet): ask the --peers to
+    /// add this replica, then promote it while the cluster has fewer than 5 voters.
+    #[arg(long)]
+    auto_join: bool,
+    /// Remove (through the leader) a member that --peers no longer names once it has been dead
+    /// this long (a StatefulSet scaled down). Off by default.
+    #[arg(long, value_parser = duration)]
+    remove_departed_after: Option<Duration>,
     /// This replica's Raft node id (stable across restarts).
     #[arg(long, default_value_t = 1)]
     node_id: u64,
@@ -299,6 +307,8 @@ impl ClusterArgs {
             flow_credit_slack: self.flow_credit_slack,
             flow_partition: self.flow_partition,
             flow_degraded_wait: self.flow_degraded_wait,
+            auto_join: self.auto_join,
+            remove_departed_after: self.remove_departed_after,
         }))
     }
 }

@@ -494,6 +494,9 @@ pub async fn serve(
             Ok(())
         });
     }
+    if let Some(member) = cluster.clone() {
+        tasks.spawn(member.reconcile(stop.clone()).then_ok());
+    }
     on_bound(bound);
     tracing::info!(ext_proc = %bound.ext_proc, health = %bound.health, admin = %bound.admin, "serving");
 

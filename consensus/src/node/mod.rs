@@ -646,6 +646,57 @@ impl<S: StateMachine> ConsensusNode<S> {
             .await
     }
 
+    /// Asks the cluster to add this node as a learner, through the first of `seeds` (node id →
+    /// peer address) that answers — following it to the leader — and returns once the leader
+    /// has added it and it has caught up. For a node that is not a member yet, so knows no
+    /// leader: its certificate lets it ask for itself only.
+    pub async fn join(
+        &self,
+        seeds: &BTreeMap<NodeId, String>,
+    ) -> Result<Option<LogId>, ConsensusError> {
+        let inner = &self.inner;
+        let req = AddLearnerRequest {
+            node_id: inner.id,
+            addr: inner.addr.clone(),
+            blocking: true,
+        };
+        let mut last = ConsensusError::NoLeader {
+            waited: inner.config.propose_timeout,
+        };
+        for (id, addr) in seeds.iter().filter(|(id, _)| **id != inner.id) {
+            let mut at = (*id, addr.clone());
+            // A seed, then at most the leaders it names.
+            for _ in 0..3 {
+                let reply = inner
+                    .pool
+                    .call_node::<_, AdminReply>(
+                        at.0,
+                        &at.1,
+                        NodeRpc::AddLearner,
+                        &req,
+                        inner.config.propose_timeout,
+                    )
+                    .await;
+                match reply {
+                    Ok(Ok(log)) => return Ok(log),
+                    Ok(Err(RemoteError::ForwardToLeader {
+                        leader_id: Some(leader),
+                        leader_addr: Some(addr),
+                    })) if leader != inner.id => at = (leader, addr),
+                    Ok(Err(e)) => {
+                        last = inner.remote_to_error(at.0, e);
+                        break;
+                    }
+                    Err(e) => {
+                        last = e;
+                        break;
+                    }
+                }
+            }
+        }
+        Err(last)
+    }
+
     /// Turns learner `node_id` into a voter.
     pub async fn promote(&self, node_id: NodeId) -> Result<Option<LogId>, ConsensusError> {
         self.change_membership(MembershipChange::Promote(node_id))

@@ -7,6 +7,7 @@
 //! — routing does not depend on consensus — and reports it: `llm_d_epp_cluster_quorum 0`, a
 //! warning in the log, `"quorum": false` in `/debug/cluster`.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -17,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use super::options::ClusterOptions;
+use super::options::{ClusterOptions, MAX_VOTERS};
 use crate::metrics::Metrics;
 
 /// `flowctl`'s cluster state as the consensus layer's state machine.
@@ -277,6 +278,139 @@ impl ClusterMember {
             self.quorum.store(ok, Ordering::Relaxed);
             let m = self.node.metrics().await;
             metrics.cluster.observe(&m, ok);
+        }
+    }
+
+    /// Membership upkeep until `stop`: with `auto_join`, a replica that is not a voter a few
+    /// seconds after start asks the configured peers to add it, then promotes itself while the
+    /// cluster has fewer than [`MAX_VOTERS`] voters; with `remove_departed_after`, a member the
+    /// configuration of this replica no longer names is removed (through the leader) once it has
+    /// been dead that long — by the first replica restarted with the new configuration, so a
+    /// rolling update does not wait for the leader's turn.
+    pub async fn reconcile(self: Arc<Self>, stop: CancellationToken) {
+        // The bootstrap of a new cluster reaches its first voters well within this.
+        const JOIN_AFTER: Duration = Duration::from_secs(3);
+        let started = Instant::now();
+        let mut joined = !self.opts.auto_join;
+        let mut dead_since = BTreeMap::new();
+        let mut join_attempts = 0;
+        let mut tick = tokio::time::interval(self.opts.heartbeat * 2);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let m = self.node.metrics().await;
+            if !joined && started.elapsed() >= JOIN_AFTER {
+                joined = self.join_step(&m, &mut join_attempts).await;
+            }
+            if let Some(grace) = self.opts.remove_departed_after
+                && m.leader.is_some()
+            {
+                self.remove_departed(&m, grace, &mut dead_since).await;
+            }
+        }
+    }
+
+    /// One attempt of joining; `true` once nothing is left to do.
+    async fn join_step(&self, m: &consensus::ConsensusMetrics, attempts: &mut u32) -> bool {
+        let me = self.opts.node_id;
+        // A voter as a leader confirms it (a replica removed once and restarted from its old
+        // volume still sees itself a voter, and hears no leader).
+        if m.voters.contains(&me) && m.leader.is_some() {
+            return true;
+        }
+        if !m.learners.contains(&me) || m.leader.is_none() {
+            *attempts += 1;
+            tracing::info!(
+                node_id = me,
+                "not a member: asking the peers to add this replica"
+            );
+            if let Err(e) = self.node.join(&self.opts.peers).await {
+                if *attempts == 1 || attempts.is_power_of_two() {
+                    tracing::warn!(error = %e, attempts = *attempts, "joining the cluster failed; retrying");
+                }
+                return false;
+            }
+            tracing::info!(node_id = me, "added as a learner, caught up");
+            return false; // promoted at the next step, once the membership shows it
+        }
+        if m.voters.len() >= MAX_VOTERS {
+            tracing::info!(
+                node_id = me,
+                voters = m.voters.len(),
+                "the cluster has its voters: staying a learner"
+            );
+            return true;
+        }
+        match self.node.promote(me).await {
+            Ok(_) => {
+                tracing::info!(node_id = me, "promoted to voter");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "promotion failed; retrying");
+                false
+            }
+        }
+    }
+
+    /// Removes one member `peers` does not name that this replica has seen dead for `grace` or
+    /// more; `dead_since` is when it first saw each such member dead.
+    async fn remove_departed(
+        &self,
+        m: &consensus::ConsensusMetrics,
+        grace: Duration,
+        dead_since: &mut BTreeMap<u64, Instant>,
+    ) {
+        let lease = self.opts.lease_ms();
+        let unnamed: Vec<u64> = m
+            .voters
+            .iter()
+            .chain(&m.learners)
+            .copied()
+            .filter(|id| !self.opts.peers.contains_key(id))
+            .collect();
+        // Dead: its lease expired, or — a voter — gone from the replicated members (it left).
+        // A learner without a lease may be a joiner whose first heartbeat is yet to commit.
+        let (dead, _) = self
+            .node
+            .local_read(|s| {
+                let now = s.0.now_ms();
+                unnamed
+                    .iter()
+                    .copied()
+                    .filter(|id| match s.0.members().get(id) {
+                        Some(_) => !s.0.is_live(*id, now, lease),
+                        None => m.voters.contains(id),
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await;
+        dead_since.retain(|id, _| dead.contains(id));
+        for id in &dead {
+            dead_since.entry(*id).or_insert_with(Instant::now);
+        }
+        let Some(id) = dead_since
+            .iter()
+            .find(|(_, since)| since.elapsed() >= grace)
+            .map(|(id, _)| *id)
+        else {
+            return;
+        };
+        tracing::info!(
+            node_id = id,
+            ?grace,
+            "removing a departed member the configuration no longer names"
+        );
+        match self.node.remove(id).await {
+            Ok(_) => {
+                dead_since.remove(&id);
+            }
+            Err(e) => {
+                tracing::warn!(node_id = id, error = %e, "removing a departed member failed; retrying");
+            }
         }
     }
 

@@ -45,7 +45,16 @@ pub struct ClusterOptions {
     pub flow_partition: PartitionMode,
     /// Without quorum, how long a request beyond the local share waits before 429.
     pub flow_degraded_wait: Duration,
+    /// Not a member some seconds after start: ask `peers` to add this replica (a voter while
+    /// the cluster has fewer than [`MAX_VOTERS`], else a learner).
+    pub auto_join: bool,
+    /// Remove a member that is not in `peers` once it has been dead this long (a StatefulSet
+    /// scaled down); `None`: never.
+    pub remove_departed_after: Option<Duration>,
 }
+
+/// Voters a self-joining replica makes the cluster grow to; beyond, joiners stay learners.
+pub const MAX_VOTERS: usize = 5;
 
 impl ClusterOptions {
     pub(super) fn consensus_config(&self) -> ConsensusConfig {
