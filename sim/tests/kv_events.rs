@@ -151,6 +151,14 @@ async fn subscriber_sees_exactly_the_stored_and_removed_blocks_and_replay_fills_
     complete(&sim, 0, &a).await;
 
     let ctx = zmq::Context::new();
+    // The publisher sends a batch, then keeps it for replay (one thread): once replay has batch
+    // 0, it went out before the subscriber below existed (the sim publishes asynchronously, so
+    // a completed request alone does not say that).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while replay(&ctx, &kv.replay, 0).is_empty() {
+        assert!(Instant::now() < deadline, "batch 0 never published");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let sub = subscriber(&ctx, &kv.publisher);
     // Wait until the subscription is live: probe with fresh single-block prompts until one arrives.
     let deadline = Instant::now() + Duration::from_secs(10);
