@@ -191,6 +191,18 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
             vec!["pool.name=llm", "replicas=1", "pool.create=true"],
             "pool.matchLabels",
         ),
+        (
+            vec!["pool.name=llm", "replicas=1", "drain.delaySeconds=40"],
+            "drain.delaySeconds must not exceed",
+        ),
+        (
+            vec![
+                "pool.name=llm",
+                "replicas=1",
+                "terminationGracePeriodSeconds=30",
+            ],
+            "terminationGracePeriodSeconds must exceed",
+        ),
     ] {
         let out = helm.template(RELEASE, NS, &values).unwrap();
         assert!(
@@ -432,18 +444,105 @@ async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
     }
 }
 
-/// `helm upgrade --set replicas=4` then back to 3, as the StatefulSet carries it out: the new
-/// pod joins and becomes a voter with no admin call while the others route without an error;
-/// scaled back, the pod is stopped and the others restart one at a time with the new arguments
-/// (a rolling update); the first of them has the departed member removed after the grace period.
+/// What the ext_proc Service does for the gateway, as the tests model it: it spreads requests
+/// over the replicas it lists, and keeps listing a terminating one for [`ENDPOINTS_LAG`]
+/// after its SIGTERM (the endpoints' propagation). Clients count every answer that is not the
+/// pool's pod.
+struct Service {
+    endpoints: std::sync::Arc<std::sync::Mutex<Vec<(usize, std::net::SocketAddr)>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    clients: Vec<tokio::task::JoinHandle<(u32, Vec<String>)>>,
+}
+
+/// Less than the drain delay the tests render (`drain.delaySeconds=2`).
+const ENDPOINTS_LAG: Duration = Duration::from_secs(1);
+
+impl Service {
+    fn start(pod: &str, clients: usize) -> Service {
+        let endpoints = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let clients = (0..clients)
+            .map(|c| {
+                let (endpoints, stop, pod) = (endpoints.clone(), stop.clone(), pod.to_string());
+                tokio::spawn(async move {
+                    let (mut ok, mut failed) = (0u32, Vec::new());
+                    let mut n = c;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let to = {
+                            let e = endpoints.lock().unwrap();
+                            (!e.is_empty()).then(|| e[n % e.len()])
+                        };
+                        n += 1;
+                        if let Some((ordinal, addr)) = to {
+                            let prompt = format!("client {c} request {n}");
+                            match chaos::extproc::pick_for(addr, None, &prompt).await {
+                                Ok(d) if d == pod => ok += 1,
+                                other => failed.push(format!("pod {ordinal}: {other:?}")),
+                            }
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    (ok, failed)
+                })
+            })
+            .collect();
+        Service {
+            endpoints,
+            stop,
+            clients,
+        }
+    }
+
+    /// Lists replica `ordinal` (once it is ready).
+    fn add(&self, ordinal: usize, replica: &EppProcess) {
+        self.endpoints
+            .lock()
+            .unwrap()
+            .push((ordinal, replica.addrs.ext_proc));
+    }
+
+    /// Stops replica `ordinal` as Kubernetes does: SIGTERM, still listed for the lag, then
+    /// unlisted; waits for it to exit.
+    async fn stop_pod(&self, ordinal: usize, replica: &mut EppProcess) {
+        replica.terminate().unwrap();
+        tokio::time::sleep(ENDPOINTS_LAG).await;
+        self.endpoints
+            .lock()
+            .unwrap()
+            .retain(|(o, _)| *o != ordinal);
+        let status = replica.wait_exit(Duration::from_secs(40)).await.unwrap();
+        assert!(status.success(), "pod {ordinal} exited with {status}");
+    }
+
+    /// Stops the clients: how many requests were routed, and every failure.
+    async fn finish(self) -> (u32, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (mut ok, mut failed) = (0, Vec::new());
+        for c in self.clients {
+            let (o, f) = c.await.unwrap();
+            ok += o;
+            failed.extend(f);
+        }
+        (ok, failed)
+    }
+}
+
+/// `helm upgrade --set replicas=4` then back to 3, as the StatefulSet carries it out, with
+/// clients sending through the Service all along: the new pod joins and becomes a voter with no
+/// admin call; scaled back, pod 3 is stopped (it hands in its vote as it leaves: the three are the
+/// whole membership at once) and the others are restarted one at a time with the new arguments
+/// (a rolling update: each leaves, comes back from its volume and joins again) — no client
+/// request fails. Then a 4th pod that crashes instead (kill -9: it cannot leave) is removed by
+/// the others, which no longer name it, after the grace period.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_statefulset_scales_up_and_down() {
+async fn the_statefulset_scales_up_and_down_under_traffic() {
     let helm = Helm::new().unwrap();
     let values = |n: &'static str| {
         vec![
             "pool.name=llm",
             "cluster.tls.secretName=epp-peer-tls",
             "cluster.removeDepartedAfter=2s",
+            "drain.delaySeconds=2",
             n,
         ]
     };
@@ -457,56 +556,47 @@ async fn the_statefulset_scales_up_and_down() {
     ];
     let all: Vec<&EppProcess> = replicas.iter().collect();
     formed(&all, &[1, 2, 3], 0, "three form").await;
+    let service = Service::start(&site.pod, 3);
+    for (i, r) in replicas.iter().enumerate() {
+        site.routes(r, "routes").await;
+        service.add(i, r);
+    }
 
-    // Traffic through the three while the fourth joins: no request fails.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let traffic: Vec<_> = replicas
-        .iter()
-        .map(|r| {
-            let (addr, stop, pod) = (r.addrs.ext_proc, stop.clone(), site.pod.clone());
-            tokio::spawn(async move {
-                let (mut ok, mut failed) = (0u32, Vec::new());
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    match chaos::extproc::pick(addr, None).await {
-                        Ok(d) if d == pod => ok += 1,
-                        other => failed.push(format!("{other:?}")),
-                    }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                (ok, failed)
-            })
-        })
-        .collect();
     replicas.push(site.start(&four, 3).await);
     let all: Vec<&EppProcess> = replicas.iter().collect();
     formed(&all, &[1, 2, 3, 4], 0, "the fourth joins as a voter").await;
     site.routes(&replicas[3], "the fourth routes").await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    for t in traffic {
-        let (ok, failed) = t.await.unwrap();
-        assert!(
-            ok > 0 && failed.is_empty(),
-            "{ok} routed, failed: {failed:?}"
-        );
-    }
+    service.add(3, &replicas[3]);
 
-    // Back to three: pod 3 stopped (SIGTERM, it leaves its lease), then a rolling update of the
-    // others with the new arguments, the highest ordinal first.
+    // Back to three: pod 3 stopped; the others' membership is the three at once.
     let mut fourth = replicas.pop().unwrap();
-    fourth.terminate().unwrap();
-    fourth.wait_exit(Duration::from_secs(40)).await.unwrap();
-    // Pod 2 first: once back, with three peers named, it has node 4 removed (the leader still
-    // names four) after the grace period — before the next restart takes another voter down.
-    replicas[2].kill9().await.unwrap();
-    replicas[2] = site.start(&three, 2).await;
+    service.stop_pod(3, &mut fourth).await;
     let all: Vec<&EppProcess> = replicas.iter().collect();
-    formed(&all, &[1, 2, 3], 0, "the departed member removed").await;
-    for i in [1, 0] {
-        replicas[i].kill9().await.unwrap();
+    formed(&all, &[1, 2, 3], 0, "pod 3 left the membership").await;
+    // The rolling update, highest ordinal first, each pod ready before the next goes.
+    for i in [2, 1, 0] {
+        service.stop_pod(i, &mut replicas[i]).await;
         replicas[i] = site.start(&three, i).await;
         let all: Vec<&EppProcess> = replicas.iter().collect();
-        formed(&all, &[1, 2, 3], 0, &format!("pod {i} restarted")).await;
+        formed(&all, &[1, 2, 3], 0, &format!("pod {i} rejoined")).await;
+        site.routes(&replicas[i], "routes after its restart").await;
+        service.add(i, &replicas[i]);
     }
+    let (ok, failed) = service.finish().await;
+    assert!(
+        ok > 0 && failed.is_empty(),
+        "{ok} routed, {} failed: {failed:?}",
+        failed.len()
+    );
+
+    // A 4th that crashes: the three (configured for three) remove it after the grace period.
+    replicas.push(site.start(&four, 3).await);
+    let all: Vec<&EppProcess> = replicas.iter().collect();
+    formed(&all, &[1, 2, 3, 4], 0, "a fourth joins again").await;
+    replicas[3].kill9().await.unwrap();
+    replicas.pop();
+    let all: Vec<&EppProcess> = replicas.iter().collect();
+    formed(&all, &[1, 2, 3], 0, "the crashed member removed").await;
     for r in &replicas {
         site.routes(r, "routes after scaling down").await;
     }

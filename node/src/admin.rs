@@ -182,6 +182,8 @@ async fn readyz(State(admin): State<Arc<Admin>>) -> impl IntoResponse {
         (StatusCode::SERVICE_UNAVAILABLE, "endpoints not loaded")
     } else if let Some(why) = ctx.gate.not_ready() {
         (StatusCode::SERVICE_UNAVAILABLE, why)
+    } else if let Some(why) = admin.cluster.as_ref().and_then(|m| m.not_ready()) {
+        (StatusCode::SERVICE_UNAVAILABLE, why)
     } else {
         (StatusCode::OK, "ready")
     }

@@ -100,6 +100,12 @@ struct ServeArgs {
     /// How long a draining replica waits for open streams before it stops.
     #[arg(long, default_value = "30s", value_parser = duration)]
     drain_timeout: Duration,
+    /// How long a draining replica keeps answering new streams after turning NOT_SERVING, even
+    /// when none is open, so that health checkers stop sending it any before it closes (Envoy's
+    /// interval × unhealthy threshold; on Kubernetes, the endpoints' propagation). At most
+    /// `--drain-timeout`.
+    #[arg(long, default_value = "3s", value_parser = duration)]
+    drain_delay: Duration,
     /// YAML file of `InferenceObjective` manifests (name → `spec.priority`), read at start-up.
     #[arg(long)]
     objectives_file: Option<PathBuf>,
@@ -395,6 +401,13 @@ fn main() -> anyhow::Result<()> {
             if args.refresh_metrics_interval < Duration::from_millis(1) {
                 anyhow::bail!("--refresh-metrics-interval must be at least 1ms");
             }
+            if args.drain_delay > args.drain_timeout {
+                anyhow::bail!(
+                    "--drain-delay ({:?}) must not exceed --drain-timeout ({:?})",
+                    args.drain_delay,
+                    args.drain_timeout
+                );
+            }
             if args.clock_offset_ms != 0 {
                 tracing::warn!(
                     offset_ms = args.clock_offset_ms,
@@ -426,6 +439,7 @@ fn main() -> anyhow::Result<()> {
                 refresh_metrics_interval: args.refresh_metrics_interval,
                 metrics_staleness_threshold: args.metrics_staleness_threshold,
                 drain_timeout: args.drain_timeout,
+                drain_delay: args.drain_delay,
                 objectives_file: args.objectives_file,
                 model_rewrites_file: args.model_rewrites_file,
                 cluster: args.cluster.options(args.bind)?,
@@ -477,6 +491,7 @@ fn options_for_validation(
         refresh_metrics_interval: Duration::from_millis(50),
         metrics_staleness_threshold: Duration::from_secs(2),
         drain_timeout: Duration::ZERO,
+        drain_delay: Duration::ZERO,
         objectives_file: None,
         model_rewrites_file: None,
         cluster: None,

@@ -82,6 +82,10 @@ pub struct ServeOptions {
     pub refresh_metrics_interval: Duration,
     pub metrics_staleness_threshold: Duration,
     pub drain_timeout: Duration,
+    /// How long a draining replica keeps answering new streams after turning NOT_SERVING, even
+    /// with none open: the time its health checkers (Envoy, the endpoints controller) need to
+    /// stop sending it any. Part of `drain_timeout`.
+    pub drain_delay: Duration,
     pub objectives_file: Option<PathBuf>,
     pub model_rewrites_file: Option<PathBuf>,
     /// Cluster mode (Raft membership with the other replicas); `None` = standalone.
@@ -372,9 +376,11 @@ pub async fn serve(
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();
-    // Not ready for Envoy until the pool's pods are known (Kubernetes: the first full list)
-    // and, with cluster-wide flow control, the replicated configuration applies.
-    let gated = global_gate.is_some() || !ctx.store.synced();
+    // Not ready for Envoy until the pool's pods are known (Kubernetes: the first full list),
+    // with cluster-wide flow control until the replicated configuration applies, and with
+    // `--auto-join` while joining (`ClusterMember::not_ready`).
+    let joining = cluster.clone().filter(|m| m.not_ready().is_some());
+    let gated = global_gate.is_some() || !ctx.store.synced() || joining.is_some();
     for svc in ["", "liveness", "readiness", EXT_PROC_SERVICE] {
         let status = if gated && (svc == "readiness" || svc == EXT_PROC_SERVICE) {
             ServingStatus::NotServing
@@ -455,13 +461,14 @@ pub async fn serve(
         let (gate, store) = (global_gate.clone(), ctx.store.clone());
         let (stop, reporter) = (stop.clone(), reporter.clone());
         tasks.spawn(async move {
-            while !(store.synced() && gate.as_ref().is_none_or(|g| g.is_ready())) {
+            let joined = || joining.as_ref().is_none_or(|m| m.not_ready().is_none());
+            while !(store.synced() && gate.as_ref().is_none_or(|g| g.is_ready()) && joined()) {
                 tokio::select! {
                     _ = stop.cancelled() => return Ok(()),
                     _ = tokio::time::sleep(Duration::from_millis(50)) => {}
                 }
             }
-            tracing::info!("endpoints known and cluster flow control ready: serving");
+            tracing::info!("endpoints known, cluster flow control ready, a member: serving");
             for svc in ["readiness", EXT_PROC_SERVICE] {
                 reporter
                     .set_service_status(svc, ServingStatus::Serving)
@@ -520,9 +527,14 @@ pub async fn serve(
             .await;
     }
     if failure.is_none() {
-        tracing::info!(timeout = ?opts.drain_timeout, "draining");
-        let deadline = tokio::time::Instant::now() + opts.drain_timeout;
-        while metrics.streams_inflight() > 0 && tokio::time::Instant::now() < deadline {
+        tracing::info!(delay = ?opts.drain_delay, timeout = ?opts.drain_timeout, "draining");
+        let start = tokio::time::Instant::now();
+        let (settled, deadline) = (start + opts.drain_delay, start + opts.drain_timeout);
+        loop {
+            let now = tokio::time::Instant::now();
+            if now >= deadline || (now >= settled && metrics.streams_inflight() == 0) {
+                break;
+            }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }

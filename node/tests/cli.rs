@@ -100,6 +100,24 @@ fn serve_refuses_bad_config_before_binding() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+#[test]
+fn serve_refuses_a_drain_delay_beyond_the_drain_timeout() {
+    let (ok, out) = epp(&[
+        "serve",
+        "--endpoints-file",
+        "/nonexistent",
+        "--drain-delay",
+        "10s",
+        "--drain-timeout",
+        "5s",
+    ]);
+    assert!(!ok);
+    assert!(
+        out.contains("--drain-delay (10s) must not exceed --drain-timeout (5s)"),
+        "{out}"
+    );
+}
+
 /// The sample configs of `deploy/examples` (flow control, P/D) and the built-in default validate,
 /// and the effective configuration says what they do.
 #[test]

@@ -86,6 +86,8 @@ pub enum MembershipChange {
     Promote(NodeId),
     /// Remove a node (voter or learner) from the cluster entirely.
     Remove(NodeId),
+    /// Turn a voter into a learner (it keeps receiving the log, it no longer votes).
+    Demote(NodeId),
     /// Replace the voter set (all ids must already be members).
     ReplaceVoters(BTreeSet<NodeId>),
 }

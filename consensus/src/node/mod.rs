@@ -326,6 +326,9 @@ impl<S: StateMachine> Inner<S> {
                     (ChangeMembers::RemoveNodes(BTreeSet::from([id])), false)
                 }
             }
+            MembershipChange::Demote(id) => {
+                (ChangeMembers::RemoveVoters(BTreeSet::from([id])), true)
+            }
             MembershipChange::ReplaceVoters(ids) => (ChangeMembers::ReplaceAllVoters(ids), false),
         };
         self.raft
@@ -700,6 +703,12 @@ impl<S: StateMachine> ConsensusNode<S> {
     /// Turns learner `node_id` into a voter.
     pub async fn promote(&self, node_id: NodeId) -> Result<Option<LogId>, ConsensusError> {
         self.change_membership(MembershipChange::Promote(node_id))
+            .await
+    }
+
+    /// Turns the voter `node_id` into a learner.
+    pub async fn demote(&self, node_id: NodeId) -> Result<Option<LogId>, ConsensusError> {
+        self.change_membership(MembershipChange::Demote(node_id))
             .await
     }
 

@@ -44,6 +44,10 @@ pub struct ClusterMember {
     pub node: ConsensusNode<Replicated>,
     opts: ClusterOptions,
     quorum: AtomicBool,
+    /// A member (a voter, or a learner the cluster has no vote for): `auto_join` has nothing
+    /// left to do. Always with `auto_join` off.
+    joined: AtomicBool,
+    started: Instant,
     started_ms: u64,
     /// When the last committed heartbeat was proposed (the rest of the cluster holds this
     /// replica's lease until at most that instant + the lease), and the local applied index at
@@ -60,6 +64,9 @@ impl std::fmt::Debug for ClusterMember {
             .finish_non_exhaustive()
     }
 }
+
+/// How long a replica joining with `auto_join` reports not ready at most.
+const JOINED_WITHIN: Duration = Duration::from_secs(30);
 
 /// This replica's wall clock (with the test offset): heartbeats carry it, but the replicated
 /// state keeps time by its leaders' stamps (`consensus::clock`).
@@ -142,8 +149,10 @@ impl ClusterMember {
             ConsensusNode::start_with_routes(opts.consensus_config(), listener, routes).await?;
         Ok(ClusterMember {
             node,
+            joined: AtomicBool::new(!opts.auto_join),
             opts,
             quorum: AtomicBool::new(false),
+            started: Instant::now(),
             started_ms: wall_ms(),
             lease_from: std::sync::Mutex::new(None),
             probe_seq: AtomicU64::new(0),
@@ -291,9 +300,9 @@ impl ClusterMember {
         // The bootstrap of a new cluster reaches its first voters well within this.
         const JOIN_AFTER: Duration = Duration::from_secs(3);
         let started = Instant::now();
-        let mut joined = !self.opts.auto_join;
+        let me = self.opts.node_id;
         let mut dead_since = BTreeMap::new();
-        let mut join_attempts = 0;
+        let (mut join_attempts, mut promotions_failed) = (0, 0);
         let mut tick = tokio::time::interval(self.opts.heartbeat * 2);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -302,8 +311,21 @@ impl ClusterMember {
                 _ = tick.tick() => {}
             }
             let m = self.node.metrics().await;
-            if !joined && started.elapsed() >= JOIN_AFTER {
-                joined = self.join_step(&m, &mut join_attempts).await;
+            if !self.is_joined() {
+                // A voter whose heartbeat commits is home (a restart from its volume, or the
+                // bootstrap reaching it: the leader accepts writes from members only). One whose
+                // volume shows it outside the voters (it handed in its vote when it stopped)
+                // asks at once; a new one gives the bootstrap time first.
+                let home = m.voters.contains(&me) && self.has_quorum();
+                let outside = !m.voters.is_empty() && !m.voters.contains(&me);
+                let done = home
+                    || ((outside || started.elapsed() >= JOIN_AFTER)
+                        && self
+                            .join_step(&m, &mut join_attempts, &mut promotions_failed)
+                            .await);
+                if done {
+                    self.joined.store(true, Ordering::Relaxed);
+                }
             }
             if let Some(grace) = self.opts.remove_departed_after
                 && m.leader.is_some()
@@ -314,14 +336,17 @@ impl ClusterMember {
     }
 
     /// One attempt of joining; `true` once nothing is left to do.
-    async fn join_step(&self, m: &consensus::ConsensusMetrics, attempts: &mut u32) -> bool {
+    async fn join_step(
+        &self,
+        m: &consensus::ConsensusMetrics,
+        attempts: &mut u32,
+        promotions_failed: &mut u32,
+    ) -> bool {
         let me = self.opts.node_id;
-        // A voter as a leader confirms it (a replica removed once and restarted from its old
-        // volume still sees itself a voter, and hears no leader).
-        if m.voters.contains(&me) && m.leader.is_some() {
-            return true;
-        }
-        if !m.learners.contains(&me) || m.leader.is_none() {
+        // Asked again after a failed promotion too: a replica removed while it was away still
+        // sees itself a learner (or a voter) in its volume's membership, and the leader refuses
+        // a non-member's promotion. (Adding a current learner changes nothing.)
+        if !m.learners.contains(&me) || m.leader.is_none() || *promotions_failed > 0 {
             *attempts += 1;
             tracing::info!(
                 node_id = me,
@@ -334,6 +359,7 @@ impl ClusterMember {
                 return false;
             }
             tracing::info!(node_id = me, "added as a learner, caught up");
+            *promotions_failed = 0;
             return false; // promoted at the next step, once the membership shows it
         }
         if m.voters.len() >= MAX_VOTERS {
@@ -350,7 +376,8 @@ impl ClusterMember {
                 true
             }
             Err(e) => {
-                tracing::warn!(error = %e, "promotion failed; retrying");
+                tracing::warn!(error = %e, "promotion failed; asking the peers to add this replica again");
+                *promotions_failed += 1;
                 false
             }
         }
@@ -372,8 +399,9 @@ impl ClusterMember {
             .copied()
             .filter(|id| !self.opts.peers.contains_key(id))
             .collect();
-        // Dead: its lease expired, or — a voter — gone from the replicated members (it left).
-        // A learner without a lease may be a joiner whose first heartbeat is yet to commit.
+        // Dead: its lease expired, or gone from the replicated members (it left). (A learner
+        // without a lease may also be a joiner whose first heartbeat is yet to commit — well
+        // within any sane grace period.)
         let (dead, _) = self
             .node
             .local_read(|s| {
@@ -381,9 +409,10 @@ impl ClusterMember {
                 unnamed
                     .iter()
                     .copied()
-                    .filter(|id| match s.0.members().get(id) {
-                        Some(_) => !s.0.is_live(*id, now, lease),
-                        None => m.voters.contains(id),
+                    .filter(|id| {
+                        s.0.members()
+                            .get(id)
+                            .is_none_or(|_| !s.0.is_live(*id, now, lease))
                     })
                     .collect::<Vec<_>>()
             })
@@ -411,6 +440,61 @@ impl ClusterMember {
             Err(e) => {
                 tracing::warn!(node_id = id, error = %e, "removing a departed member failed; retrying");
             }
+        }
+    }
+
+    /// Whether `auto_join` has made this replica a member (always, without `auto_join`).
+    pub fn is_joined(&self) -> bool {
+        self.joined.load(Ordering::Relaxed)
+    }
+
+    /// Why this replica is not ready yet as a member: with `auto_join`, until it is one again
+    /// — a StatefulSet's rolling update then waits for it before it stops the next voter — or
+    /// for [`JOINED_WITHIN`] at most (without a quorum to join, it still routes).
+    pub fn not_ready(&self) -> Option<&'static str> {
+        (!self.is_joined() && self.started.elapsed() < JOINED_WITHIN)
+            .then_some("joining the cluster")
+    }
+
+    /// Hands in this replica's vote: demoted to a learner (through the leader) unless it is the
+    /// last voter, retrying for a few seconds (another replica's change may be in progress),
+    /// until its own log shows the change — so that it restarts as a learner, which never
+    /// campaigns, and `auto_join` promotes it again. While it is away the others are the whole
+    /// quorum: a scale-down, or a rolling update after it, never counts a stopped voter against
+    /// it. Best effort: a replica that cannot resign stops as a voter, as if killed.
+    async fn resign(&self) {
+        const BUDGET: Duration = Duration::from_secs(5);
+        let me = self.opts.node_id;
+        let deadline = Instant::now() + BUDGET;
+        let mut asked = false;
+        loop {
+            let m = self.node.metrics().await;
+            if !m.voters.contains(&me) {
+                if asked {
+                    tracing::info!(
+                        node_id = me,
+                        "handed in the vote: a learner until it starts again"
+                    );
+                }
+                return;
+            }
+            if m.voters.len() == 1 {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(?BUDGET, "could not hand in the vote: stopping as a voter");
+                return;
+            }
+            if !asked {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(left, self.node.demote(me)).await {
+                    Ok(Ok(_)) => asked = true,
+                    Ok(Err(e)) => tracing::debug!(error = %e, "handing in the vote: retrying"),
+                    Err(_) => continue,
+                }
+            }
+            // Until this replica's own log shows it (the leader replicates to learners).
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -528,7 +612,8 @@ impl ClusterMember {
             .map_err(|e| e.to_string())
     }
 
-    /// Leave gracefully (best effort), then stop Raft.
+    /// Leave gracefully (best effort), then stop Raft. Leaving releases the lease; with
+    /// `auto_join` it also hands in the vote (see [`Self::resign`]).
     pub async fn shutdown(self: Arc<Self>) {
         let _ = tokio::time::timeout(
             Duration::from_millis(500),
@@ -537,6 +622,9 @@ impl ClusterMember {
             }),
         )
         .await;
+        if self.opts.auto_join {
+            self.resign().await;
+        }
         match Arc::try_unwrap(self) {
             Ok(me) => {
                 if let Err(e) = me.node.shutdown().await {

@@ -54,6 +54,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if and .Values.cluster.tls.secretName .Values.cluster.insecure -}}
 {{- fail "cluster.tls.secretName and cluster.insecure exclude each other" -}}
 {{- end -}}
+{{- if gt (int .Values.drain.delaySeconds) (int .Values.drain.timeoutSeconds) -}}
+{{- fail "drain.delaySeconds must not exceed drain.timeoutSeconds" -}}
+{{- end -}}
+{{- if le (int .Values.terminationGracePeriodSeconds) (int .Values.drain.timeoutSeconds) -}}
+{{- fail "terminationGracePeriodSeconds must exceed drain.timeoutSeconds (Kubernetes kills the pod at the end of the grace period: the rest is for leaving the cluster)" -}}
+{{- end -}}
 {{- if and .Values.pool.create (not .Values.pool.matchLabels) -}}
 {{- fail "pool.create needs pool.matchLabels (the model servers' pod labels)" -}}
 {{- end -}}
