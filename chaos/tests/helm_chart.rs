@@ -442,6 +442,25 @@ async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
     for r in &replicas {
         site.routes(r, "routes after the restart").await;
     }
+
+    // Pod 0 loses its volume (a node's local disk gone) while the others run: it bootstraps
+    // the configured voters over an empty log, and the running cluster's leader — a higher term,
+    // a longer log — overwrites that: one cluster, nothing committed lost.
+    let mut replicas = replicas;
+    let all: Vec<&EppProcess> = replicas.iter().collect();
+    let committed = formed(&all, &[1, 2, 3], 0, "before pod 0 loses its volume").await;
+    replicas[0].kill9().await.unwrap();
+    std::fs::remove_dir_all(site.dir.path().join("pvc").join(format!("{FULL}-0"))).unwrap();
+    replicas[0] = site.start(&docs, 0).await;
+    let all: Vec<&EppProcess> = replicas.iter().collect();
+    formed(
+        &all,
+        &[1, 2, 3],
+        committed,
+        "pod 0 back with an empty volume, in the same cluster",
+    )
+    .await;
+    site.routes(&replicas[0], "pod 0 routes").await;
 }
 
 /// What the ext_proc Service does for the gateway, as the tests model it: it spreads requests
