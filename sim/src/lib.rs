@@ -42,6 +42,7 @@ pub mod loadgen;
 pub mod metrics;
 pub mod podsvc;
 pub mod server;
+pub mod step;
 pub mod tokenizer;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
