@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, mpsc};
+use std::sync::{Arc, Mutex, MutexGuard, Once, Weak, mpsc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
@@ -15,8 +15,10 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::SimError;
 use crate::cache::{PrefixCache, block_hashes_seeded};
+use crate::knobs::EngineModel;
 use crate::knobs::{KnobsPatch, PodKnobs};
 use crate::kvevents::{Command, KvEvent};
+use crate::step::{Event, SeqSpec, StepEngine};
 use crate::tokenizer::{ChatMessage, Vocab};
 
 /// A snapshot of one pod's gauges and counters.
@@ -52,6 +54,8 @@ pub struct PodStats {
     pub restarts: u64,
     /// When the server last (re)started, UNIX seconds (`process_start_time_seconds`).
     pub started_s: f64,
+    /// Sequences preempted (step model), since start.
+    pub preemptions: u64,
 }
 
 #[derive(Debug, Default)]
@@ -195,16 +199,31 @@ struct PodState {
     /// Events of the current engine step, published when the step's lock is released.
     pending: Vec<KvEvent>,
     events_on: bool,
+    /// The step model's scheduler (requests admitted under [`EngineModel::Step`]) and where each
+    /// of its sequences' outputs go. `running`/`waiting` above count the others.
+    steps: StepEngine,
+    tickets: HashMap<u64, tokio::sync::mpsc::UnboundedSender<Event>>,
 }
 
 impl PodState {
     fn kv_usage(&self) -> f64 {
-        let held = self.cache.pinned() + self.extra_held;
+        let held = self.cache.pinned() + self.extra_held + self.steps.used_blocks();
         (held as f64 / self.knobs.kv_blocks.max(1) as f64).min(1.0)
     }
 
+    /// Requests running and waiting, in either model.
+    fn gauges(&self) -> (u64, u64) {
+        (
+            (self.running + self.steps.running()) as u64,
+            (self.waiting + self.steps.waiting()) as u64,
+        )
+    }
+
     fn evict(&mut self) {
-        let budget = self.knobs.kv_blocks.saturating_sub(self.extra_held);
+        let budget = self
+            .knobs
+            .kv_blocks
+            .saturating_sub(self.extra_held + self.steps.used_blocks());
         self.evict_to(budget);
     }
 
@@ -285,6 +304,10 @@ pub struct Pod {
     next_id: AtomicU64,
     stall: watch::Sender<bool>,
     lora_slot_freed: Notify,
+    /// Wakes the step model's driver ([`drive`]), started by the first request that needs it.
+    work: Arc<Notify>,
+    driver: Once,
+    next_seq: AtomicU64,
     /// Adapters registered at start (and again after a restart): (name, path).
     initial_adapters: Vec<(String, String)>,
     kv: Option<mpsc::Sender<Command>>,
@@ -343,6 +366,7 @@ impl Pod {
         opts: PodOptions,
     ) -> Pod {
         let stall = watch::Sender::new(knobs.stall);
+        let steps = StepEngine::new(knobs.step_config());
         let mut lora = LoraState::default();
         for (name, path) in &opts.adapters {
             lora.register(name, path);
@@ -367,10 +391,15 @@ impl Pod {
                 started_s: unix_now_s(),
                 pending: Vec::new(),
                 events_on: opts.kv_events.is_some(),
+                steps,
+                tickets: HashMap::new(),
             }),
             next_id: AtomicU64::new(0),
             stall,
             lora_slot_freed: Notify::new(),
+            work: Arc::new(Notify::new()),
+            driver: Once::new(),
+            next_seq: AtomicU64::new(0),
             initial_adapters: opts.adapters,
             kv: opts.kv_events,
             role: opts.role,
@@ -425,6 +454,7 @@ impl Pod {
                 let forgotten = self.slots.forget_permits(remove);
                 st.permit_debt += remove - forgotten;
             }
+            st.steps.reconfigure(new.step_config());
             st.knobs = new;
             st.evict();
             Ok::<_, SimError>(st.knobs.stall)
@@ -437,10 +467,11 @@ impl Pod {
 
     pub fn stats(&self) -> PodStats {
         let st = self.lock();
+        let (running, waiting) = st.gauges();
         PodStats {
             served: st.counters.served,
-            running: st.running as u64,
-            waiting: st.waiting as u64,
+            running,
+            waiting,
             kv_usage: st.kv_usage(),
             prefix_hits_tokens: st.counters.prefix_hits_tokens,
             prefix_queries_tokens: st.counters.prefix_queries_tokens,
@@ -454,6 +485,7 @@ impl Pod {
             lora_loads: st.lora.loads,
             restarts: st.restarts,
             started_s: st.started_s,
+            preemptions: st.steps.preemptions(),
         }
     }
 
@@ -461,17 +493,19 @@ impl Pod {
     /// exposition — only the fields the text renders, so unrelated changes keep the cached bytes.
     pub(crate) fn metrics_inputs(&self) -> (PodKnobs, crate::metrics::CacheKey) {
         let st = self.lock();
+        let (running, waiting) = st.gauges();
         let key = crate::metrics::CacheKey {
             stats: PodStats {
                 served: st.counters.served,
-                running: st.running as u64,
-                waiting: st.waiting as u64,
+                running,
+                waiting,
                 kv_usage: st.kv_usage(),
                 prefix_hits_tokens: st.counters.prefix_hits_tokens,
                 prefix_queries_tokens: st.counters.prefix_queries_tokens,
                 prompt_tokens: st.counters.prompt_tokens,
                 generation_tokens: st.counters.generation_tokens,
                 started_s: st.started_s,
+                preemptions: st.steps.preemptions(),
                 ..PodStats::default()
             },
             block_size: st.knobs.block_size,
@@ -609,6 +643,8 @@ impl Pod {
         st.waiting = 0;
         st.counters = Counters::default();
         st.pending.clear();
+        st.steps = StepEngine::new(st.knobs.step_config());
+        st.tickets.clear();
         st.restarts += 1;
         // A new process: a new start time, even within the same millisecond as the last one.
         st.started_s = unix_now_s().max(st.started_s + 0.001);
@@ -628,6 +664,15 @@ impl Pod {
     /// Wakes every queued request with [`EngineClosed`].
     pub fn close(&self) {
         self.slots.close();
+        self.lock().tickets.clear();
+    }
+
+    /// Makes sure the step model's driver runs, and wakes it.
+    fn kick(self: &Arc<Self>) {
+        self.driver.call_once(|| {
+            tokio::spawn(drive(Arc::downgrade(self), Arc::clone(&self.work)));
+        });
+        self.work.notify_one();
     }
 
     /// Returns once the engine is not stalled.
@@ -686,16 +731,26 @@ impl Pod {
                 notified.await;
             }
         }
-        let permit = self
-            .slots
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| EngineClosed)?;
+        // The step model queues in its scheduler (pooling requests, without output, keep the
+        // simple model).
+        let stepped = knobs.engine == EngineModel::Step && output_tokens > 0;
+        let permit = if stepped {
+            None
+        } else {
+            Some(
+                self.slots
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| EngineClosed)?,
+            )
+        };
         self.unstalled().await;
         let running = self.step(|st| {
             queued.disarm(st);
-            st.running += 1;
+            if !stepped {
+                st.running += 1;
+            }
             if let Some(l) = &lora {
                 bump(&mut st.lora.running, &l.name, true);
                 st.lora.touch();
@@ -706,8 +761,13 @@ impl Pod {
                 .cache
                 .longest_prefix(&hashes[..max_hit.min(hashes.len())]);
             st.cache.acquire(&hashes[..hits]);
+            // The step model allocates the request's own blocks as its steps need them.
             let total = tokens.len() + output_tokens as usize;
-            let extra = total.div_ceil(bs).saturating_sub(hits);
+            let extra = if stepped {
+                0
+            } else {
+                total.div_ceil(bs).saturating_sub(hits)
+            };
             st.extra_held += extra;
             st.counters.prefix_queries_tokens += tokens.len() as u64;
             st.counters.prefix_hits_tokens += (hits * bs) as u64;
@@ -724,9 +784,12 @@ impl Pod {
             extra,
             prompt_tokens: tokens.len(),
             cached_tokens: hits * bs,
-            permit: Some(permit),
+            permit,
             lora,
             lora_swapped: swapped,
+            stepped,
+            output_tokens,
+            seq: None,
         })
     }
 }
@@ -803,6 +866,11 @@ pub struct Running {
     permit: Option<OwnedSemaphorePermit>,
     lora: Option<Adapter>,
     lora_swapped: bool,
+    /// Admitted under the step model: its time comes from the engine's steps.
+    stepped: bool,
+    output_tokens: u32,
+    /// Its sequence in the step model, once submitted, and where its outputs arrive.
+    seq: Option<(u64, tokio::sync::mpsc::UnboundedReceiver<Event>)>,
 }
 
 impl Running {
@@ -824,6 +892,90 @@ impl Running {
     /// The prompt's block hashes (the KV blocks a P/D transfer would move).
     pub fn block_hashes(&self) -> &[u64] {
         &self.hashes
+    }
+
+    /// Computes the prompt: the modelled prefill elapses (simple model), or the request joins the
+    /// engine's batches until they produce its first token (step model). `kv_transferred`: a
+    /// P/D decode leg, whose prompt KV came from the prefill pod — only the last token is
+    /// computed here.
+    pub async fn compute_prompt(
+        &mut self,
+        knobs: &PodKnobs,
+        kv_transferred: bool,
+    ) -> Result<(), EngineClosed> {
+        let uncached = if kv_transferred {
+            0
+        } else {
+            self.uncached_tokens()
+        };
+        let lora = if self.lora_swapped {
+            lora_load(knobs)
+        } else {
+            Duration::ZERO
+        };
+        if !self.stepped {
+            pause(ttft(knobs, uncached) + lora).await;
+            self.pod.unstalled().await;
+            return Ok(());
+        }
+        pause(ms(knobs.extra_latency_ms * knobs.time_scale) + lora).await;
+        let id = self.pod.next_seq.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let spec = SeqSpec {
+            id,
+            prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.prompt_tokens - uncached,
+            max_tokens: self.output_tokens,
+        };
+        let submitted = self.pod.step(|st| {
+            let r = st.steps.submit(spec);
+            if r.is_ok() {
+                st.tickets.insert(id, tx);
+            }
+            r
+        });
+        if let Err(e) = submitted {
+            tracing::warn!(pod = %self.pod.name, error = %e, "request refused");
+            return Err(EngineClosed);
+        }
+        self.seq = Some((id, rx));
+        self.pod.kick();
+        self.next_token().await
+    }
+
+    /// Waits for the next output token: until `due` (simple model), or the engine's next step
+    /// for this request (step model).
+    pub async fn token(&mut self, due: tokio::time::Instant) -> Result<(), EngineClosed> {
+        if !self.stepped {
+            pause_until(due).await;
+            self.pod.unstalled().await;
+            return Ok(());
+        }
+        self.next_token().await
+    }
+
+    /// Waits for the output tokens after the first, all at once (a non-streaming answer).
+    pub async fn decode_rest(&mut self, knobs: &PodKnobs) -> Result<(), EngineClosed> {
+        if !self.stepped {
+            pause(inter_token(knobs) * self.output_tokens.saturating_sub(1)).await;
+            self.pod.unstalled().await;
+            return Ok(());
+        }
+        for _ in 1..self.output_tokens {
+            self.next_token().await?;
+        }
+        Ok(())
+    }
+
+    async fn next_token(&mut self) -> Result<(), EngineClosed> {
+        let (_, rx) = self.seq.as_mut().ok_or(EngineClosed)?;
+        loop {
+            match rx.recv().await {
+                Some(Event::FirstToken(_) | Event::Token(_)) => return Ok(()),
+                Some(_) => {}
+                None => return Err(EngineClosed),
+            }
+        }
     }
 
     /// The prompt has been computed: its full blocks enter the cache, pinned until the request ends.
@@ -856,10 +1008,18 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         let lora = self.lora.take();
+        let seq = self.seq.take().map(|(id, _)| id);
         self.pod.step(|st| {
             st.cache.release(&self.hashes[..self.pinned]);
             st.extra_held = st.extra_held.saturating_sub(self.extra);
-            st.running = st.running.saturating_sub(1);
+            if let Some(id) = seq {
+                // Gone before its last token (the client left): out of the batch.
+                st.steps.cancel(id);
+                st.tickets.remove(&id);
+            }
+            if !self.stepped {
+                st.running = st.running.saturating_sub(1);
+            }
             if let Some(l) = &lora {
                 bump(&mut st.lora.running, &l.name, false);
                 st.lora.unreserve(&l.name);
@@ -882,6 +1042,48 @@ impl Drop for Running {
         if lora.is_some() {
             self.pod.lora_slot_freed.notify_waiters();
         }
+    }
+}
+
+/// The step model's driver: runs the pod's engine step after step while it has work — each step
+/// lasts its modelled time (× `time_scale`), then its tokens go to their requests — and sleeps
+/// while idle or stalled. Ends with the pod.
+async fn drive(pod: Weak<Pod>, work: Arc<Notify>) {
+    loop {
+        let Some(p) = pod.upgrade() else { return };
+        p.unstalled().await;
+        let next = {
+            let mut st = p.lock();
+            let scale = st.knobs.time_scale;
+            st.steps.step().map(|s| (s, scale))
+        };
+        let Some((step, scale)) = next else {
+            drop(p);
+            work.notified().await;
+            continue;
+        };
+        let d = step.duration.mul_f64(scale);
+        if d.is_zero() {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep(d).await;
+        }
+        p.step(|st| {
+            for ev in step.events {
+                match ev {
+                    Event::FirstToken(id) | Event::Token(id) => {
+                        if let Some(tx) = st.tickets.get(&id) {
+                            let _ = tx.send(ev);
+                        }
+                    }
+                    Event::Finished(id) => {
+                        st.tickets.remove(&id);
+                    }
+                    Event::Preempted(_) => {}
+                }
+            }
+            st.evict();
+        });
     }
 }
 

@@ -39,6 +39,30 @@ pub struct PodKnobs {
     pub metrics_delay_ms: f64,
     /// How `/metrics` misbehaves.
     pub metrics_fault: MetricsFault,
+    /// How requests take time: each on its own (`simple`: the prefill and decode knobs above)
+    /// or in the batches of a continuously batching engine (`step`, [`crate::step`]).
+    pub engine: EngineModel,
+    /// Step model: tokens one step may process (vLLM `--max-num-batched-tokens`).
+    pub max_num_batched_tokens: usize,
+    /// Step model: fixed cost of a step, in ms.
+    pub step_base_ms: f64,
+    /// Step model: cost per prefilled token, in µs.
+    pub step_us_per_prefill_token: f64,
+    /// Step model: cost per decoding sequence, in µs.
+    pub step_us_per_decode_seq: f64,
+    /// Step model: cost per token of context attended over, in ns.
+    pub step_ns_per_context_token: f64,
+}
+
+/// The latency model of a pod.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineModel {
+    /// Every request sleeps its own prefill and decode time: requests do not slow each other.
+    #[default]
+    Simple,
+    /// Continuous batching ([`crate::step`]): a step's cost grows with what it holds.
+    Step,
 }
 
 /// Fault injected into `/metrics`.
@@ -73,6 +97,13 @@ impl Default for PodKnobs {
             stall: false,
             metrics_delay_ms: 0.0,
             metrics_fault: MetricsFault::None,
+            engine: EngineModel::Simple,
+            // Llama-3.1-8B on one A100-80GB (docs/benchmarks.md, "The step model's calibration").
+            max_num_batched_tokens: 2048,
+            step_base_ms: 12.0,
+            step_us_per_prefill_token: 70.0,
+            step_us_per_decode_seq: 25.0,
+            step_ns_per_context_token: 90.0,
         }
     }
 }
@@ -114,6 +145,13 @@ impl PodKnobs {
         non_negative("extra_latency_ms", self.extra_latency_ms)?;
         non_negative("lora_load_ms", self.lora_load_ms)?;
         non_negative("metrics_delay_ms", self.metrics_delay_ms)?;
+        if self.max_num_batched_tokens == 0 {
+            return Err(invalid("max_num_batched_tokens", "must be > 0"));
+        }
+        non_negative("step_base_ms", self.step_base_ms)?;
+        non_negative("step_us_per_prefill_token", self.step_us_per_prefill_token)?;
+        non_negative("step_us_per_decode_seq", self.step_us_per_decode_seq)?;
+        non_negative("step_ns_per_context_token", self.step_ns_per_context_token)?;
         if !(0.0..=1.0).contains(&self.error_rate) {
             return Err(invalid("error_rate", "must be within 0..=1"));
         }
@@ -141,9 +179,29 @@ impl PodKnobs {
             lora_load_ms,
             stall,
             metrics_delay_ms,
-            metrics_fault
+            metrics_fault,
+            engine,
+            max_num_batched_tokens,
+            step_base_ms,
+            step_us_per_prefill_token,
+            step_us_per_decode_seq,
+            step_ns_per_context_token
         );
         k
+    }
+
+    /// The step model's configuration from these knobs.
+    pub fn step_config(&self) -> crate::step::StepConfig {
+        crate::step::StepConfig {
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            block_size: self.block_size,
+            kv_blocks: self.kv_blocks,
+            base_ms: self.step_base_ms,
+            us_per_prefill_token: self.step_us_per_prefill_token,
+            us_per_decode_seq: self.step_us_per_decode_seq,
+            ns_per_context_token: self.step_ns_per_context_token,
+        }
     }
 }
 
@@ -171,6 +229,18 @@ pub struct KnobsPatch {
     pub metrics_delay_ms: Option<f64>,
     #[serde(default)]
     pub metrics_fault: Option<MetricsFault>,
+    #[serde(default)]
+    pub engine: Option<EngineModel>,
+    #[serde(default)]
+    pub max_num_batched_tokens: Option<usize>,
+    #[serde(default)]
+    pub step_base_ms: Option<f64>,
+    #[serde(default)]
+    pub step_us_per_prefill_token: Option<f64>,
+    #[serde(default)]
+    pub step_us_per_decode_seq: Option<f64>,
+    #[serde(default)]
+    pub step_ns_per_context_token: Option<f64>,
 }
 
 #[cfg(test)]

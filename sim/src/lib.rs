@@ -23,7 +23,9 @@
 //! - [`tokenizer`]: text → token ids (whitespace words, 4-byte pieces, xxh3).
 //! - [`cache`]: chained block hashes and the pinned LRU block cache (pure, no IO).
 //! - [`knobs`]: per-pod tunables and partial updates.
-//! - [`engine`]: the pod state machine, running and LoRA slots, latency model.
+//! - [`engine`]: the pod state machine, running and LoRA slots, latency model (simple, or the
+//!   step model's driver).
+//! - [`step`]: the step model — continuous batching in virtual time (pure, no IO).
 //! - [`kvevents`]: vLLM KV-cache events (msgpack, both encodings) on PUB + replay ROUTER sockets.
 //! - [`metrics`]: vLLM-shaped Prometheus text.
 //! - [`server`]: the HTTP routers for pods and the admin API.
@@ -55,7 +57,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use engine::PodStats;
-pub use knobs::{KnobsPatch, MetricsFault, PodKnobs};
+pub use knobs::{EngineModel, KnobsPatch, MetricsFault, PodKnobs};
 pub use kvevents::{Encoding, KvEndpoints, KvEventsConfig};
 
 use engine::{Pod, PodOptions};

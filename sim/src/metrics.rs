@@ -36,6 +36,7 @@ pub const PREFIX_CACHE_HITS: &str = "vllm:prefix_cache_hits_total";
 pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
 pub const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
 pub const REQUEST_SUCCESS: &str = "vllm:request_success_total";
+pub const NUM_PREEMPTIONS: &str = "vllm:num_preemptions_total";
 pub const LORA_REQUESTS_INFO: &str = "vllm:lora_requests_info";
 pub const PROCESS_START_TIME: &str = "process_start_time_seconds";
 
@@ -135,6 +136,14 @@ pub fn render_with_lora(
         "Count of successfully processed requests.",
         ",finished_reason=\"length\"",
         stats.served as f64,
+    );
+    sample(
+        &mut out,
+        NUM_PREEMPTIONS,
+        "counter",
+        "Cumulative number of preemption from the engine.",
+        "",
+        stats.preemptions as f64,
     );
     // Prometheus' process collector (vLLM exposes it): the server's incarnation.
     family(

@@ -24,11 +24,8 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
-/// The engine's limits and step-time coefficients.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+/// The engine's limits and step-time coefficients (from [`crate::PodKnobs::step_config`]).
+#[derive(Clone, Debug, PartialEq)]
 pub struct StepConfig {
     /// Tokens one step may process (prefill chunks + one per decoding sequence).
     pub max_num_batched_tokens: usize,
@@ -46,21 +43,6 @@ pub struct StepConfig {
     pub us_per_decode_seq: f64,
     /// Cost per token of context attended over, in ns.
     pub ns_per_context_token: f64,
-}
-
-impl Default for StepConfig {
-    fn default() -> Self {
-        Self {
-            max_num_batched_tokens: 2048,
-            max_num_seqs: 256,
-            block_size: 16,
-            kv_blocks: 4096,
-            base_ms: 6.0,
-            us_per_prefill_token: 60.0,
-            us_per_decode_seq: 60.0,
-            ns_per_context_token: 10.0,
-        }
-    }
 }
 
 impl StepConfig {
@@ -170,6 +152,19 @@ impl StepEngine {
         &self.cfg
     }
 
+    /// New limits and coefficients for the next steps. A smaller cache than what is held
+    /// shows as no free block until enough sequences finish (or are preempted).
+    pub fn reconfigure(&mut self, cfg: StepConfig) {
+        let used = self.used_blocks();
+        self.free_blocks = cfg.kv_blocks.saturating_sub(used);
+        self.cfg = cfg;
+    }
+
+    /// Blocks held by sequences.
+    pub fn used_blocks(&self) -> usize {
+        self.running.iter().map(|s| s.blocks).sum()
+    }
+
     /// Queues a request; refused when it could not run even alone (its prompt and output need
     /// more blocks than the engine has — vLLM refuses such a prompt too). A hit of the whole
     /// prompt still computes its last token (the engine needs its logits), as vLLM does.
@@ -222,8 +217,7 @@ impl StepEngine {
 
     /// Blocks held by sequences / capacity.
     pub fn kv_usage(&self) -> f64 {
-        let total = self.cfg.kv_blocks.max(1);
-        (total - self.free_blocks.min(total)) as f64 / total as f64
+        self.used_blocks() as f64 / self.cfg.kv_blocks.max(1) as f64
     }
 
     pub fn preemptions(&self) -> u64 {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::Parser;
 use serde_json::json;
-use sim::{Encoding, KvEventsConfig, PodKnobs, Sim, SimConfig};
+use sim::{Encoding, EngineModel, KvEventsConfig, PodKnobs, Sim, SimConfig};
 
 #[derive(Debug, Parser)]
 #[command(about = "Simulated vLLM pods for exercising the endpoint picker")]
@@ -73,6 +73,26 @@ struct Args {
     /// Label the next N pods `llm-d.ai/role: decode`.
     #[arg(long, default_value_t = 0)]
     decode_pods: usize,
+    /// Latency model: `simple` (each request sleeps its own prefill and decode) or `step`
+    /// (continuous batching: steps of up to --max-num-batched-tokens, whose cost grows with
+    /// what they hold; KV blocks allocated as needed, preemption when they run out).
+    #[arg(long, default_value = "simple", value_parser = ["simple", "step"])]
+    engine: String,
+    /// Step model: tokens per step [default: the knobs' default, 2048].
+    #[arg(long)]
+    max_num_batched_tokens: Option<usize>,
+    /// Step model: fixed cost of a step, in ms [default: calibrated, see docs/benchmarks.md].
+    #[arg(long)]
+    step_base_ms: Option<f64>,
+    /// Step model: cost per prefilled token, in µs [default: calibrated].
+    #[arg(long)]
+    step_us_per_prefill_token: Option<f64>,
+    /// Step model: cost per decoding sequence in a step, in µs [default: calibrated].
+    #[arg(long)]
+    step_us_per_decode_seq: Option<f64>,
+    /// Step model: cost per token of context attended over, in ns [default: calibrated].
+    #[arg(long)]
+    step_ns_per_context_token: Option<f64>,
     /// Tokio worker threads; 0 = one per core. 1 runs everything on a single thread, which avoids
     /// cross-thread wake-ups (the cheapest setting for many mostly-idle pods).
     #[arg(long, default_value_t = 0)]
@@ -81,6 +101,7 @@ struct Args {
 
 impl Args {
     fn config(&self) -> SimConfig {
+        let d = PodKnobs::default();
         SimConfig {
             pods: self.pods,
             host: self.host,
@@ -100,7 +121,25 @@ impl Args {
                 extra_latency_ms: self.extra_latency_ms,
                 max_loras: self.max_loras,
                 lora_load_ms: self.lora_load_ms,
-                ..PodKnobs::default()
+                engine: if self.engine == "step" {
+                    EngineModel::Step
+                } else {
+                    EngineModel::Simple
+                },
+                max_num_batched_tokens: self
+                    .max_num_batched_tokens
+                    .unwrap_or(d.max_num_batched_tokens),
+                step_base_ms: self.step_base_ms.unwrap_or(d.step_base_ms),
+                step_us_per_prefill_token: self
+                    .step_us_per_prefill_token
+                    .unwrap_or(d.step_us_per_prefill_token),
+                step_us_per_decode_seq: self
+                    .step_us_per_decode_seq
+                    .unwrap_or(d.step_us_per_decode_seq),
+                step_ns_per_context_token: self
+                    .step_ns_per_context_token
+                    .unwrap_or(d.step_ns_per_context_token),
+                ..d
             },
             lora_adapters: self
                 .lora_modules

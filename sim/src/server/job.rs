@@ -198,24 +198,15 @@ pub(super) fn transfer_params(job: &Job, run: &Running) -> Value {
     })
 }
 
-/// Admits `tokens`, waits the simulated prefill (skipped on a P/D decode leg, plus the adapter
-/// swap-in when needed) and caches the prompt.
+/// Admits `tokens`, computes the prompt (its KV transferred on a P/D decode leg; plus the adapter
+/// swap-in when needed) and caches it.
 pub(super) async fn prefill(job: &Job, tokens: &[u32]) -> Result<Running, engine::EngineClosed> {
     let mut run = job
         .pod
         .admit_lora(tokens, job.output_tokens, &job.knobs, job.lora.clone())
         .await?;
-    let uncached = if job.pd == PdLeg::Decode {
-        0
-    } else {
-        run.uncached_tokens()
-    };
-    let mut wait = engine::ttft(&job.knobs, uncached);
-    if run.lora_swapped() {
-        wait += engine::lora_load(&job.knobs);
-    }
-    engine::pause(wait).await;
-    job.pod.unstalled().await;
+    run.compute_prompt(&job.knobs, job.pd == PdLeg::Decode)
+        .await?;
     run.prefilled();
     Ok(run)
 }
@@ -226,10 +217,8 @@ pub(super) async fn run_prompt(
     idx: usize,
 ) -> Result<(String, usize, usize, Option<Value>), engine::EngineClosed> {
     let tokens = &job.prompts[idx];
-    let run = prefill(job, tokens).await?;
-    let decode = engine::inter_token(&job.knobs) * job.output_tokens.saturating_sub(1);
-    engine::pause(decode).await;
-    job.pod.unstalled().await;
+    let mut run = prefill(job, tokens).await?;
+    run.decode_rest(&job.knobs).await?;
     let cached = run.cached_tokens();
     let params = (job.pd == PdLeg::Prefill).then(|| transfer_params(job, &run));
     run.finish(job.output_tokens);

@@ -262,8 +262,11 @@ impl StreamState {
             }
             Step::Token(p, i) => {
                 let due = self.first_token + engine::inter_token(&self.job.knobs) * i;
-                engine::pause_until(due).await;
-                self.job.pod.unstalled().await;
+                if let Some(run) = self.run.as_mut()
+                    && let Err(e) = run.token(due).await
+                {
+                    return Some(self.error_event(&e.to_string()));
+                }
                 self.step = self.next_after(p, i);
                 Some(self.delta(p, i))
             }
