@@ -56,6 +56,8 @@ pub struct PodStats {
     pub started_s: f64,
     /// Sequences preempted (step model), since start.
     pub preemptions: u64,
+    /// vLLM's request histograms (TTFT, inter-token, end to end, queue time, sizes).
+    pub latencies: crate::metrics::Latencies,
 }
 
 #[derive(Debug, Default)]
@@ -203,6 +205,7 @@ struct PodState {
     /// of its sequences' outputs go. `running`/`waiting` above count the others.
     steps: StepEngine,
     tickets: HashMap<u64, tokio::sync::mpsc::UnboundedSender<Event>>,
+    latencies: crate::metrics::Latencies,
 }
 
 impl PodState {
@@ -393,6 +396,7 @@ impl Pod {
                 events_on: opts.kv_events.is_some(),
                 steps,
                 tickets: HashMap::new(),
+                latencies: Default::default(),
             }),
             next_id: AtomicU64::new(0),
             stall,
@@ -486,6 +490,7 @@ impl Pod {
             restarts: st.restarts,
             started_s: st.started_s,
             preemptions: st.steps.preemptions(),
+            latencies: st.latencies.clone(),
         }
     }
 
@@ -506,6 +511,7 @@ impl Pod {
                 generation_tokens: st.counters.generation_tokens,
                 started_s: st.started_s,
                 preemptions: st.steps.preemptions(),
+                latencies: st.latencies.clone(),
                 ..PodStats::default()
             },
             block_size: st.knobs.block_size,
@@ -645,6 +651,7 @@ impl Pod {
         st.pending.clear();
         st.steps = StepEngine::new(st.knobs.step_config());
         st.tickets.clear();
+        st.latencies = Default::default();
         st.restarts += 1;
         // A new process: a new start time, even within the same millisecond as the last one.
         st.started_s = unix_now_s().max(st.started_s + 0.001);
@@ -707,6 +714,7 @@ impl Pod {
             .map(|l| xxh3_64(l.name.as_bytes()))
             .unwrap_or(0);
         let hashes = block_hashes_seeded(tokens, bs, seed);
+        let arrived = tokio::time::Instant::now();
         let mut queued = Queued::new(self, lora.as_ref().map(|l| l.name.clone()));
         self.unstalled().await;
         let mut swapped = false;
@@ -750,6 +758,8 @@ impl Pod {
             queued.disarm(st);
             if !stepped {
                 st.running += 1;
+                // (The step model's wait ends when its scheduler admits it.)
+                st.latencies.queue.observe(arrived.elapsed().as_secs_f64());
             }
             if let Some(l) = &lora {
                 bump(&mut st.lora.running, &l.name, true);
@@ -790,6 +800,8 @@ impl Pod {
             stepped,
             output_tokens,
             seq: None,
+            arrived,
+            last_token: arrived,
         })
     }
 }
@@ -871,6 +883,9 @@ pub struct Running {
     output_tokens: u32,
     /// Its sequence in the step model, once submitted, and where its outputs arrive.
     seq: Option<(u64, tokio::sync::mpsc::UnboundedReceiver<Event>)>,
+    arrived: tokio::time::Instant,
+    /// When its last output token came (its first: the time to first token).
+    last_token: tokio::time::Instant,
 }
 
 impl Running {
@@ -916,6 +931,7 @@ impl Running {
         if !self.stepped {
             pause(ttft(knobs, uncached) + lora).await;
             self.pod.unstalled().await;
+            self.first_token();
             return Ok(());
         }
         pause(ms(knobs.extra_latency_ms * knobs.time_scale) + lora).await;
@@ -940,38 +956,71 @@ impl Running {
         }
         self.seq = Some((id, rx));
         self.pod.kick();
-        self.next_token().await
+        self.next_event().await?;
+        self.first_token();
+        Ok(())
+    }
+
+    fn first_token(&mut self) {
+        self.last_token = tokio::time::Instant::now();
+        let ttft = self.arrived.elapsed().as_secs_f64();
+        self.pod.lock().latencies.ttft.observe(ttft);
+    }
+
+    /// Records `n` inter-token gaps spanning the time since the last token.
+    fn tokens_came(&mut self, n: u32) {
+        if n == 0 {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        let gap = (now - self.last_token).as_secs_f64() / f64::from(n);
+        self.last_token = now;
+        let mut st = self.pod.lock();
+        for _ in 0..n {
+            st.latencies.itl.observe(gap);
+        }
     }
 
     /// Waits for the next output token: until `due` (simple model), or the engine's next step
     /// for this request (step model).
     pub async fn token(&mut self, due: tokio::time::Instant) -> Result<(), EngineClosed> {
-        if !self.stepped {
+        if self.stepped {
+            self.next_event().await?;
+        } else {
             pause_until(due).await;
             self.pod.unstalled().await;
-            return Ok(());
         }
-        self.next_token().await
+        self.tokens_came(1);
+        Ok(())
     }
 
     /// Waits for the output tokens after the first, all at once (a non-streaming answer).
     pub async fn decode_rest(&mut self, knobs: &PodKnobs) -> Result<(), EngineClosed> {
+        let rest = self.output_tokens.saturating_sub(1);
         if !self.stepped {
-            pause(inter_token(knobs) * self.output_tokens.saturating_sub(1)).await;
+            pause(inter_token(knobs) * rest).await;
             self.pod.unstalled().await;
+            self.tokens_came(rest);
             return Ok(());
         }
-        for _ in 1..self.output_tokens {
-            self.next_token().await?;
+        for _ in 0..rest {
+            self.next_event().await?;
+            self.tokens_came(1);
         }
         Ok(())
     }
 
-    async fn next_token(&mut self) -> Result<(), EngineClosed> {
+    /// The step model's next output token for this request (recording its queue time when the
+    /// scheduler admits it).
+    async fn next_event(&mut self) -> Result<(), EngineClosed> {
         let (_, rx) = self.seq.as_mut().ok_or(EngineClosed)?;
         loop {
             match rx.recv().await {
                 Some(Event::FirstToken(_) | Event::Token(_)) => return Ok(()),
+                Some(Event::Scheduled(_)) => {
+                    let waited = self.arrived.elapsed().as_secs_f64();
+                    self.pod.lock().latencies.queue.observe(waited);
+                }
                 Some(_) => {}
                 None => return Err(EngineClosed),
             }
@@ -1002,6 +1051,10 @@ impl Running {
         let mut st = self.pod.lock();
         st.counters.served += 1;
         st.counters.generation_tokens += u64::from(output_tokens);
+        let l = &mut st.latencies;
+        l.e2e.observe(self.arrived.elapsed().as_secs_f64());
+        l.prompt_tokens.observe(self.prompt_tokens as f64);
+        l.generation_tokens.observe(f64::from(output_tokens));
     }
 }
 
@@ -1062,6 +1115,20 @@ async fn drive(pod: Weak<Pod>, work: Arc<Notify>) {
             work.notified().await;
             continue;
         };
+        let (now, later): (Vec<Event>, Vec<Event>) = step
+            .events
+            .into_iter()
+            .partition(|e| matches!(e, Event::Scheduled(_)));
+        {
+            let st = p.lock();
+            for ev in now {
+                if let Event::Scheduled(id) = ev
+                    && let Some(tx) = st.tickets.get(&id)
+                {
+                    let _ = tx.send(ev);
+                }
+            }
+        }
         let d = step.duration.mul_f64(scale);
         if d.is_zero() {
             tokio::task::yield_now().await;
@@ -1069,7 +1136,7 @@ async fn drive(pod: Weak<Pod>, work: Arc<Notify>) {
             tokio::time::sleep(d).await;
         }
         p.step(|st| {
-            for ev in step.events {
+            for ev in later {
                 match ev {
                     Event::FirstToken(id) | Event::Token(id) => {
                         if let Some(tx) = st.tickets.get(&id) {
@@ -1079,7 +1146,7 @@ async fn drive(pod: Weak<Pod>, work: Arc<Notify>) {
                     Event::Finished(id) => {
                         st.tickets.remove(&id);
                     }
-                    Event::Preempted(_) => {}
+                    Event::Preempted(_) | Event::Scheduled(_) => {}
                 }
             }
             st.evict();

@@ -39,6 +39,113 @@ pub const REQUEST_SUCCESS: &str = "vllm:request_success_total";
 pub const NUM_PREEMPTIONS: &str = "vllm:num_preemptions_total";
 pub const LORA_REQUESTS_INFO: &str = "vllm:lora_requests_info";
 pub const PROCESS_START_TIME: &str = "process_start_time_seconds";
+pub const TTFT: &str = "vllm:time_to_first_token_seconds";
+pub const ITL: &str = "vllm:inter_token_latency_seconds";
+/// ITL's name before vLLM 0.11 (still exposed, deprecated).
+pub const TPOT_OLD: &str = "vllm:time_per_output_token_seconds";
+pub const E2E: &str = "vllm:e2e_request_latency_seconds";
+pub const QUEUE_TIME: &str = "vllm:request_queue_time_seconds";
+pub const REQUEST_PROMPT_TOKENS: &str = "vllm:request_prompt_tokens";
+pub const REQUEST_GENERATION_TOKENS: &str = "vllm:request_generation_tokens";
+
+/// vLLM's buckets for the time to first token.
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// Inter-token latency.
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+/// Whole-request durations (end to end, queue).
+const REQUEST_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+/// Token counts, 1-2-5 steps.
+const TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0,
+];
+
+/// A Prometheus histogram: per-bucket counts (not cumulative), sum and count.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Histogram {
+    #[serde(skip)]
+    bounds: &'static [f64],
+    buckets: Vec<u64>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            buckets: vec![0; bounds.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        let i = self.bounds.partition_point(|b| *b < v);
+        self.buckets[i] += 1;
+        self.sum += v;
+        self.count += 1;
+    }
+
+    /// Observations at most `le` (a bucket bound).
+    pub fn cumulative(&self, le: f64) -> u64 {
+        let n = self.bounds.partition_point(|b| *b <= le);
+        self.buckets[..n].iter().sum()
+    }
+}
+
+/// vLLM's per-request latency and size histograms.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Latencies {
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub queue: Histogram,
+    pub prompt_tokens: Histogram,
+    pub generation_tokens: Histogram,
+}
+
+impl Default for Latencies {
+    fn default() -> Self {
+        Latencies {
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            e2e: Histogram::new(REQUEST_BUCKETS),
+            queue: Histogram::new(REQUEST_BUCKETS),
+            prompt_tokens: Histogram::new(TOKEN_BUCKETS),
+            generation_tokens: Histogram::new(TOKEN_BUCKETS),
+        }
+    }
+}
+
+fn histogram(out: &mut String, name: &str, help: &str, labels: &str, h: &Histogram) {
+    family(out, name, "histogram", help);
+    let mut acc = 0;
+    for (b, n) in h.bounds.iter().zip(&h.buckets) {
+        acc += n;
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels},le=\"{b:?}\"}} {:?}",
+            acc as f64
+        );
+    }
+    let _ = writeln!(
+        out,
+        "{name}_bucket{{{labels},le=\"+Inf\"}} {:?}",
+        h.count as f64
+    );
+    let _ = writeln!(out, "{name}_sum{{{labels}}} {:?}", h.sum);
+    let _ = writeln!(out, "{name}_count{{{labels}}} {:?}", h.count as f64);
+}
 
 /// Prometheus label values escape backslash, quote and newline.
 fn escape(v: &str) -> String {
@@ -145,6 +252,38 @@ pub fn render_with_lora(
         "",
         stats.preemptions as f64,
     );
+    let l = &stats.latencies;
+    for (name, help, h) in [
+        (
+            TTFT,
+            "Histogram of time to first token in seconds.",
+            &l.ttft,
+        ),
+        (ITL, "Histogram of inter-token latency in seconds.", &l.itl),
+        (
+            TPOT_OLD,
+            "Histogram of time per output token in seconds. DEPRECATED: use vllm:inter_token_latency_seconds.",
+            &l.itl,
+        ),
+        (E2E, "Histogram of e2e request latency in seconds.", &l.e2e),
+        (
+            QUEUE_TIME,
+            "Histogram of time spent in WAITING phase for request.",
+            &l.queue,
+        ),
+        (
+            REQUEST_PROMPT_TOKENS,
+            "Number of prefill tokens processed.",
+            &l.prompt_tokens,
+        ),
+        (
+            REQUEST_GENERATION_TOKENS,
+            "Number of generation tokens processed.",
+            &l.generation_tokens,
+        ),
+    ] {
+        histogram(&mut out, name, help, &labels, h);
+    }
     // Prometheus' process collector (vLLM exposes it): the server's incarnation.
     family(
         &mut out,
@@ -242,5 +381,30 @@ mod tests {
             ..PodKnobs::default()
         };
         assert!(!render_with_lora("m", &off, &stats, &series).contains("lora"));
+    }
+
+    #[test]
+    fn histograms_are_cumulative_with_sum_and_count() {
+        let mut stats = PodStats::default();
+        for v in [0.003, 0.03, 0.03, 3000.0] {
+            stats.latencies.ttft.observe(v);
+        }
+        assert_eq!(stats.latencies.ttft.cumulative(0.04), 3);
+        let text = render("m", &PodKnobs::default(), &stats);
+        let l = "model_name=\"m\",engine=\"0\"";
+        assert!(text.contains("# TYPE vllm:time_to_first_token_seconds histogram\n"));
+        for line in [
+            format!("vllm:time_to_first_token_seconds_bucket{{{l},le=\"0.001\"}} 0.0\n"),
+            format!("vllm:time_to_first_token_seconds_bucket{{{l},le=\"0.005\"}} 1.0\n"),
+            format!("vllm:time_to_first_token_seconds_bucket{{{l},le=\"0.04\"}} 3.0\n"),
+            format!("vllm:time_to_first_token_seconds_bucket{{{l},le=\"2560.0\"}} 3.0\n"),
+            format!("vllm:time_to_first_token_seconds_bucket{{{l},le=\"+Inf\"}} 4.0\n"),
+            format!("vllm:time_to_first_token_seconds_count{{{l}}} 4.0\n"),
+        ] {
+            assert!(text.contains(&line), "{line} missing in\n{text}");
+        }
+        assert!(text.contains("vllm:inter_token_latency_seconds_count"));
+        assert!(text.contains("vllm:time_per_output_token_seconds_count"));
+        assert!(text.contains("vllm:request_queue_time_seconds_bucket"));
     }
 }

@@ -82,6 +82,8 @@ pub struct TooLong {
 /// What a step did to one sequence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
+    /// Admitted into the batch for the first time: its wait in the queue ended.
+    Scheduled(u64),
     /// The first output token (the prefill is complete).
     FirstToken(u64),
     /// A later output token.
@@ -113,6 +115,8 @@ struct Seq {
     generated: u32,
     /// Blocks this sequence holds.
     blocks: usize,
+    /// Admitted into the batch once (a preempted one waits again, but its queue time is over).
+    scheduled: bool,
 }
 
 impl Seq {
@@ -189,6 +193,7 @@ impl StepEngine {
             computed: spec.cached_tokens,
             generated: 0,
             blocks: 0,
+            scheduled: false,
         });
         Ok(())
     }
@@ -290,7 +295,7 @@ impl StepEngine {
 
         // Then the queue, first come first served, while the limits and blocks allow — but not
         // in a step that had to preempt.
-        let preempted = !events.is_empty();
+        let preempted = events.iter().any(|e| matches!(e, Event::Preempted(_)));
         while !preempted && budget > 0 && self.running.len() < self.cfg.max_num_seqs.max(1) {
             let Some(front) = self.waiting.front() else {
                 break;
@@ -305,6 +310,10 @@ impl StepEngine {
             };
             self.free_blocks -= need;
             s.blocks = need;
+            if !s.scheduled {
+                s.scheduled = true;
+                events.push(Event::Scheduled(s.spec.id));
+            }
             scheduled.push((s.spec.id, tokens));
             budget -= tokens;
             self.running.push(s);
@@ -419,7 +428,10 @@ mod tests {
         let mut e = StepEngine::new(cfg(8192, 4096));
         e.submit(seq(1, 100, 50)).unwrap();
         let first = e.step().unwrap();
-        assert_eq!(first.events, vec![Event::FirstToken(1)]);
+        assert_eq!(
+            first.events,
+            vec![Event::Scheduled(1), Event::FirstToken(1)]
+        );
         assert!((ms(first.duration) - (5.0 + 100.0 * 0.05)).abs() < 1e-6);
         let decode = e.step().unwrap();
         assert_eq!(decode.events, vec![Event::Token(1)]);
@@ -490,6 +502,7 @@ mod tests {
                     Event::Preempted(id) => preempted.push(id),
                     Event::FirstToken(id) | Event::Token(id) => *got.entry(id).or_default() += 1,
                     Event::Finished(id) => finished.push(id),
+                    Event::Scheduled(_) => {}
                 }
             }
         }
@@ -545,6 +558,7 @@ mod tests {
             let mut want = HashMap::new();
             let mut next = 0u64;
             let mut got: HashMap<u64, (u32, bool)> = HashMap::new();
+            let mut scheduled = std::collections::HashSet::new();
             for round in 0..200_000 {
                 if round >= 300 && e.is_idle() {
                     break;
@@ -566,7 +580,11 @@ mod tests {
                 assert!(e.running() <= cfg.max_num_seqs);
                 for ev in s.events {
                     match ev {
+                        Event::Scheduled(id) => {
+                            assert!(scheduled.insert(id), "seed {seed}: {id} scheduled twice");
+                        }
                         Event::FirstToken(id) => {
+                            assert!(scheduled.contains(&id), "a first token before scheduling");
                             let g = got.entry(id).or_default();
                             assert_eq!(g.0, 0, "seed {seed}: a second first token for {id}");
                             g.0 = 1;

@@ -129,6 +129,28 @@ async fn every_request_gets_its_tokens_while_kv_blocks_run_short() {
         metric(&text, "vllm:num_preemptions_total") >= 1.0,
         "decodes outgrew the blocks without a preemption"
     );
+    // vLLM's histograms count every request (and every gap between two tokens).
+    assert_eq!(
+        metric(&text, "vllm:time_to_first_token_seconds_count"),
+        10.0
+    );
+    assert_eq!(
+        metric(&text, "vllm:inter_token_latency_seconds_count"),
+        10.0 * 47.0
+    );
+    assert_eq!(
+        metric(&text, "vllm:e2e_request_latency_seconds_count"),
+        10.0
+    );
+    assert_eq!(
+        metric(&text, "vllm:request_generation_tokens_sum"),
+        10.0 * 48.0
+    );
+    assert_eq!(metric(&text, "vllm:request_queue_time_seconds_count"), 10.0);
+    assert!(
+        metric(&text, "vllm:request_queue_time_seconds_sum") > 0.0,
+        "the requests that waited for blocks show no queue time"
+    );
     let s = sim.stats(0);
     assert_eq!((s.served, s.running, s.waiting), (10, 0, 0));
     sim.shutdown().await;

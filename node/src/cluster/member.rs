@@ -299,7 +299,6 @@ impl ClusterMember {
     pub async fn reconcile(self: Arc<Self>, stop: CancellationToken) {
         // The bootstrap of a new cluster reaches its first voters well within this.
         const JOIN_AFTER: Duration = Duration::from_secs(3);
-        let started = Instant::now();
         let me = self.opts.node_id;
         let mut dead_since = BTreeMap::new();
         let (mut join_attempts, mut promotions_failed) = (0, 0);
@@ -319,7 +318,7 @@ impl ClusterMember {
                 let home = m.voters.contains(&me) && self.has_quorum();
                 let outside = !m.voters.is_empty() && !m.voters.contains(&me);
                 let done = home
-                    || ((outside || started.elapsed() >= JOIN_AFTER)
+                    || ((outside || self.started.elapsed() >= JOIN_AFTER)
                         && self
                             .join_step(&m, &mut join_attempts, &mut promotions_failed)
                             .await);
@@ -348,10 +347,13 @@ impl ClusterMember {
         // a non-member's promotion. (Adding a current learner changes nothing.)
         if !m.learners.contains(&me) || m.leader.is_none() || *promotions_failed > 0 {
             *attempts += 1;
-            tracing::info!(
-                node_id = me,
-                "not a member: asking the peers to add this replica"
-            );
+            if *attempts == 1 || attempts.is_power_of_two() {
+                tracing::info!(
+                    node_id = me,
+                    attempts = *attempts,
+                    "not a member: asking the peers to add this replica"
+                );
+            }
             if let Err(e) = self.node.join(&self.opts.peers).await {
                 if *attempts == 1 || attempts.is_power_of_two() {
                     tracing::warn!(error = %e, attempts = *attempts, "joining the cluster failed; retrying");
