@@ -36,6 +36,11 @@ fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("{name} missing in\n{text}"))
 }
 
+async fn scrape(client: &reqwest::Client, pod: std::net::SocketAddr) -> String {
+    let resp = client.get(format!("http://{pod}/metrics")).send().await;
+    resp.unwrap().text().await.unwrap()
+}
+
 /// The content chunks of one streamed chat completion.
 async fn stream_tokens(
     client: &reqwest::Client,
@@ -97,14 +102,7 @@ async fn every_request_gets_its_tokens_while_kv_blocks_run_short() {
     let (mut waited, mut full) = (false, false);
     let deadline = Instant::now() + Duration::from_secs(20);
     while done.load(std::sync::atomic::Ordering::Relaxed) < 10 && Instant::now() < deadline {
-        let text = client
-            .get(format!("http://{pod}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = scrape(&client, pod).await;
         waited |= metric(&text, "vllm:num_requests_waiting") >= 1.0;
         full |= metric(&text, "vllm:kv_cache_usage_perc") >= 0.9;
         if waited && full {
@@ -117,14 +115,7 @@ async fn every_request_gets_its_tokens_while_kv_blocks_run_short() {
     }
     assert!(waited, "no request ever waited for KV blocks");
     assert!(full, "the KV cache never filled");
-    let text = client
-        .get(format!("http://{pod}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = scrape(&client, pod).await;
     assert!(
         metric(&text, "vllm:num_preemptions_total") >= 1.0,
         "decodes outgrew the blocks without a preemption"
