@@ -549,9 +549,9 @@ impl Service {
 /// `helm upgrade --set replicas=4` then back to 3, as the StatefulSet carries it out, with
 /// clients sending through the Service all along: the new pod joins and becomes a voter with no
 /// admin call; scaled back, pod 3 is stopped (it hands in its vote as it leaves: the three are the
-/// whole membership at once) and the others are restarted one at a time with the new arguments
-/// (a rolling update: each leaves, comes back from its volume and joins again) — no client
-/// request fails. Then a 4th pod that crashes instead (kill -9: it cannot leave) is removed by
+/// voters at once) and the others are restarted one at a time with the new arguments (a rolling
+/// update: each comes back from its volume and votes again; at three voters none hands in its
+/// vote) — no client request fails. Then a 4th pod that crashes instead (kill -9: it cannot leave) is removed by
 /// the others, which no longer name it, after the grace period.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_statefulset_scales_up_and_down_under_traffic() {

@@ -205,12 +205,20 @@ struct PodState {
     /// of its sequences' outputs go. `running`/`waiting` above count the others.
     steps: StepEngine,
     tickets: HashMap<u64, tokio::sync::mpsc::UnboundedSender<Event>>,
+    /// Of the blocks the cache pins, those the step model's sequences hold as their own too
+    /// (their prompts' blocks once computed).
+    step_overlap: usize,
     latencies: crate::metrics::Latencies,
 }
 
 impl PodState {
+    /// Blocks the step model's sequences hold outside the cache.
+    fn step_outside(&self) -> usize {
+        self.steps.used_blocks().saturating_sub(self.step_overlap)
+    }
+
     fn kv_usage(&self) -> f64 {
-        let held = self.cache.pinned() + self.extra_held + self.steps.used_blocks();
+        let held = self.cache.pinned() + self.extra_held + self.step_outside();
         (held as f64 / self.knobs.kv_blocks.max(1) as f64).min(1.0)
     }
 
@@ -226,7 +234,7 @@ impl PodState {
         let budget = self
             .knobs
             .kv_blocks
-            .saturating_sub(self.extra_held + self.steps.used_blocks());
+            .saturating_sub(self.extra_held + self.step_outside());
         self.evict_to(budget);
     }
 
@@ -396,6 +404,7 @@ impl Pod {
                 events_on: opts.kv_events.is_some(),
                 steps,
                 tickets: HashMap::new(),
+                step_overlap: 0,
                 latencies: Default::default(),
             }),
             next_id: AtomicU64::new(0),
@@ -458,7 +467,10 @@ impl Pod {
                 let forgotten = self.slots.forget_permits(remove);
                 st.permit_debt += remove - forgotten;
             }
-            st.steps.reconfigure(new.step_config());
+            // Requests that no longer fit even alone end (their clients see the engine close).
+            for id in st.steps.reconfigure(new.step_config()) {
+                st.tickets.remove(&id);
+            }
             st.knobs = new;
             st.evict();
             Ok::<_, SimError>(st.knobs.stall)
@@ -651,6 +663,7 @@ impl Pod {
         st.pending.clear();
         st.steps = StepEngine::new(st.knobs.step_config());
         st.tickets.clear();
+        st.step_overlap = 0;
         st.latencies = Default::default();
         st.restarts += 1;
         // A new process: a new start time, even within the same millisecond as the last one.
@@ -671,7 +684,10 @@ impl Pod {
     /// Wakes every queued request with [`EngineClosed`].
     pub fn close(&self) {
         self.slots.close();
-        self.lock().tickets.clear();
+        let mut st = self.lock();
+        for id in st.steps.drain_waiting() {
+            st.tickets.remove(&id);
+        }
     }
 
     /// Makes sure the step model's driver runs, and wakes it.
@@ -743,6 +759,9 @@ impl Pod {
         // simple model).
         let stepped = knobs.engine == EngineModel::Step && output_tokens > 0;
         let permit = if stepped {
+            if self.slots.is_closed() {
+                return Err(EngineClosed);
+            }
             None
         } else {
             Some(
@@ -802,6 +821,7 @@ impl Pod {
             seq: None,
             arrived,
             last_token: arrived,
+            overlap: 0,
         })
     }
 }
@@ -886,6 +906,8 @@ pub struct Running {
     arrived: tokio::time::Instant,
     /// When its last output token came (its first: the time to first token).
     last_token: tokio::time::Instant,
+    /// Its share of `PodState::step_overlap`.
+    overlap: usize,
 }
 
 impl Running {
@@ -1030,6 +1052,12 @@ impl Running {
     /// The prompt has been computed: its full blocks enter the cache, pinned until the request ends.
     pub fn prefilled(&mut self) {
         self.pod.step(|st| {
+            if self.stepped {
+                // The step model's sequence holds these blocks, now the cache's too: counted
+                // once (`PodState::step_overlap`).
+                self.overlap = self.hashes.len() - self.pinned;
+                st.step_overlap += self.overlap;
+            }
             st.store(
                 &self.hashes,
                 self.pinned,
@@ -1070,6 +1098,7 @@ impl Drop for Running {
                 st.steps.cancel(id);
                 st.tickets.remove(&id);
             }
+            st.step_overlap = st.step_overlap.saturating_sub(self.overlap);
             if !self.stepped {
                 st.running = st.running.saturating_sub(1);
             }
@@ -1129,7 +1158,8 @@ async fn drive(pod: Weak<Pod>, work: Arc<Notify>) {
                 }
             }
         }
-        let d = step.duration.mul_f64(scale);
+        let d = Duration::try_from_secs_f64(step.duration.as_secs_f64() * scale)
+            .unwrap_or(Duration::from_secs(3600));
         if d.is_zero() {
             tokio::task::yield_now().await;
         } else {

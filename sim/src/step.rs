@@ -58,6 +58,15 @@ impl StepConfig {
     fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size.max(1))
     }
+
+    /// Blocks a request needs at most (its prompt and all its output, beyond its cache hit).
+    fn blocks_alone(&self, spec: &SeqSpec) -> usize {
+        self.blocks_for(spec.prompt_tokens + spec.max_tokens as usize - spec.cached_tokens)
+    }
+
+    fn fits_alone(&self, spec: &SeqSpec) -> bool {
+        self.blocks_alone(spec) <= self.kv_blocks
+    }
 }
 
 /// A request as the engine sees it.
@@ -137,14 +146,15 @@ pub struct StepEngine {
     waiting: VecDeque<Seq>,
     /// In admission order (the last one is preempted first).
     running: Vec<Seq>,
-    free_blocks: usize,
+    /// Blocks the running sequences hold.
+    used: usize,
     preemptions: u64,
 }
 
 impl StepEngine {
     pub fn new(cfg: StepConfig) -> StepEngine {
         StepEngine {
-            free_blocks: cfg.kv_blocks,
+            used: 0,
             cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -156,17 +166,37 @@ impl StepEngine {
         &self.cfg
     }
 
-    /// New limits and coefficients for the next steps. A smaller cache than what is held
-    /// shows as no free block until enough sequences finish (or are preempted).
-    pub fn reconfigure(&mut self, cfg: StepConfig) {
-        let used = self.used_blocks();
-        self.free_blocks = cfg.kv_blocks.saturating_sub(used);
+    /// New limits and coefficients for the next steps: the held blocks counted in the new block
+    /// size (a smaller cache than what is held shows as no free block until enough sequences
+    /// finish or are preempted); the requests that could no longer run even alone leave — their
+    /// ids are returned.
+    pub fn reconfigure(&mut self, cfg: StepConfig) -> Vec<u64> {
         self.cfg = cfg;
+        let mut gone = Vec::new();
+        let cfg = &self.cfg;
+        let mut keep = |s: &Seq| {
+            let fits = cfg.fits_alone(&s.spec);
+            if !fits {
+                gone.push(s.spec.id);
+            }
+            fits
+        };
+        self.running.retain(&mut keep);
+        self.waiting.retain(&mut keep);
+        for s in &mut self.running {
+            s.blocks = cfg.blocks_for(s.own_after(0));
+        }
+        self.used = self.running.iter().map(|s| s.blocks).sum();
+        gone
     }
 
     /// Blocks held by sequences.
     pub fn used_blocks(&self) -> usize {
-        self.running.iter().map(|s| s.blocks).sum()
+        self.used
+    }
+
+    fn free(&self) -> usize {
+        self.cfg.kv_blocks.saturating_sub(self.used)
     }
 
     /// Queues a request; refused when it could not run even alone (its prompt and output need
@@ -179,11 +209,9 @@ impl StepEngine {
             max_tokens: spec.max_tokens.max(1),
             ..spec
         };
-        let own = spec.prompt_tokens + spec.max_tokens as usize - spec.cached_tokens;
-        let need = self.cfg.blocks_for(own);
-        if need > self.cfg.kv_blocks {
+        if !self.cfg.fits_alone(&spec) {
             return Err(TooLong {
-                blocks: need,
+                blocks: self.cfg.blocks_alone(&spec),
                 capacity: self.cfg.kv_blocks,
             });
         }
@@ -198,11 +226,16 @@ impl StepEngine {
         Ok(())
     }
 
+    /// Drops every waiting request (the engine is closing); their ids.
+    pub fn drain_waiting(&mut self) -> Vec<u64> {
+        self.waiting.drain(..).map(|s| s.spec.id).collect()
+    }
+
     /// Drops a request wherever it is (the client went away); `false` if it is not here.
     pub fn cancel(&mut self, id: u64) -> bool {
         if let Some(i) = self.running.iter().position(|s| s.spec.id == id) {
             let s = self.running.remove(i);
-            self.free_blocks += s.blocks;
+            self.used -= s.blocks;
             return true;
         }
         if let Some(i) = self.waiting.iter().position(|s| s.spec.id == id) {
@@ -241,8 +274,8 @@ impl StepEngine {
                 .cfg
                 .blocks_for(self.running[i].own_after(tokens))
                 .saturating_sub(self.running[i].blocks);
-            if need <= self.free_blocks {
-                self.free_blocks -= need;
+            if need <= self.free() {
+                self.used += need;
                 self.running[i].blocks += need;
                 return true;
             }
@@ -256,7 +289,7 @@ impl StepEngine {
 
     fn preempt(&mut self, i: usize, events: &mut Vec<Event>) {
         let mut s = self.running.remove(i);
-        self.free_blocks += s.blocks;
+        self.used -= s.blocks;
         s.blocks = 0;
         s.target = s.spec.prompt_tokens + s.generated as usize;
         s.computed = s.spec.cached_tokens;
@@ -302,13 +335,13 @@ impl StepEngine {
             };
             let tokens = (front.target - front.computed).min(budget);
             let need = self.cfg.blocks_for(front.own_after(tokens));
-            if need > self.free_blocks {
+            if need > self.free() {
                 break;
             }
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
-            self.free_blocks -= need;
+            self.used += need;
             s.blocks = need;
             if !s.scheduled {
                 s.scheduled = true;
@@ -317,6 +350,10 @@ impl StepEngine {
             scheduled.push((s.spec.id, tokens));
             budget -= tokens;
             self.running.push(s);
+        }
+
+        if scheduled.is_empty() && events.is_empty() {
+            return None; // nothing can run until something changes (a submit, a cancel)
         }
 
         // The step's composition and cost, then its outcome.
@@ -358,7 +395,7 @@ impl StepEngine {
         for id in finished {
             if let Some(i) = self.running.iter().position(|s| s.spec.id == id) {
                 let s = self.running.remove(i);
-                self.free_blocks += s.blocks;
+                self.used -= s.blocks;
             }
         }
         Some(Step {
@@ -538,6 +575,29 @@ mod tests {
         assert!(e.cancel(2));
         assert!(!e.cancel(2));
         assert_eq!(e.kv_usage(), 0.0);
+        assert!(e.is_idle());
+    }
+
+    #[test]
+    fn a_smaller_cache_keeps_the_books_and_sends_away_what_no_longer_fits() {
+        let mut e = StepEngine::new(cfg(8192, 100));
+        e.submit(seq(1, 800, 10)).unwrap(); // 51 blocks at most
+        e.submit(seq(2, 300, 10)).unwrap(); // 20 blocks at most
+        e.step().unwrap();
+        assert_eq!(e.used_blocks(), 50 + 19);
+        // Down to 30 blocks: 1 could never run again; 2 keeps its 19.
+        let gone = e.reconfigure(StepConfig {
+            kv_blocks: 30,
+            ..e.config().clone()
+        });
+        assert_eq!(gone, vec![1]);
+        assert_eq!(e.used_blocks(), 19);
+        while e.step().is_some() {}
+        assert_eq!(e.used_blocks(), 0);
+        // The capacity is what was configured, not what was once free.
+        e.submit(seq(3, 400, 10)).unwrap(); // 26 blocks ≤ 30
+        assert!(e.submit(seq(4, 500, 10)).is_err()); // 32 > 30
+        while e.step().is_some() {}
         assert!(e.is_idle());
     }
 

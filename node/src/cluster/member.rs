@@ -65,6 +65,11 @@ impl std::fmt::Debug for ClusterMember {
     }
 }
 
+/// A stopping replica hands in its vote only while more voters than this remain (`resign`):
+/// with three voters one may be down, and shrinking the voter set further would only make the
+/// next failure costlier.
+const MIN_VOTERS_KEPT: usize = 3;
+
 /// How long a replica joining with `auto_join` reports not ready at most.
 const JOINED_WITHIN: Duration = Duration::from_secs(30);
 
@@ -311,11 +316,11 @@ impl ClusterMember {
             }
             let m = self.node.metrics().await;
             if !self.is_joined() {
-                // A voter whose heartbeat commits is home (a restart from its volume, or the
-                // bootstrap reaching it: the leader accepts writes from members only). One whose
-                // volume shows it outside the voters (it handed in its vote when it stopped)
-                // asks at once; a new one gives the bootstrap time first.
-                let home = m.voters.contains(&me) && self.has_quorum();
+                // A voter the leader's membership confirms is home (a restart from its volume,
+                // or the bootstrap reaching it). One whose volume shows it outside the voters
+                // (it handed in its vote when it stopped) asks at once; a new one gives the
+                // bootstrap time first.
+                let home = m.voters.contains(&me) && self.confirmed_voter().await;
                 let outside = !m.voters.is_empty() && !m.voters.contains(&me);
                 let done = home
                     || ((outside || self.started.elapsed() >= JOIN_AFTER)
@@ -445,6 +450,20 @@ impl ClusterMember {
         }
     }
 
+    /// Whether the cluster's membership — not a stale local view of it — has this replica as a
+    /// voter: a linearizable read brings the local log up to the leader's commit index (a
+    /// replica the cluster removed, which the leader no longer replicates to, never gets there),
+    /// then the local membership is read.
+    async fn confirmed_voter(&self) -> bool {
+        self.node.linearizable_read(|_| ()).await.is_ok()
+            && self
+                .node
+                .metrics()
+                .await
+                .voters
+                .contains(&self.opts.node_id)
+    }
+
     /// Whether `auto_join` has made this replica a member (always, without `auto_join`).
     pub fn is_joined(&self) -> bool {
         self.joined.load(Ordering::Relaxed)
@@ -458,8 +477,8 @@ impl ClusterMember {
             .then_some("joining the cluster")
     }
 
-    /// Hands in this replica's vote: demoted to a learner (through the leader) unless it is the
-    /// last voter, retrying for a few seconds (another replica's change may be in progress),
+    /// Hands in this replica's vote: demoted to a learner (through the leader) while more than
+    /// [`MIN_VOTERS_KEPT`] voters would remain, retrying for a few seconds (another replica's change may be in progress),
     /// until its own log shows the change — so that it restarts as a learner, which never
     /// campaigns, and `auto_join` promotes it again. While it is away the others are the whole
     /// quorum: a scale-down, or a rolling update after it, never counts a stopped voter against
@@ -480,8 +499,8 @@ impl ClusterMember {
                 }
                 return;
             }
-            if m.voters.len() == 1 {
-                return;
+            if m.voters.len() <= MIN_VOTERS_KEPT {
+                return; // a voter down among three costs no quorum; fewer voters would cost more
             }
             if Instant::now() >= deadline {
                 tracing::warn!(?BUDGET, "could not hand in the vote: stopping as a voter");
