@@ -2,12 +2,15 @@
 //! the counters behind `/metrics`. Request handlers drive a request through [`Pod::admit`] (queue, then
 //! cache lookup), [`Running::prefilled`] (blocks enter the cache) and [`Running::finish`]; the RAII
 //! guards keep the gauges truthful even when a client disconnects half-way.
+//!
+//! Rooms: `stats` (what a pod reports), `timing` (the simple model's latencies), `stepped`
+//! (the step model: a request's life in [`crate::step`]'s batches and the driver task).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Once, Weak, mpsc};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex, MutexGuard, Once, mpsc};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
@@ -18,47 +21,18 @@ use crate::cache::{PrefixCache, block_hashes_seeded};
 use crate::knobs::EngineModel;
 use crate::knobs::{KnobsPatch, PodKnobs};
 use crate::kvevents::{Command, KvEvent};
-use crate::step::{Event, SeqSpec, StepEngine};
+use crate::step::{Event, StepEngine};
 use crate::tokenizer::{ChatMessage, Vocab};
 
-/// A snapshot of one pod's gauges and counters.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct PodStats {
-    /// Completed generation requests.
-    pub served: u64,
-    pub running: u64,
-    pub waiting: u64,
-    /// Blocks held by running requests / capacity, clamped to 1.
-    pub kv_usage: f64,
-    /// Prompt tokens found in the prefix cache.
-    pub prefix_hits_tokens: u64,
-    /// Prompt tokens looked up in the prefix cache.
-    pub prefix_queries_tokens: u64,
-    /// Requests answered with an error (injected 500s and rejected requests).
-    pub errors: u64,
-    /// Prompt tokens prefilled.
-    pub prompt_tokens: u64,
-    /// Output tokens of completed requests.
-    pub generation_tokens: u64,
-    /// Blocks currently in the prefix cache (pinned or free).
-    pub cached_blocks: u64,
-    /// LoRA adapters in GPU slots, least recently used first.
-    pub lora_resident: Vec<String>,
-    /// Adapters with running requests (sorted).
-    pub lora_running: Vec<String>,
-    /// Adapters with waiting requests (sorted).
-    pub lora_waiting: Vec<String>,
-    /// Adapter swap-ins since start.
-    pub lora_loads: u64,
-    /// Server (re)starts after a simulated crash.
-    pub restarts: u64,
-    /// When the server last (re)started, UNIX seconds (`process_start_time_seconds`).
-    pub started_s: f64,
-    /// Sequences preempted (step model), since start.
-    pub preemptions: u64,
-    /// vLLM's request histograms (TTFT, inter-token, end to end, queue time, sizes).
-    pub latencies: crate::metrics::Latencies,
-}
+mod stats;
+mod stepped;
+#[cfg(test)]
+mod tests;
+mod timing;
+
+pub use stats::PodStats;
+pub use timing::{inject_failure, inter_token, lora_load, pause, pause_until, ttft};
+use timing::{ms, unix_now_s};
 
 #[derive(Debug, Default)]
 struct Counters {
@@ -690,14 +664,6 @@ impl Pod {
         }
     }
 
-    /// Makes sure the step model's driver runs, and wakes it.
-    fn kick(self: &Arc<Self>) {
-        self.driver.call_once(|| {
-            tokio::spawn(drive(Arc::downgrade(self), Arc::clone(&self.work)));
-        });
-        self.work.notify_one();
-    }
-
     /// Returns once the engine is not stalled.
     pub async fn unstalled(&self) {
         let mut rx = self.stall.subscribe();
@@ -931,124 +897,6 @@ impl Running {
         &self.hashes
     }
 
-    /// Computes the prompt: the modelled prefill elapses (simple model), or the request joins the
-    /// engine's batches until they produce its first token (step model). `kv_transferred`: a
-    /// P/D decode leg, whose prompt KV came from the prefill pod — only the last token is
-    /// computed here.
-    pub async fn compute_prompt(
-        &mut self,
-        knobs: &PodKnobs,
-        kv_transferred: bool,
-    ) -> Result<(), EngineClosed> {
-        let uncached = if kv_transferred {
-            0
-        } else {
-            self.uncached_tokens()
-        };
-        let lora = if self.lora_swapped {
-            lora_load(knobs)
-        } else {
-            Duration::ZERO
-        };
-        if !self.stepped {
-            pause(ttft(knobs, uncached) + lora).await;
-            self.pod.unstalled().await;
-            self.first_token();
-            return Ok(());
-        }
-        pause(ms(knobs.extra_latency_ms * knobs.time_scale) + lora).await;
-        let id = self.pod.next_seq.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let spec = SeqSpec {
-            id,
-            prompt_tokens: self.prompt_tokens,
-            cached_tokens: self.prompt_tokens - uncached,
-            max_tokens: self.output_tokens,
-        };
-        let submitted = self.pod.step(|st| {
-            let r = st.steps.submit(spec);
-            if r.is_ok() {
-                st.tickets.insert(id, tx);
-            }
-            r
-        });
-        if let Err(e) = submitted {
-            tracing::warn!(pod = %self.pod.name, error = %e, "request refused");
-            return Err(EngineClosed);
-        }
-        self.seq = Some((id, rx));
-        self.pod.kick();
-        self.next_event().await?;
-        self.first_token();
-        Ok(())
-    }
-
-    fn first_token(&mut self) {
-        self.last_token = tokio::time::Instant::now();
-        let ttft = self.arrived.elapsed().as_secs_f64();
-        self.pod.lock().latencies.ttft.observe(ttft);
-    }
-
-    /// Records `n` inter-token gaps spanning the time since the last token.
-    fn tokens_came(&mut self, n: u32) {
-        if n == 0 {
-            return;
-        }
-        let now = tokio::time::Instant::now();
-        let gap = (now - self.last_token).as_secs_f64() / f64::from(n);
-        self.last_token = now;
-        let mut st = self.pod.lock();
-        for _ in 0..n {
-            st.latencies.itl.observe(gap);
-        }
-    }
-
-    /// Waits for the next output token: until `due` (simple model), or the engine's next step
-    /// for this request (step model).
-    pub async fn token(&mut self, due: tokio::time::Instant) -> Result<(), EngineClosed> {
-        if self.stepped {
-            self.next_event().await?;
-        } else {
-            pause_until(due).await;
-            self.pod.unstalled().await;
-        }
-        self.tokens_came(1);
-        Ok(())
-    }
-
-    /// Waits for the output tokens after the first, all at once (a non-streaming answer).
-    pub async fn decode_rest(&mut self, knobs: &PodKnobs) -> Result<(), EngineClosed> {
-        let rest = self.output_tokens.saturating_sub(1);
-        if !self.stepped {
-            pause(inter_token(knobs) * rest).await;
-            self.pod.unstalled().await;
-            self.tokens_came(rest);
-            return Ok(());
-        }
-        for _ in 0..rest {
-            self.next_event().await?;
-            self.tokens_came(1);
-        }
-        Ok(())
-    }
-
-    /// The step model's next output token for this request (recording its queue time when the
-    /// scheduler admits it).
-    async fn next_event(&mut self) -> Result<(), EngineClosed> {
-        let (_, rx) = self.seq.as_mut().ok_or(EngineClosed)?;
-        loop {
-            match rx.recv().await {
-                Some(Event::FirstToken(_) | Event::Token(_)) => return Ok(()),
-                Some(Event::Scheduled(_)) => {
-                    let waited = self.arrived.elapsed().as_secs_f64();
-                    self.pod.lock().latencies.queue.observe(waited);
-                }
-                Some(_) => {}
-                None => return Err(EngineClosed),
-            }
-        }
-    }
-
     /// The prompt has been computed: its full blocks enter the cache, pinned until the request ends.
     pub fn prefilled(&mut self) {
         self.pod.step(|st| {
@@ -1124,225 +972,5 @@ impl Drop for Running {
         if lora.is_some() {
             self.pod.lora_slot_freed.notify_waiters();
         }
-    }
-}
-
-/// The step model's driver: runs the pod's engine step after step while it has work — each step
-/// lasts its modelled time (× `time_scale`), then its tokens go to their requests — and sleeps
-/// while idle or stalled. Ends with the pod.
-async fn drive(pod: Weak<Pod>, work: Arc<Notify>) {
-    loop {
-        let Some(p) = pod.upgrade() else { return };
-        p.unstalled().await;
-        let next = {
-            let mut st = p.lock();
-            let scale = st.knobs.time_scale;
-            st.steps.step().map(|s| (s, scale))
-        };
-        let Some((step, scale)) = next else {
-            drop(p);
-            work.notified().await;
-            continue;
-        };
-        let (now, later): (Vec<Event>, Vec<Event>) = step
-            .events
-            .into_iter()
-            .partition(|e| matches!(e, Event::Scheduled(_)));
-        {
-            let st = p.lock();
-            for ev in now {
-                if let Event::Scheduled(id) = ev
-                    && let Some(tx) = st.tickets.get(&id)
-                {
-                    let _ = tx.send(ev);
-                }
-            }
-        }
-        let d = Duration::try_from_secs_f64(step.duration.as_secs_f64() * scale)
-            .unwrap_or(Duration::from_secs(3600));
-        if d.is_zero() {
-            tokio::task::yield_now().await;
-        } else {
-            tokio::time::sleep(d).await;
-        }
-        p.step(|st| {
-            for ev in later {
-                match ev {
-                    Event::FirstToken(id) | Event::Token(id) => {
-                        if let Some(tx) = st.tickets.get(&id) {
-                            let _ = tx.send(ev);
-                        }
-                    }
-                    Event::Finished(id) => {
-                        st.tickets.remove(&id);
-                    }
-                    Event::Preempted(_) | Event::Scheduled(_) => {}
-                }
-            }
-            st.evict();
-        });
-    }
-}
-
-fn ms(v: f64) -> Duration {
-    Duration::try_from_secs_f64(v / 1000.0).unwrap_or(Duration::ZERO)
-}
-
-/// Time from getting a slot to the first output token.
-/// Sleep for `d`; a zero duration returns at once (tokio's timer would round it up to its 1 ms
-/// tick, which matters when `time_scale` is 0 and the simulator stands in for an instant backend).
-pub async fn pause(d: Duration) {
-    if !d.is_zero() {
-        tokio::time::sleep(d).await;
-    }
-}
-
-/// Sleep until `due` unless it has passed already.
-pub async fn pause_until(due: tokio::time::Instant) {
-    if due > tokio::time::Instant::now() {
-        tokio::time::sleep_until(due).await;
-    }
-}
-
-pub fn ttft(knobs: &PodKnobs, uncached_tokens: usize) -> Duration {
-    let base = knobs.prefill_overhead_ms
-        + uncached_tokens as f64 * knobs.prefill_us_per_token / 1000.0
-        + knobs.extra_latency_ms;
-    ms(base * knobs.time_scale)
-}
-
-/// Swap-in cost of a LoRA adapter that was not resident.
-pub fn lora_load(knobs: &PodKnobs) -> Duration {
-    ms(knobs.lora_load_ms * knobs.time_scale)
-}
-
-/// Time between two output tokens.
-pub fn inter_token(knobs: &PodKnobs) -> Duration {
-    ms(knobs.decode_ms_per_token * knobs.time_scale)
-}
-
-/// Whether this request should get an injected failure.
-pub fn inject_failure(knobs: &PodKnobs) -> bool {
-    knobs.error_rate > 0.0 && rand::random::<f64>() < knobs.error_rate
-}
-
-/// Wall-clock seconds since the UNIX epoch, millisecond resolution (as Prometheus' process
-/// collector reports `process_start_time_seconds`).
-fn unix_now_s() -> f64 {
-    let ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis());
-    ms as f64 / 1000.0
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pod(knobs: PodKnobs) -> Arc<Pod> {
-        let addr: SocketAddr = ([127, 0, 0, 1], 1).into();
-        Arc::new(Pod::new(0, addr, "m".into(), knobs))
-    }
-
-    fn toks(n: u32, salt: u32) -> Vec<u32> {
-        (0..n).map(|i| i ^ (salt << 16)).collect()
-    }
-
-    #[tokio::test]
-    async fn second_identical_prompt_hits_cache_and_usage_tracks_running() {
-        let knobs = PodKnobs {
-            block_size: 4,
-            kv_blocks: 100,
-            ..PodKnobs::default()
-        };
-        let p = pod(knobs.clone());
-        let t = toks(18, 1);
-        let mut r = p.admit(&t, 2, &knobs).await.unwrap();
-        assert_eq!(r.cached_tokens(), 0);
-        // 18 + 2 tokens -> 5 blocks held.
-        assert!((p.stats().kv_usage - 0.05).abs() < 1e-9);
-        r.prefilled();
-        assert!((p.stats().kv_usage - 0.05).abs() < 1e-9);
-        r.finish(2);
-        let s = p.stats();
-        assert_eq!((s.running, s.served, s.kv_usage), (0, 1, 0.0));
-        assert_eq!(s.cached_blocks, 4);
-
-        let r = p.admit(&t, 2, &knobs).await.unwrap();
-        assert_eq!(r.cached_tokens(), 16);
-        assert_eq!(r.uncached_tokens(), 2);
-        drop(r);
-        // Exactly block-aligned prompt: the last block is recomputed.
-        let r = p.admit(&t[..16], 2, &knobs).await.unwrap();
-        assert_eq!(r.cached_tokens(), 12);
-        drop(r);
-        let s = p.stats();
-        assert_eq!(s.prefix_hits_tokens, 28);
-        assert_eq!(s.prefix_queries_tokens, 18 * 3 - 2);
-        // Dropped without finishing: not served.
-        assert_eq!(s.served, 1);
-    }
-
-    #[tokio::test]
-    async fn small_capacity_evicts_old_prompts() {
-        let knobs = PodKnobs {
-            block_size: 4,
-            kv_blocks: 6,
-            ..PodKnobs::default()
-        };
-        let p = pod(knobs.clone());
-        for salt in 0..3 {
-            let mut r = p.admit(&toks(13, salt), 1, &knobs).await.unwrap();
-            r.prefilled();
-            r.finish(1);
-        }
-        assert!(p.stats().cached_blocks <= 6);
-        // The first prompt was evicted, the last one is still cached.
-        let r = p.admit(&toks(13, 2), 1, &knobs).await.unwrap();
-        assert_eq!(r.cached_tokens(), 12);
-        drop(r);
-        let r = p.admit(&toks(13, 0), 1, &knobs).await.unwrap();
-        assert_eq!(r.cached_tokens(), 0);
-    }
-
-    #[tokio::test]
-    async fn shrinking_slots_takes_effect_when_requests_finish() {
-        let knobs = PodKnobs {
-            max_num_seqs: 2,
-            ..PodKnobs::default()
-        };
-        let p = pod(knobs.clone());
-        let a = p.admit(&toks(4, 0), 1, &knobs).await.unwrap();
-        let b = p.admit(&toks(4, 1), 1, &knobs).await.unwrap();
-        p.set_knobs(&KnobsPatch {
-            max_num_seqs: Some(1),
-            ..KnobsPatch::default()
-        })
-        .unwrap();
-        drop(a);
-        // Still one running: no slot is free.
-        assert_eq!(p.slots.available_permits(), 0);
-        drop(b);
-        assert_eq!(p.slots.available_permits(), 1);
-        p.set_knobs(&KnobsPatch {
-            max_num_seqs: Some(3),
-            ..KnobsPatch::default()
-        })
-        .unwrap();
-        assert_eq!(p.slots.available_permits(), 3);
-    }
-
-    #[test]
-    fn latency_model() {
-        let k = PodKnobs {
-            prefill_overhead_ms: 2.0,
-            prefill_us_per_token: 100.0,
-            extra_latency_ms: 1.0,
-            time_scale: 0.5,
-            decode_ms_per_token: 4.0,
-            ..PodKnobs::default()
-        };
-        assert_eq!(ttft(&k, 100), Duration::from_micros(6500));
-        assert_eq!(inter_token(&k), Duration::from_millis(2));
     }
 }
