@@ -120,11 +120,14 @@ fn strict_priority_across_replicas() {
     assert_eq!(c.verdict(lows[0]), Some(Verdict::Dispatched));
 }
 
+/// Sixteen slots (two endpoints of eight), a slack of four: members admit on credit while the
+/// state would dispatch at once even if all the credit were spent unreported; within that much of
+/// the capacity requests go through the global queue, which dispatches up to the capacity.
 #[test]
 fn fast_path_admits_within_credit_then_queues() {
     let mut c = Cluster::new(
         &[1, 2],
-        2,
+        8,
         2,
         vec![],
         GlobalParams {
@@ -142,34 +145,70 @@ fn fast_path_admits_within_credit_then_queues() {
     assert_eq!((c.credit(1), c.credit(2)), (2, 2));
     let f = c.s.flow().unwrap();
     assert!(f.fast_path_open(1, 0));
-    // Replica 1 admits three on credit and reports them with their pods.
-    let cmds = (1..=3)
-        .map(|seq| FlowCmd::Admitted {
-            seq,
-            request_id: format!("f{seq}"),
-            ask: ask("t", 0),
-            pod: Some("10.0.0.1:8000".into()),
-        })
-        .collect();
-    c.seq.insert(1, 3);
-    assert!(matches!(c.batch(1, cmds), ClusterOutput::Flow(r) if r.applied == 3));
+    // Replica 1 admits eleven on credit (in batches its credit allows) and reports them.
+    let admitted = |seq: u64| FlowCmd::Admitted {
+        seq,
+        request_id: format!("f{seq}"),
+        ask: ask("t", 0),
+        pod: Some("10.0.0.1:8000".into()),
+    };
+    c.seq.insert(1, 11);
+    let out = c.batch(1, (1..=11).map(admitted).collect());
+    assert!(matches!(out, ClusterOutput::Flow(r) if r.applied == 11));
     let f = c.s.flow().unwrap();
-    assert_eq!(f.totals().inflight_requests, 3);
-    assert_eq!(f.pods()["10.0.0.1:8000"].requests, 3);
-    assert_eq!(f.others_load(2)["10.0.0.1:8000"].requests, 3);
+    assert_eq!(f.totals().inflight_requests, 11);
+    assert_eq!(f.pods()["10.0.0.1:8000"].requests, 11);
+    assert_eq!(f.others_load(2)["10.0.0.1:8000"].requests, 11);
     assert!(
         f.others_load(1).is_empty(),
         "replica 1's own load is not 'others'"
     );
-    assert!(f.fast_path_open(2, 0), "3 of 4 slots used");
-    c.enqueue(2, "t", 0, "q1");
+    assert!(f.fast_path_open(2, 0), "11 + 4 of credit < 16 slots");
+    c.seq.insert(1, 12);
+    c.batch(1, vec![admitted(12)]);
     let f = c.s.flow().unwrap();
-    assert!(!f.fast_path_open(1, 0), "saturated: fast path closed");
-    let queued = c.enqueue(2, "t", 0, "q2");
-    assert_eq!(c.verdict(queued), None);
+    assert!(
+        !f.fast_path_open(1, 0) && !f.fast_path_open(2, 0),
+        "12 + 4 of credit: what members could admit unreported would fill the pool"
+    );
+    // The global queue still dispatches up to the capacity…
+    let queued: Vec<_> = (0..5)
+        .map(|i| c.enqueue(2, "t", 0, &format!("q{i}")))
+        .collect();
+    for q in &queued[..4] {
+        assert_eq!(c.verdict(*q), Some(Verdict::Dispatched));
+    }
+    // …and no further: the fifth waits for a slot.
+    assert_eq!(c.verdict(queued[4]), None);
     c.settle(2, "f1");
-    assert_eq!(c.verdict(queued), Some(Verdict::Dispatched));
-    assert_eq!(c.s.flow().unwrap().pods()["10.0.0.1:8000"].requests, 2);
+    assert_eq!(c.verdict(queued[4]), Some(Verdict::Dispatched));
+    assert_eq!(c.s.flow().unwrap().pods()["10.0.0.1:8000"].requests, 11);
+}
+
+/// On a small pool the credit is at most a quarter of its request capacity (at least one per
+/// live member): a slack of 16 over 16 slots would otherwise let unreported admissions run a
+/// second pool's worth of requests into the pods.
+#[test]
+fn credit_is_bounded_by_a_quarter_of_the_pool() {
+    let params = GlobalParams {
+        credit_slack: 16,
+        ..GlobalParams::default()
+    };
+    let settled = |slots: u64, members: &[u64]| {
+        let mut c = Cluster::new(members, slots, 4, vec![], params);
+        for _ in 0..3 {
+            c.now_ms += 1000;
+            c.heartbeat(members);
+        }
+        members.iter().map(|m| c.credit(*m)).sum::<u32>()
+    };
+    assert_eq!(settled(4, &[1, 2, 3]), 4, "16 slots: a quarter");
+    assert_eq!(settled(1, &[1, 2, 3, 4, 5]), 5, "4 slots: one per member");
+    assert_eq!(
+        settled(100, &[1, 2, 3]),
+        16,
+        "400 slots: the configured slack"
+    );
 }
 
 #[test]

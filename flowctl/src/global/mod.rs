@@ -734,14 +734,15 @@ impl GlobalFlow {
     /// takes stays held for a lease (then, if the member expired, in quarantine), and growing
     /// only spends what nobody holds.
     fn rebalance(&mut self, live: &BTreeSet<MemberId>) {
-        // What quarantine holds is nobody's to target: the live members share the rest.
-        let slack = u64::from(self.params.credit_slack).saturating_sub(self.quarantined_credit());
         let ids: Vec<MemberId> = self
             .members
             .keys()
             .copied()
             .filter(|id| live.contains(id) && self.members.get(id).is_some_and(|m| !m.retired))
             .collect();
+        let total = self.slack(ids.len() as u64);
+        // What quarantine holds is nobody's to target: the live members share the rest.
+        let slack = total.saturating_sub(self.quarantined_credit());
         let mut target: BTreeMap<MemberId, u64> = BTreeMap::new();
         if !ids.is_empty() && slack > 0 {
             let n = ids.len() as u64;
@@ -771,7 +772,7 @@ impl GlobalFlow {
             }
         }
         let held = self.credit_held();
-        let mut budget = u64::from(self.params.credit_slack).saturating_sub(held);
+        let mut budget = total.saturating_sub(held);
         let until = self.now_us.saturating_add(self.params.lease_ms * 1000);
         for (id, m) in self.members.iter_mut() {
             let cur = u64::from(m.credit);
@@ -795,6 +796,18 @@ impl GlobalFlow {
         self.rebalances += 1;
     }
 
+    /// The credit the live members may hold between them: `credit_slack`, but no more than a
+    /// quarter of the pool's request capacity (at least one per live member) when the detector
+    /// counts requests — credit spent and not yet reported is load the pods see before the
+    /// ledger does, and on a small pool the configured slack could be a second pool's worth.
+    fn slack(&self, live_members: u64) -> u64 {
+        let slack = u64::from(self.params.credit_slack);
+        match self.fc.request_capacity(self.now_ns()) {
+            Some(cap) => slack.min((cap / 4).max(live_members)),
+            None => slack,
+        }
+    }
+
     // ----- reads -----
 
     /// The verdict on `key` if it waited in the queue and was decided (kept for a minute), as
@@ -814,12 +827,17 @@ impl GlobalFlow {
     }
 
     /// Whether `member` may admit a request of `priority` on local credit now (its credit is
-    /// [`GlobalFlow::member`]`.credit`): a live member and a state that would dispatch at once.
+    /// [`GlobalFlow::member`]`.credit`): a live member and a state that would dispatch at once
+    /// even if every member had spent all its credit unreported — so that, with a detector that
+    /// counts requests, what members admit on credit cannot take the pool past its capacity
+    /// (near it, requests wait in the global queue, in priority order, not in the pods).
     pub fn fast_path_open(&self, member: MemberId, priority: i32) -> bool {
         self.members
             .get(&member)
             .is_some_and(|m| !m.expired && !m.retired && m.credit > 0)
-            && self.fc.admits_now(priority, self.now_ns())
+            && self
+                .fc
+                .admits_now_with_margin(priority, self.now_ns(), self.credit_held())
     }
 
     pub fn member(&self, member: MemberId) -> Option<&MemberFlow> {

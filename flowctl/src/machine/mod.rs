@@ -400,11 +400,32 @@ impl FlowController {
     /// waits anywhere, the pool has endpoints and its saturation is below the band's ceiling.
     /// (The cluster's local-credit fast path asks this of the replicated state.)
     pub fn admits_now(&self, priority: i32, now: Nanos) -> bool {
+        self.admits_now_with_margin(priority, now, 0)
+    }
+
+    /// [`Self::admits_now`] as if `margin` more requests were in flight than the ledger holds —
+    /// admissions others may have made and not reported yet (a cluster's outstanding credit). A
+    /// detector that does not count requests (the utilization detector reads the pods' own
+    /// gauges) ignores it.
+    pub fn admits_now_with_margin(&self, priority: i32, now: Nanos, margin: u64) -> bool {
         if self.shutting_down || self.totals.queued_requests > 0 || self.pool.is_empty() {
             return false;
         }
         let probe = self.probe(now.max(self.now));
-        probe.eval(&self.totals) < self.ceiling_for(priority)
+        let totals = Totals {
+            inflight_requests: self.totals.inflight_requests.saturating_add(margin),
+            ..self.totals
+        };
+        probe.eval(&totals) < self.ceiling_for(priority)
+    }
+
+    /// The pool's request capacity when the detector counts requests (the concurrency detector
+    /// with `maxConcurrency`); `None` otherwise.
+    pub fn request_capacity(&self, now: Nanos) -> Option<u64> {
+        match self.probe(now.max(self.now)) {
+            dispatch::Probe::Concurrency(d, _, cap) if d.max_concurrency > 0 => Some(cap),
+            _ => None,
+        }
     }
 
     /// Pool saturation as the dispatcher sees it at `now` (`flow_control_pool_saturation`).
