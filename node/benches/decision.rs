@@ -61,6 +61,7 @@ fn candidates(n: usize) -> Vec<Candidate> {
                     started_ms: Some(1_700_000_000_000),
                 },
                 Instant::now(),
+                None,
             );
             Candidate {
                 sample: ep.sample(),

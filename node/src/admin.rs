@@ -207,6 +207,7 @@ async fn scrape_view(State(admin): State<Arc<Admin>>) -> axum::response::Respons
             serde_json::json!({
                 "pod": e.hostport, "owned": shard.owns(&e.hostport),
                 "owners": shard.owners(&e.hostport), "age_ms": age_ms,
+                "batch_capacity": e.batch_capacity(),
             })
         })
         .collect();

@@ -171,6 +171,9 @@ pub async fn serve(
 
     let metrics = Arc::new(Metrics::new(&opts.pool_name));
     let store = Arc::new(Datastore::new(opts.metrics_staleness_threshold));
+    if let Some(tracker) = &built.inflight {
+        store.set_ledger(tracker.clone());
+    }
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(2)
         .tcp_nodelay(true)

@@ -125,7 +125,7 @@ impl EndpointSet {
                         Arc::downgrade(&ep),
                         s.client.clone(),
                         s.scrape.clone(),
-                        s.store.shard.clone(),
+                        s.store.clone(),
                         s.metrics.clone(),
                         self.shutdown.child_token(),
                     ));

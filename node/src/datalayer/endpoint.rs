@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
+use super::inflight::InflightLoad;
 use crate::metrics::Metrics;
 
 fn unix_ms() -> u64 {
@@ -171,12 +172,16 @@ pub struct Endpoint {
     pub labels: BTreeMap<String, String>,
     pub engine: Engine,
     sample: RwLock<Option<Arc<MetricsSample>>>,
-    /// The most requests seen running while others waited: the engine's batch limit (vLLM's
-    /// `max_num_seqs`, or fewer when its KV cache filled first) as the pod itself shows it. 0 until
-    /// the pod has been seen saturated; reset when the server restarts.
+    /// The most requests seen running while others waited, every running one past its prefill
+    /// ([`Self::learn_capacity`]):
+    /// the engine's batch limit (vLLM's `max_num_seqs`, or fewer when its KV cache filled first)
+    /// as the pod itself shows it. 0 until the pod has been seen saturated; reset when the server
+    /// restarts.
     batch_capacity: AtomicU64,
     /// `started_ms` of the incarnation `batch_capacity` belongs to.
     capacity_epoch: AtomicU64,
+    /// The running count of the previous sample if it showed the pod saturated, else 0.
+    saturated_at: AtomicU64,
     /// A value out of [`bounds`] was logged at `warn` (later ones are logged at `debug`).
     warned: AtomicBool,
 }
@@ -193,6 +198,7 @@ impl Endpoint {
             sample: RwLock::new(None),
             batch_capacity: AtomicU64::new(0),
             capacity_epoch: AtomicU64::new(0),
+            saturated_at: AtomicU64::new(0),
             warned: AtomicBool::new(false),
         }
     }
@@ -215,8 +221,15 @@ impl Endpoint {
         }
     }
 
-    pub fn set_metrics(&self, metrics: EndpointMetrics, scraped_at: Instant) {
-        self.learn_capacity(&metrics);
+    /// Store a fresh sample. `ledger`: the in-flight ledger's load on this pod, when there is a
+    /// ledger (see [`Self::learn_capacity`]).
+    pub fn set_metrics(
+        &self,
+        metrics: EndpointMetrics,
+        scraped_at: Instant,
+        ledger: Option<InflightLoad>,
+    ) {
+        self.learn_capacity(&metrics, ledger);
         let sample = Arc::new(MetricsSample {
             metrics,
             scraped_at,
@@ -236,24 +249,41 @@ impl Endpoint {
         }
     }
 
-    fn learn_capacity(&self, m: &EndpointMetrics) {
+    /// Requests wait in a continuously batching engine for more reasons than a full batch
+    /// (`max_num_seqs`) or a full KV cache: a request arriving mid-step waits for the step to end,
+    /// and a long prompt being prefilled takes the step's token budget from the others — neither
+    /// says what the pod can run at once. The pod counts as saturated at `running` when requests
+    /// wait in two samples in a row with the same number running (a full batch admits a waiting
+    /// request only as another ends; a step boundary or a prefill lets the waiting in and the
+    /// count moves), and, when there is a ledger, every running request is past its prefill: the
+    /// ledger knows every request on the pod (no traffic around this EPP) and its requests still
+    /// without first bytes are no more than the pod's waiting ones.
+    fn learn_capacity(&self, m: &EndpointMetrics, ledger: Option<InflightLoad>) {
         let epoch = m.started_ms.unwrap_or(0);
         if self.capacity_epoch.swap(epoch, Ordering::Relaxed) != epoch {
             self.batch_capacity.store(0, Ordering::Relaxed);
+            self.saturated_at.store(0, Ordering::Relaxed);
         }
         // Bounded: a garbage gauge must not make a pod look like it runs billions at once.
         let running = m.running_requests.unwrap_or(0.0);
         if !running.is_finite() || running < 1.0 || running > MAX_BATCH as f64 {
+            self.saturated_at.store(0, Ordering::Relaxed);
             return;
         }
         let running = running as u64;
-        let known = self.batch_capacity.load(Ordering::Relaxed);
-        let saturated = m
+        let waiting = m
             .waiting_queue_size
-            .is_some_and(|w| w.is_finite() && w >= 1.0);
-        // Waiting requests mean the batch is full; more running than a known limit means the limit
-        // was learned while the KV cache, not the batch, was the bound.
-        if running > known && (saturated || known > 0) {
+            .filter(|w| w.is_finite() && *w >= 1.0)
+            .map_or(0, |w| w.min(MAX_BATCH as f64) as u64);
+        let full = waiting > 0
+            && ledger.is_none_or(|l| l.requests >= running + waiting && l.prefilling <= waiting);
+        let before = self
+            .saturated_at
+            .swap(if full { running } else { 0 }, Ordering::Relaxed);
+        let known = self.batch_capacity.load(Ordering::Relaxed);
+        // More running than a known limit means the limit was learned while the KV cache, not the
+        // batch, was the bound.
+        if running > known && ((full && before == running) || known > 0) {
             self.batch_capacity.fetch_max(running, Ordering::Relaxed);
         }
     }
@@ -287,30 +317,71 @@ mod tests {
             Default::default(),
         );
         let now = Instant::now();
-        e.set_metrics(m(3.0, 0.0, 1), now);
+        e.set_metrics(m(3.0, 0.0, 1), now, None);
         assert_eq!(e.batch_capacity(), None, "never saturated: unknown");
-        e.set_metrics(m(4.0, 2.0, 1), now);
+        e.set_metrics(m(4.0, 2.0, 1), now, None);
+        assert_eq!(e.batch_capacity(), None, "one sample is not enough");
+        e.set_metrics(m(4.0, 1.0, 1), now, None);
         assert_eq!(e.batch_capacity(), Some(4));
-        e.set_metrics(m(2.0, 1.0, 1), now);
+        e.set_metrics(m(2.0, 1.0, 1), now, None);
         assert_eq!(
             e.batch_capacity(),
             Some(4),
             "the largest saturated batch stays"
         );
-        e.set_metrics(m(6.0, 0.0, 1), now);
+        e.set_metrics(m(6.0, 0.0, 1), now, None);
         assert_eq!(
             e.batch_capacity(),
             Some(6),
             "more running than believed raises it"
         );
-        e.set_metrics(m(f64::NAN, 3.0, 1), now);
-        e.set_metrics(m(1e12, 3.0, 1), now);
+        e.set_metrics(m(f64::NAN, 3.0, 1), now, None);
+        e.set_metrics(m(1e12, 3.0, 1), now, None);
         assert_eq!(e.batch_capacity(), Some(6), "garbage gauges are ignored");
-        e.set_metrics(m(1.0, 0.0, 2), now);
+        e.set_metrics(m(1.0, 0.0, 2), now, None);
         assert_eq!(
             e.batch_capacity(),
             None,
             "a restarted server is learned again"
         );
+    }
+
+    /// A continuously batching engine: requests wait behind a long prefill without any limit
+    /// reached. Waiting counts as saturation only while every running request is past its
+    /// prefill (the ledger knows every request, and its requests without first bytes are the
+    /// waiting ones, no more).
+    #[test]
+    fn requests_waiting_behind_a_prefill_teach_no_limit() {
+        let e = Endpoint::new(
+            "p".into(),
+            "127.0.0.1:1".parse().unwrap(),
+            Default::default(),
+        );
+        let now = Instant::now();
+        let ledger = |requests, prefilling| {
+            Some(InflightLoad {
+                requests,
+                tokens: 0,
+                prefilling,
+            })
+        };
+        // One long prompt prefilling, one waiting behind it: both still without first bytes.
+        e.set_metrics(m(1.0, 1.0, 1), now, ledger(2, 2));
+        e.set_metrics(m(1.0, 1.0, 1), now, ledger(2, 2));
+        // Two decoding, a third prefilling, a fourth waiting.
+        e.set_metrics(m(3.0, 1.0, 1), now, ledger(4, 2));
+        e.set_metrics(m(3.0, 1.0, 1), now, ledger(4, 2));
+        // Requests the ledger does not know (traffic around this EPP): nothing can be told.
+        e.set_metrics(m(5.0, 1.0, 1), now, ledger(2, 1));
+        e.set_metrics(m(5.0, 1.0, 1), now, ledger(2, 1));
+        // A request waiting for the step to end, then let in: the count moved.
+        e.set_metrics(m(6.0, 1.0, 1), now, ledger(7, 1));
+        e.set_metrics(m(7.0, 1.0, 1), now, ledger(8, 1));
+        assert_eq!(e.batch_capacity(), None);
+        // Eight decoding, two waiting (and nothing else without first bytes), twice: the batch
+        // is full.
+        e.set_metrics(m(8.0, 2.0, 1), now, ledger(10, 2));
+        e.set_metrics(m(8.0, 1.0, 1), now, ledger(9, 1));
+        assert_eq!(e.batch_capacity(), Some(8));
     }
 }

@@ -26,7 +26,11 @@ use tokio::sync::{mpsc, watch};
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct InflightLoad {
     pub requests: u64,
+    /// Prompt tokens of those requests not yet prefilled.
     pub tokens: u64,
+    /// Those requests whose first response bytes have not arrived yet (still prefilling, or
+    /// waiting in the engine's queue).
+    pub prefilling: u64,
 }
 
 impl InflightLoad {
@@ -34,6 +38,7 @@ impl InflightLoad {
         InflightLoad {
             requests: self.requests + other.requests,
             tokens: self.tokens + other.tokens,
+            prefilling: self.prefilling + other.prefilling,
         }
     }
 }
@@ -108,8 +113,9 @@ impl State {
             load.requests = load.requests.saturating_sub(1);
             if !e.tokens_released {
                 load.tokens = load.tokens.saturating_sub(e.tokens);
+                load.prefilling = load.prefilling.saturating_sub(1);
             }
-            if load.requests == 0 && load.tokens == 0 {
+            if load.requests == 0 && load.tokens == 0 && load.prefilling == 0 {
                 self.per_endpoint.remove(&e.endpoint);
             }
         }
@@ -163,6 +169,7 @@ impl InflightTracker {
         let load = st.per_endpoint.entry(endpoint.to_string()).or_default();
         load.requests += 1;
         load.tokens += tokens;
+        load.prefilling += 1;
         st.by_request.insert(
             request_id.to_string(),
             Entry {
@@ -187,6 +194,7 @@ impl InflightTracker {
             e.tokens_released = true;
             if let Some(load) = per_endpoint.get_mut(&e.endpoint) {
                 load.tokens = load.tokens.saturating_sub(e.tokens);
+                load.prefilling = load.prefilling.saturating_sub(1);
             }
         }
     }
@@ -204,6 +212,7 @@ impl InflightTracker {
             load.requests += 1;
             if !e.tokens_released {
                 load.tokens += e.tokens;
+                load.prefilling += 1;
             }
             e.endpoint = endpoint.to_string();
         }
@@ -320,7 +329,8 @@ mod tests {
             t.load("a"),
             InflightLoad {
                 requests: 2,
-                tokens: 150
+                tokens: 150,
+                prefilling: 2,
             }
         );
         t.release_tokens("r1");
@@ -329,7 +339,8 @@ mod tests {
             t.load("a"),
             InflightLoad {
                 requests: 2,
-                tokens: 50
+                tokens: 50,
+                prefilling: 1,
             }
         );
         t.finish("r1");
@@ -337,7 +348,8 @@ mod tests {
             t.load("a"),
             InflightLoad {
                 requests: 1,
-                tokens: 50
+                tokens: 50,
+                prefilling: 1,
             }
         );
         t.finish("unknown");
@@ -357,7 +369,8 @@ mod tests {
             t.load("b"),
             InflightLoad {
                 requests: 1,
-                tokens: 100
+                tokens: 100,
+                prefilling: 1,
             }
         );
         t.release_tokens("r1");
@@ -381,6 +394,7 @@ mod tests {
                 InflightLoad {
                     requests: 3,
                     tokens: 30,
+                    prefilling: 2,
                 },
             ),
             (
@@ -388,6 +402,7 @@ mod tests {
                 InflightLoad {
                     requests: 1,
                     tokens: 5,
+                    prefilling: 1,
                 },
             ),
         ]));
@@ -395,7 +410,8 @@ mod tests {
             t.load("a"),
             InflightLoad {
                 requests: 4,
-                tokens: 130
+                tokens: 130,
+                prefilling: 3,
             }
         );
         assert_eq!(t.load("b").requests, 1);
@@ -418,7 +434,8 @@ mod tests {
             t.load("a"),
             InflightLoad {
                 requests: 1,
-                tokens: 10
+                tokens: 10,
+                prefilling: 1,
             }
         );
         assert_eq!(t.tracked_requests(), 1);

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::endpoint::Endpoint;
 use super::extract::extract;
-use super::shard::Shard;
+use super::store::Datastore;
 use crate::metrics::Metrics;
 
 /// Largest `/metrics` body accepted; bigger answers are treated as errors.
@@ -37,15 +37,17 @@ impl Default for ScrapeConfig {
 }
 
 /// Run the scrape loop for one endpoint until it leaves the datastore or `shutdown` fires. In
-/// cluster mode only the pod's owners scrape (see [`Shard`]); they queue each sample for fan-out.
+/// cluster mode only the pod's owners scrape (see [`super::shard::Shard`]); they queue each sample
+/// for fan-out.
 pub async fn scrape_loop(
     endpoint: Weak<Endpoint>,
     client: reqwest::Client,
     cfg: Arc<ScrapeConfig>,
-    shard: Arc<Shard>,
+    store: Arc<Datastore>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
+    let shard = &store.shard;
     let url = match endpoint.upgrade() {
         Some(ep) => format!("{}://{}{}", cfg.scheme, ep.hostport, cfg.path),
         None => return,
@@ -66,7 +68,7 @@ pub async fn scrape_loop(
                 let mut m = extract(ep.engine, &text);
                 ep.check(&mut m, "metrics", &metrics);
                 shard.publish(&ep.hostport, &m, unix_us());
-                ep.set_metrics(m, Instant::now());
+                store.set_metrics(&ep, m, Instant::now());
             }
             Err(err) => {
                 metrics.poll_error();
@@ -175,7 +177,7 @@ mod tests {
             Arc::downgrade(&ep),
             reqwest::Client::new(),
             Arc::new(ScrapeConfig::default()),
-            Arc::new(Shard::default()),
+            Arc::new(Datastore::new(Duration::from_secs(1))),
             metrics.clone(),
             stop.clone(),
         ));

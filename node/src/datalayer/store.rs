@@ -4,7 +4,7 @@
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use super::endpoint::{Endpoint, MetricsSample};
+use super::endpoint::{Endpoint, EndpointMetrics, MetricsSample};
 
 /// An endpoint with the metrics sample seen when the snapshot was taken.
 #[derive(Debug, Clone)]
@@ -33,6 +33,9 @@ pub struct Datastore {
     pub shard: Arc<super::shard::Shard>,
     staleness: Duration,
     synced: std::sync::atomic::AtomicBool,
+    /// The in-flight ledger, when the scheduler keeps one: which requests routed to a pod have
+    /// not had their first response bytes ([`Endpoint::set_metrics`] learns batch limits by it).
+    ledger: std::sync::OnceLock<Arc<super::inflight::InflightTracker>>,
 }
 
 impl Datastore {
@@ -42,7 +45,20 @@ impl Datastore {
             shard: Arc::default(),
             staleness,
             synced: std::sync::atomic::AtomicBool::new(false),
+            ledger: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Read the in-flight ledger from now on (once).
+    pub fn set_ledger(&self, ledger: Arc<super::inflight::InflightTracker>) {
+        let _ = self.ledger.set(ledger);
+    }
+
+    /// Store a fresh sample of `ep`'s metrics, with the ledger's load on it (see
+    /// [`Endpoint::set_metrics`]).
+    pub fn set_metrics(&self, ep: &Endpoint, metrics: EndpointMetrics, scraped_at: Instant) {
+        let ledger = self.ledger.get().map(|l| l.load(&ep.hostport));
+        ep.set_metrics(metrics, scraped_at, ledger);
     }
 
     pub fn endpoints(&self) -> Arc<Vec<Arc<Endpoint>>> {

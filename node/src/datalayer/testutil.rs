@@ -26,7 +26,7 @@ pub fn cand_at(
             .collect(),
     ));
     if let Some(m) = m {
-        ep.set_metrics(m, Instant::now());
+        ep.set_metrics(m, Instant::now(), None);
     }
     Candidate {
         sample: ep.sample(),

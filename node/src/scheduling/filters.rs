@@ -315,14 +315,17 @@ mod tests {
                 InflightLoad {
                     requests: 0,
                     tokens: 0,
+                    prefilling: 0,
                 },
                 InflightLoad {
                     requests: 0,
                     tokens: 0,
+                    prefilling: 0,
                 },
                 InflightLoad {
                     requests: 3,
                     tokens: 0,
+                    prefilling: 0,
                 },
             ],
             ..RequestData::default()

@@ -114,7 +114,8 @@ mod tests {
             tracker.load("10.0.0.2:1"),
             InflightLoad {
                 requests: 1,
-                tokens: 360
+                tokens: 360,
+                prefilling: 1,
             }
         );
         let mut d2 = RequestData::default();

@@ -166,10 +166,12 @@ mod tests {
                 InflightLoad {
                     requests: 1,
                     tokens: 244,
+                    prefilling: 0,
                 },
                 InflightLoad {
                     requests: 9,
                     tokens: 2000,
+                    prefilling: 0,
                 },
             ],
             ..Default::default()
@@ -195,6 +197,7 @@ mod tests {
         let load = |r| InflightLoad {
             requests: r,
             tokens: 0,
+            prefilling: 0,
         };
         let data = RequestData {
             inflight: vec![load(1), load(3), load(5)],

@@ -618,6 +618,7 @@ mod tests {
             InflightLoad {
                 requests: 3,
                 tokens: 2000,
+                prefilling: 0,
             },
             InflightLoad::default(),
         ];

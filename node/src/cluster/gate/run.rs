@@ -436,9 +436,12 @@ impl GlobalGate {
                         .others_load(me)
                         .into_iter()
                         .map(|(pod, l)| {
+                            // (The replicated ledger does not see first bytes: which of
+                            // the others' requests still prefill is not known here.)
                             let load = InflightLoad {
                                 requests: l.requests,
                                 tokens: l.tokens,
+                                prefilling: 0,
                             };
                             (pod.to_string(), load)
                         })

@@ -49,6 +49,9 @@ impl Gossip {
                 let e = sum.entry(p.pod.clone()).or_default();
                 e.requests = e.requests.saturating_add(p.requests.min(MAX_POD_REQUESTS));
                 e.tokens = e.tokens.saturating_add(p.tokens.min(MAX_POD_TOKENS));
+                e.prefilling = e
+                    .prefilling
+                    .saturating_add(p.prefilling.min(p.requests).min(MAX_POD_REQUESTS));
             }
         }
         feed.publish_others(sum);
@@ -85,6 +88,7 @@ impl Gossip {
                     pod,
                     requests: l.requests,
                     tokens: l.tokens,
+                    prefilling: l.prefilling,
                 })
                 .collect()
         });
@@ -118,7 +122,7 @@ impl Gossip {
             }
             let mut m = sample_from_pb(s);
             ep.check(&mut m, "peer", &self.metrics);
-            ep.set_metrics(m, scraped_at);
+            self.store.set_metrics(ep, m, scraped_at);
             applied += 1;
         }
         applied
