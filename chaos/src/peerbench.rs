@@ -9,28 +9,12 @@ use std::collections::BTreeMap;
 
 use anyhow::Context;
 use serde::Serialize;
+use sim::EngineModel;
 use sim::loadgen::{self, Arrival, LoadConfig, Report, TenantClass};
-use sim::{PodKnobs, SimConfig};
 
 use crate::cluster::{ClusterSpec, LocalCluster};
 use crate::peers::{Peer, PeerRouter};
 use crate::plot::{Panel, grouped_bars};
-
-/// The pool: four pods that batch 4 requests, 50 µs per uncached prompt token, 4 ms per output
-/// token, 32k tokens of KV each (the demo's).
-pub fn pool() -> SimConfig {
-    SimConfig {
-        pods: 4,
-        knobs: PodKnobs {
-            kv_blocks: 2048,
-            max_num_seqs: 4,
-            prefill_us_per_token: 50.0,
-            decode_ms_per_token: 4.0,
-            ..PodKnobs::default()
-        },
-        ..SimConfig::default()
-    }
-}
 
 /// The workloads, by name.
 pub fn workloads() -> Vec<(&'static str, LoadConfig)> {
@@ -114,6 +98,8 @@ pub struct Options {
     pub only: Vec<String>,
     /// Skip the PyPI routers (when only the EPP and round robin are wanted).
     pub no_peers: bool,
+    /// The pods' engine model.
+    pub engine: EngineModel,
 }
 
 /// One (run, workload, target) measurement.
@@ -128,7 +114,7 @@ pub struct Measurement {
 /// Run the benchmark; every report, in order.
 pub async fn run(opts: &Options) -> anyhow::Result<Vec<Measurement>> {
     let cluster = LocalCluster::start(ClusterSpec {
-        sim: pool(),
+        sim: crate::workloads::bench_pool(4, opts.engine),
         ..ClusterSpec::default()
     })
     .await
@@ -173,7 +159,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<Vec<Measurement>> {
                     .with_context(|| format!("{name} through {target}"))?;
                 if target == "epp" && std::env::var_os("PEER_BENCH_DEBUG").is_some() {
                     let admin = cluster.epp(0)?.addrs.admin;
-                    for view in ["cost-model", "inflight"] {
+                    for view in ["cost-model", "inflight", "scrape"] {
                         let v = reqwest::get(format!("http://{admin}/debug/{view}"))
                             .await?
                             .text()

@@ -1,7 +1,45 @@
 //! Workloads shared by the tests, the benchmarks and the demo.
 
 use sim::loadgen::LoadConfig;
-use sim::{PodKnobs, SimConfig};
+use sim::{EngineModel, PodKnobs, SimConfig};
+
+/// `step` or `simple`, for the binaries' `--engine` flags.
+pub fn parse_engine(s: &str) -> Result<EngineModel, String> {
+    match s {
+        "step" => Ok(EngineModel::Step),
+        "simple" => Ok(EngineModel::Simple),
+        _ => Err(format!("unknown engine model {s:?} (step or simple)")),
+    }
+}
+
+/// The pool of the demo and the peer benchmark. `Step` (their default): continuously batching
+/// engines with the step model's calibrated defaults (Llama-3.1-8B on one A100: 2048 batched
+/// tokens a step, 256 sequences) and 4096 KV blocks of 16 tokens (64k tokens) each. `Simple`:
+/// pods that each run 4 requests at once, 50 µs per uncached prompt token, 4 ms per output token,
+/// 2048 blocks (what both ran before the step model).
+pub fn bench_pool(pods: usize, engine: EngineModel) -> SimConfig {
+    let knobs = match engine {
+        EngineModel::Step => PodKnobs {
+            engine,
+            max_num_seqs: 256,
+            kv_blocks: 4096,
+            ..PodKnobs::default()
+        },
+        EngineModel::Simple => PodKnobs {
+            engine,
+            kv_blocks: 2048,
+            max_num_seqs: 4,
+            prefill_us_per_token: 50.0,
+            decode_ms_per_token: 4.0,
+            ..PodKnobs::default()
+        },
+    };
+    SimConfig {
+        pods,
+        knobs,
+        ..SimConfig::default()
+    }
+}
 
 /// Four pods whose KV capacity (1600 blocks of 16 tokens) holds the [`multi_turn`] working set only
 /// when each conversation sticks to one pod.

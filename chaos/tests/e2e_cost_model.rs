@@ -3,7 +3,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
-use chaos::peerbench;
 use sim::KnobsPatch;
 use sim::loadgen::{self, LoadConfig};
 
@@ -14,7 +13,7 @@ use sim::loadgen::{self, LoadConfig};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_pod_gets_proportionally_less() {
     let c = LocalCluster::start(ClusterSpec {
-        sim: peerbench::pool(),
+        sim: chaos::workloads::bench_pool(4, sim::EngineModel::Step),
         ..ClusterSpec::default()
     })
     .await

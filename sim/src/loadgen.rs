@@ -241,6 +241,12 @@ pub struct Summary {
     pub e2e_p50_ms: f64,
     pub e2e_p90_ms: f64,
     pub e2e_p99_ms: f64,
+    /// Inter-token latency: per request, (e2e − TTFT) / (output tokens − 1); percentiles over the
+    /// requests with more than one output token.
+    #[serde(default)]
+    pub itl_p50_ms: f64,
+    #[serde(default)]
+    pub itl_p99_ms: f64,
     pub cached_ratio: f64,
     pub output_tokens: u64,
     pub requests_per_s: f64,
@@ -265,6 +271,11 @@ pub struct Report {
     #[serde(default)]
     pub e2e_p90_ms: f64,
     pub e2e_p99_ms: f64,
+    /// Inter-token latency ([`Summary::itl_p50_ms`]).
+    #[serde(default)]
+    pub itl_p50_ms: f64,
+    #[serde(default)]
+    pub itl_p99_ms: f64,
     /// Sum of cached prompt tokens / sum of prompt tokens, from the usage chunks.
     pub cached_ratio: f64,
     pub prompt_tokens: u64,
@@ -287,6 +298,9 @@ pub struct Report {
     /// The same figures per tenant ([`DEFAULT_TENANT`] for conversations and short prompts).
     #[serde(default)]
     pub tenants: BTreeMap<String, Summary>,
+    /// The same figures per serving pod: imbalance shows as one pod's TTFT or ITL above the rest.
+    #[serde(default)]
+    pub per_pod: BTreeMap<String, Summary>,
     /// TTFT of every successful request, sorted, in ms (for plots; not serialized).
     #[serde(skip)]
     pub ttft_samples_ms: Vec<f64>,
@@ -723,6 +737,7 @@ fn summary(records: &[&Record], elapsed: Duration) -> Summary {
     };
     let mut ttft = Vec::new();
     let mut e2e = Vec::new();
+    let mut itl = Vec::new();
     let (mut prompt, mut cached) = (0u64, 0u64);
     for rec in records {
         if rec.error {
@@ -730,6 +745,12 @@ fn summary(records: &[&Record], elapsed: Duration) -> Summary {
         } else {
             e2e.push(rec.e2e);
             ttft.extend(rec.ttft);
+            if let Some(t) = rec.ttft
+                && rec.output_tokens > 1
+            {
+                let gaps = u32::try_from(rec.output_tokens - 1).unwrap_or(u32::MAX);
+                itl.push(rec.e2e.saturating_sub(t) / gaps);
+            }
         }
         prompt += rec.prompt_tokens;
         cached += rec.cached_tokens;
@@ -743,6 +764,9 @@ fn summary(records: &[&Record], elapsed: Duration) -> Summary {
     }
     ttft.sort();
     e2e.sort();
+    itl.sort();
+    s.itl_p50_ms = percentile_ms(&itl, 50.0);
+    s.itl_p99_ms = percentile_ms(&itl, 99.0);
     s.ttft_p50_ms = percentile_ms(&ttft, 50.0);
     s.ttft_p90_ms = percentile_ms(&ttft, 90.0);
     s.ttft_p95_ms = percentile_ms(&ttft, 95.0);
@@ -781,6 +805,7 @@ fn summarize(target: &str, records: &[Record], elapsed: Duration) -> Report {
         ..Report::default()
     };
     let mut by_tenant: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
+    let mut by_pod: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
     for rec in records {
         if rec.transport_error {
             r.transport_errors += 1;
@@ -789,6 +814,7 @@ fn summarize(target: &str, records: &[Record], elapsed: Duration) -> Report {
         r.cached_tokens += rec.cached_tokens;
         if let Some(p) = &rec.pod {
             *r.pods.entry(p.clone()).or_default() += 1;
+            by_pod.entry(p.clone()).or_default().push(rec);
         }
         if rec.error {
             let reason = match (&rec.dropped, rec.status) {
@@ -815,6 +841,12 @@ fn summarize(target: &str, records: &[Record], elapsed: Duration) -> Report {
         .into_iter()
         .map(|(k, v)| (k, summary(&v, elapsed)))
         .collect();
+    r.per_pod = by_pod
+        .into_iter()
+        .map(|(k, v)| (k, summary(&v, elapsed)))
+        .collect();
+    r.itl_p50_ms = s.itl_p50_ms;
+    r.itl_p99_ms = s.itl_p99_ms;
     r
 }
 
@@ -867,6 +899,8 @@ pub fn render_table(reports: &[(String, Report)]) -> String {
         ("e2e p50 ms", (|r| format!("{:.2}", r.e2e_p50_ms))),
         ("e2e p90 ms", (|r| format!("{:.2}", r.e2e_p90_ms))),
         ("e2e p99 ms", (|r| format!("{:.2}", r.e2e_p99_ms))),
+        ("itl p50 ms", (|r| format!("{:.2}", r.itl_p50_ms))),
+        ("itl p99 ms", (|r| format!("{:.2}", r.itl_p99_ms))),
         ("cached ratio", (|r| format!("{:.3}", r.cached_ratio))),
         ("requests/s", (|r| format!("{:.1}", r.requests_per_s))),
         (
@@ -914,6 +948,33 @@ pub fn render_table(reports: &[(String, Report)]) -> String {
                 .collect();
             out.push_str(&table(&header, &rows));
         }
+    }
+    let mut pods: Vec<&String> = reports.iter().flat_map(|(_, r)| r.per_pod.keys()).collect();
+    pods.sort();
+    pods.dedup();
+    if !pods.is_empty() {
+        out.push_str("\nper pod: requests · TTFT p50 / p99 ms · ITL p50 ms\n");
+        let rows: Vec<(String, Vec<String>)> = pods
+            .iter()
+            .map(|p| {
+                let cells = reports
+                    .iter()
+                    .map(|(_, r)| {
+                        r.per_pod.get(*p).map_or_else(
+                            || "-".into(),
+                            |s| {
+                                format!(
+                                    "{} · {:.0} / {:.0} · {:.1}",
+                                    s.requests, s.ttft_p50_ms, s.ttft_p99_ms, s.itl_p50_ms
+                                )
+                            },
+                        )
+                    })
+                    .collect();
+                ((*p).clone(), cells)
+            })
+            .collect();
+        out.push_str(&table(&header, &rows));
     }
     out
 }
@@ -1079,6 +1140,38 @@ mod tests {
         let table = render_table(&[("t".into(), r)]);
         assert!(table.contains("cached ratio"));
         assert!(!table.contains("tenant "));
+    }
+
+    /// Per pod: its requests' TTFT and inter-token latency ((e2e − TTFT) / (tokens − 1)), so a
+    /// pod that serves slowly stands out from the totals.
+    #[test]
+    fn per_pod_figures_show_a_slow_pod() {
+        let rec = |pod: &str, ttft: u64, e2e: u64, tokens: u64| Record {
+            status: Some(200),
+            ttft: Some(Duration::from_millis(ttft)),
+            e2e: Duration::from_millis(e2e),
+            output_tokens: tokens,
+            pod: Some(pod.into()),
+            ..Record::default()
+        };
+        let recs = vec![
+            rec("fast", 10, 160, 16),
+            rec("fast", 20, 170, 16),
+            rec("slow", 40, 640, 16),
+            // one output token: no inter-token gap to measure
+            rec("slow", 50, 50, 1),
+        ];
+        let r = summarize("t", &recs, Duration::from_secs(1));
+        assert_eq!(r.per_pod["fast"].requests, 2);
+        assert_eq!(r.per_pod["fast"].itl_p50_ms, 10.0);
+        assert_eq!(r.per_pod["slow"].itl_p50_ms, 40.0);
+        assert_eq!(r.per_pod["slow"].ttft_p99_ms, 50.0);
+        assert_eq!((r.itl_p50_ms, r.itl_p99_ms), (10.0, 40.0));
+        let table = render_table(&[("t".into(), r)]);
+        assert!(
+            table.contains("slow") && table.contains("2 · 40 / 50 · 40.0"),
+            "{table}"
+        );
     }
 
     #[test]

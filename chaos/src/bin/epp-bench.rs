@@ -72,6 +72,9 @@ enum Cmd {
         /// Without the PyPI routers (EPP and round robin only).
         #[arg(long)]
         no_peers: bool,
+        /// The pods' engine model: `step` (continuous batching) or `simple`.
+        #[arg(long, default_value = "step", value_parser = chaos::workloads::parse_engine)]
+        engine: sim::EngineModel,
         /// Where to write every report as JSON.
         #[arg(long, default_value = "target/peer-bench.json")]
         json: std::path::PathBuf,
@@ -139,9 +142,10 @@ async fn main() -> anyhow::Result<()> {
             runs,
             only,
             no_peers,
+            engine,
             json,
             svg,
-        } => peers(runs, only, no_peers, &json, &svg).await,
+        } => peers(runs, only, no_peers, engine, &json, &svg).await,
         Cmd::NoRegret {
             runs,
             replicas,
@@ -166,6 +170,7 @@ async fn peers(
     runs: usize,
     only: Vec<String>,
     no_peers: bool,
+    engine: sim::EngineModel,
     json: &std::path::Path,
     svg: &std::path::Path,
 ) -> anyhow::Result<()> {
@@ -174,6 +179,7 @@ async fn peers(
         runs,
         only,
         no_peers,
+        engine,
     })
     .await?;
     let summaries = peerbench::summarize(&ms);

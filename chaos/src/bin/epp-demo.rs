@@ -10,7 +10,6 @@ use anyhow::{Context, bail};
 use chaos::cluster::{ClusterSpec, LocalCluster};
 use clap::Parser;
 use sim::loadgen::{self, LoadConfig};
-use sim::{PodKnobs, SimConfig};
 
 #[derive(Parser, Debug)]
 #[command(about = "Run the local standalone cluster demo")]
@@ -30,9 +29,14 @@ struct Args {
     /// Words of the system prompt shared by all conversations.
     #[arg(long, default_value_t = 512)]
     system_prompt_words: usize,
-    /// KV capacity of each pod, in 16-token blocks.
-    #[arg(long, default_value_t = 2048)]
-    kv_blocks: usize,
+    /// The pods' engine model: `step` (continuous batching, calibrated to Llama-3.1-8B on an
+    /// A100) or `simple` (each request sleeps its own prefill and decode; 4 at a time per pod).
+    #[arg(long, default_value = "step", value_parser = chaos::workloads::parse_engine)]
+    engine: sim::EngineModel,
+    /// KV capacity of each pod, in 16-token blocks (default: 4096 with the step model, 2048 with
+    /// the simple one).
+    #[arg(long)]
+    kv_blocks: Option<usize>,
     /// EndpointPickerConfig for the replicas.
     #[arg(long, default_value_os_t = chaos::locate::workspace_root().join("deploy/local/epp-config.yaml"))]
     config: std::path::PathBuf,
@@ -57,26 +61,25 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
 
+    let mut sim = chaos::workloads::bench_pool(args.pods, args.engine);
+    if let Some(blocks) = args.kv_blocks {
+        sim.knobs.kv_blocks = blocks;
+    }
     let spec = ClusterSpec {
-        sim: SimConfig {
-            pods: args.pods,
-            knobs: PodKnobs {
-                kv_blocks: args.kv_blocks,
-                max_num_seqs: 4,
-                prefill_us_per_token: 50.0,
-                decode_ms_per_token: 4.0,
-                ..PodKnobs::default()
-            },
-            ..SimConfig::default()
-        },
+        sim,
         replicas: args.replicas,
         raft: args.replicas > 1,
         epp_args: epp_config_args(&args)?,
         ..ClusterSpec::default()
     };
     println!(
-        "starting {} simulated pods, {} EPP replica(s) and Envoy ...",
-        args.pods, args.replicas
+        "starting {} simulated pods ({} engine model), {} EPP replica(s) and Envoy ...",
+        args.pods,
+        match args.engine {
+            sim::EngineModel::Step => "step: continuous batching",
+            sim::EngineModel::Simple => "simple",
+        },
+        args.replicas
     );
     let cluster = LocalCluster::start(spec)
         .await

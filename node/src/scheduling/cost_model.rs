@@ -23,20 +23,24 @@
 //! # Learning
 //! Every response observed here (whichever replica routed it) is a sample: the route header
 //! carries what was predicted; the response gives its TTFT, its duration and, from its usage,
-//! the tokens that were really uncached. Samples routed to a pod with a free slot fit
-//! `(a, s, q, d)` by exponentially-forgetting least squares (memory `memorySamples`) — so an
-//! engine whose concurrent prefills do not slow each other learns `q ≈ 0`; durations less
-//! the predicted slot wait give `S`. A pod's fit is pulled toward the fleet's, and the fleet's
-//! toward the prior (`prefillTokensPerSecond`, `serviceTimeMs`), so the model is sane before any
-//! data and a pod with few samples borrows from the rest. A pod without samples relaxes back to
-//! the fleet's fit (it may get none because it looked slow); a sample far above its prediction
+//! the tokens that were really uncached. Samples routed to a pod with a free slot fit the
+//! fleet's `(a, s, q, d)` by exponentially-forgetting least squares (memory `memorySamples`) —
+//! so an engine whose concurrent prefills do not slow each other learns `q ≈ 0` — pulled toward
+//! the prior (`prefillTokensPerSecond`, `serviceTimeMs`), so the model is sane before any data.
+//! Each pod learns one speed factor against the fleet's prediction (least squares through the
+//! origin, pulled toward 1), not a fit of its own: a slower GPU shows as its factor, while the
+//! noise of identical pods' samples cannot make one of them look faster and draw every new
+//! session. Durations less the predicted slot wait give `S`. A pod without samples relaxes back
+//! to the fleet (it may get none because it looked slow); a sample far above its prediction
 //! counts at a bound. Every learned value is clamped to a plausible range, so no sample can make
 //! a pod look infinitely fast or slow.
 //!
 //! # Scoring
-//! The cost of a candidate is its TTFT plus what the request costs the others later: the
-//! re-prefill of running requests' KV it would push out of a full pod (`evictionCost`), and its
-//! share of a busier batch (`loadCost`). `cost-model-scorer` gives `(c_min + 1) / (c_i + 1)`
+//! The cost of a candidate is its TTFT plus what the request costs the others: its prefill time
+//! once more for every request running on the pod (`prefillInterference`: a continuously
+//! batching engine runs prefill chunks in the steps that produce the running requests' tokens),
+//! the re-prefill of running requests' KV it would push out of a full pod (`evictionCost`), and
+//! its share of a busier batch (`loadCost`). `cost-model-scorer` gives `(c_min + 1) / (c_i + 1)`
 //! (ms): 1 for the cheapest candidate. The `prefix-cache-affinity-filter` can use the TTFT
 //! prediction as its penalty source (`ttftSource: costModel`).
 
@@ -76,6 +80,12 @@ pub struct CostModelParams {
     /// Samples after which an observation's weight has decayed to 1/e.
     #[serde(default = "d_memory")]
     pub memory_samples: f64,
+    /// Share of this request's prefill time each request running on the pod waits as well: an
+    /// engine that batches continuously (vLLM, SGLang) runs a prefill's chunks in the steps that
+    /// also produce the running requests' next tokens, so every one of them is slowed by it.
+    /// 0 for an engine whose prefills do not stall its decodes.
+    #[serde(default = "d_interference")]
+    pub prefill_interference: f64,
     /// Share of the cached tokens a request evicts from a full pod cache that will be asked for
     /// again (what their re-prefill later costs counts against the pod); 0 = TTFT only.
     #[serde(default = "d_evict")]
@@ -102,6 +112,9 @@ fn d_true() -> bool {
 fn d_memory() -> f64 {
     64.0
 }
+fn d_interference() -> f64 {
+    1.0
+}
 fn d_evict() -> f64 {
     0.5
 }
@@ -117,6 +130,7 @@ impl Default for CostModelParams {
             stale_metrics_penalty_ms: d_stale(),
             learn: true,
             memory_samples: d_memory(),
+            prefill_interference: d_interference(),
             eviction_cost: d_evict(),
             load_cost: d_load(),
         }
@@ -140,6 +154,7 @@ impl CostModelParams {
         positive(self.memory_samples, "memorySamples")?;
         for (v, k) in [
             (self.stale_metrics_penalty_ms, "staleMetricsPenaltyMs"),
+            (self.prefill_interference, "prefillInterference"),
             (self.eviction_cost, "evictionCost"),
             (self.load_cost, "loadCost"),
         ] {
@@ -178,10 +193,8 @@ impl Fit {
 const N: usize = 4;
 /// Typical feature magnitudes: a coefficient's prior pull is measured at these.
 const SCALE: [f64; N] = [1.0, 1_000.0, 1_000.0, 4.0];
-/// How many samples' worth the fleet's fit weighs in a pod's fit.
-const POD_PRIOR_SAMPLES: f64 = 0.5;
 /// How many samples' worth the configured prior weighs in the fleet's fit.
-const FLEET_PRIOR_SAMPLES: f64 = 0.1;
+const FLEET_PRIOR_SAMPLES: f64 = 0.02;
 
 /// Exponentially-forgetting least squares over the features.
 #[derive(Debug, Clone, Default)]
@@ -257,31 +270,112 @@ struct Bounds {
     max_ms_per_running: f64,
 }
 
-/// What is learned about one pod (or the fleet).
+/// What the fleet has learned: the shape of a TTFT (its coefficients, fitted to the samples of
+/// every pod) and the mean slot time.
 #[derive(Debug, Clone)]
-struct Learned {
+struct Fleet {
     lsq: Lsq,
     fit: Fit,
     /// Mean slot occupancy, ms (EWMA); `None` before the first sample.
+    service_ms: Option<f64>,
+    samples: u64,
+}
+
+/// What is learned about one pod: how much slower (> 1) or faster than the fleet's fit its
+/// TTFTs are — one factor, not a fit of its own — and its mean slot time.
+#[derive(Debug, Clone)]
+struct Pod {
+    /// The log of observed / fleet-predicted TTFT: Σ r, Σ r², Σ w, Σ w², exponentially forgotten.
+    r1: f64,
+    r2: f64,
+    w1: f64,
+    w2: f64,
+    /// The factor predictions use ([`State::shrink_speeds`]).
+    speed: f64,
     service_ms: Option<f64>,
     samples: u64,
     /// When the last sample arrived.
     updated: Option<Instant>,
 }
 
-impl Learned {
-    fn new(fit: Fit) -> Self {
-        Learned {
-            lsq: Lsq::default(),
-            fit,
+impl Pod {
+    fn new() -> Self {
+        Pod {
+            r1: 0.0,
+            r2: 0.0,
+            w1: 0.0,
+            w2: 0.0,
+            speed: 1.0,
             service_ms: None,
             samples: 0,
             updated: None,
         }
     }
+
+    fn learn_speed(&mut self, observed: f64, fleet: f64, keep: f64) {
+        let r = (observed.max(0.01) / fleet)
+            .ln()
+            .clamp(-MAX_LN_SPEED, MAX_LN_SPEED);
+        self.r1 = self.r1 * keep + r;
+        self.r2 = self.r2 * keep + r * r;
+        self.w1 = self.w1 * keep + 1.0;
+        self.w2 = self.w2 * keep * keep + 1.0;
+    }
+
+    /// The effective number of samples behind the mean (forgetting weights count less).
+    fn n_eff(&self) -> f64 {
+        if self.w2 > 0.0 {
+            self.w1 * self.w1 / self.w2
+        } else {
+            0.0
+        }
+    }
 }
 
-/// A pod's own fit counts fully when fresh and relaxes toward the fleet's with this time
+/// A pod is at most e^3 ≈ 20 times slower (or faster) than the fleet's fit.
+const MAX_LN_SPEED: f64 = 3.0;
+/// The speed factors are re-estimated every `pods / SHRINK_PODS` observations (at least every
+/// one): amortised, an observation walks at most this many pods.
+const SHRINK_PODS: usize = 64;
+
+impl State {
+    /// Each pod's speed factor, shrunk toward the fleet by how much of its difference from the
+    /// others its samples' noise can explain (empirical Bayes): with `m_i` the mean log ratio of
+    /// its observed TTFTs to the fleet's predictions, `M` the pods' mean of those, `σ²` the
+    /// samples' pooled variance around their pod's mean and `B` the variance of the `m_i` beyond
+    /// what `σ²/n_i` explains, `k_i = exp(ρ_i · (m_i − M))` with `ρ_i = B / (B + σ²/n_i)`.
+    /// Identical pods differ only by noise and misfit of the fleet's model (B ≈ 0): they keep
+    /// `k = 1`; a slower GPU stands out of the noise and keeps its factor.
+    fn shrink_speeds(&mut self) {
+        let with = |p: &&Pod| p.n_eff() >= 1.0;
+        let pods: Vec<&Pod> = self.pods.values().filter(with).collect();
+        let n = pods.len() as f64;
+        let (mut big_b, mut mean, mut pooled) = (0.0, 0.0, 0.0);
+        if pods.len() >= 2 {
+            let means: Vec<f64> = pods.iter().map(|p| p.r1 / p.w1).collect();
+            mean = means.iter().sum::<f64>() / n;
+            let (mut ss, mut ws) = (0.0, 0.0);
+            for (p, m) in pods.iter().zip(&means) {
+                ss += (p.r2 - p.r1 * m).max(0.0);
+                ws += p.w1;
+            }
+            pooled = ss / ws.max(1.0);
+            let spread = means.iter().map(|m| (m - mean).powi(2)).sum::<f64>() / (n - 1.0);
+            let noise = pods.iter().map(|p| pooled / p.n_eff()).sum::<f64>() / n;
+            big_b = (spread - noise).max(0.0);
+        }
+        for p in self.pods.values_mut() {
+            p.speed = if big_b > 0.0 && p.n_eff() >= 1.0 {
+                let rho = big_b / (big_b + pooled / p.n_eff());
+                (rho * (p.r1 / p.w1 - mean)).exp()
+            } else {
+                1.0
+            };
+        }
+    }
+}
+
+/// A pod's own factor counts fully when fresh and relaxes toward the fleet's (1) with this time
 /// constant when the pod gets no samples (it may get none *because* it looked slow: relaxing lets
 /// it be tried again).
 const RELAX: Duration = Duration::from_secs(10);
@@ -294,8 +388,8 @@ fn clip(observed: f64, predicted: f64) -> f64 {
 
 #[derive(Debug)]
 struct State {
-    fleet: Learned,
-    pods: HashMap<String, Learned>,
+    fleet: Fleet,
+    pods: HashMap<String, Pod>,
 }
 
 /// The producer: predicts every candidate's TTFT and learns from observed responses.
@@ -307,7 +401,7 @@ pub struct CostModel {
     state: RwLock<State>,
 }
 
-/// `/debug/cost-model`: the fleet's and each pod's fit.
+/// `/debug/cost-model`: the fleet's fit and each pod's speed factor.
 #[derive(Debug, Serialize)]
 pub struct CostModelView {
     pub fleet: LearnedView,
@@ -316,7 +410,10 @@ pub struct CostModelView {
 
 #[derive(Debug, Serialize)]
 pub struct LearnedView {
+    /// The coefficients predictions use (a pod's: the fleet's times its speed factor).
     pub fit: Fit,
+    /// Relative to the fleet's fit (the fleet: 1).
+    pub speed: f64,
     /// `1000 / ms_per_token`.
     pub prefill_tokens_per_second: f64,
     pub service_ms: Option<f64>,
@@ -324,13 +421,30 @@ pub struct LearnedView {
 }
 
 impl LearnedView {
-    fn of(l: &Learned) -> Self {
+    fn of(fit: Fit, speed: f64, service_ms: Option<f64>, samples: u64) -> Self {
+        let fit = fit.scaled(speed);
         LearnedView {
-            fit: l.fit,
-            prefill_tokens_per_second: 1000.0 / l.fit.ms_per_token,
-            service_ms: l.service_ms,
-            samples: l.samples,
+            fit,
+            speed,
+            prefill_tokens_per_second: 1000.0 / fit.ms_per_token,
+            service_ms,
+            samples,
         }
+    }
+}
+
+impl Fit {
+    fn scaled(self, k: f64) -> Fit {
+        Fit {
+            base_ms: self.base_ms * k,
+            ms_per_token: self.ms_per_token * k,
+            ms_per_queued_token: self.ms_per_queued_token * k,
+            ms_per_running: self.ms_per_running * k,
+        }
+    }
+
+    fn predict(&self, x: [f64; N]) -> f64 {
+        self.theta().iter().zip(x).map(|(t, x)| t * x).sum()
     }
 }
 
@@ -352,7 +466,12 @@ impl CostModel {
             },
             prior,
             state: RwLock::new(State {
-                fleet: Learned::new(prior),
+                fleet: Fleet {
+                    lsq: Lsq::default(),
+                    fit: prior,
+                    service_ms: None,
+                    samples: 0,
+                },
                 pods: HashMap::new(),
             }),
             params,
@@ -374,26 +493,21 @@ impl CostModel {
         inflight: Option<(u64, u64)>,
     ) -> Prediction {
         let fleet_service = st.fleet.service_ms.unwrap_or(self.params.service_time_ms);
-        let (fit, service) = match st.pods.get(&c.endpoint.hostport) {
+        let (speed, service) = match st.pods.get(&c.endpoint.hostport) {
             Some(pod) => {
                 let age = pod
                     .updated
                     .map_or(Duration::MAX, |t| now.saturating_duration_since(t));
                 let w = (-age.as_secs_f64() / RELAX.as_secs_f64()).exp();
                 let mix = |p: f64, f: f64| f + w * (p - f);
-                let (p, f) = (pod.fit, st.fleet.fit);
                 (
-                    Fit {
-                        base_ms: mix(p.base_ms, f.base_ms),
-                        ms_per_token: mix(p.ms_per_token, f.ms_per_token),
-                        ms_per_queued_token: mix(p.ms_per_queued_token, f.ms_per_queued_token),
-                        ms_per_running: mix(p.ms_per_running, f.ms_per_running),
-                    },
+                    mix(pod.speed, 1.0),
                     mix(pod.service_ms.unwrap_or(fleet_service), fleet_service),
                 )
             }
-            None => (st.fleet.fit, fleet_service),
+            None => (1.0, fleet_service),
         };
+        let fit = st.fleet.fit.scaled(speed);
         let gauge = |v: Option<f64>| {
             v.filter(|v| v.is_finite() && *v > 0.0).map_or(0, |v| {
                 v.min(crate::datalayer::endpoint::MAX_BATCH as f64) as u64
@@ -419,20 +533,18 @@ impl CostModel {
             None if waiting_m > 0 => (waiting_m + 1) as f64 * service / running_m.max(1) as f64,
             _ => 0.0,
         };
-        let mut ttft = fit.base_ms
-            + fit.ms_per_token * uncached as f64
-            + fit.ms_per_queued_token * queued_tokens as f64
-            + fit.ms_per_running * running as f64
-            + queue_ms;
+        let mut ttft = fit.predict(features(uncached, queued_tokens, running)) + queue_ms;
         if m.is_none() {
             ttft += self.params.stale_metrics_penalty_ms;
         }
+        let prefill_ms = fit.ms_per_token * uncached as f64;
         let evicted = m.map_or(0, |m| active_evicted(m, uncached + queued_tokens));
         let load = capacity.map_or(0.0, |cap| ahead as f64 * service / cap as f64);
         Prediction {
             ttft_ms: ttft.min(MAX_SAMPLE_MS),
             queue_ms: queue_ms.min(MAX_SAMPLE_MS),
-            others_ms: (self.params.eviction_cost * fit.ms_per_token * evicted as f64
+            others_ms: (self.params.prefill_interference * running as f64 * prefill_ms
+                + self.params.eviction_cost * fit.ms_per_token * evicted as f64
                 + self.params.load_cost * load)
                 .min(MAX_SAMPLE_MS),
             uncached_tokens: uncached,
@@ -450,24 +562,25 @@ impl CostModel {
         }
         let mut st = self.state.write().unwrap_or_else(|p| p.into_inner());
         let State { fleet, pods } = &mut *st;
-        let known = pods.contains_key(obs.pod);
-        if !known && pods.len() >= MAX_PODS {
+        if !pods.contains_key(obs.pod) && pods.len() >= MAX_PODS {
             // Bounded: beyond MAX_PODS pods only the fleet learns.
-            return Self::update(fleet, None, obs, keep, self.prior, &self.bounds);
+            self.update(fleet, None, obs, keep);
+        } else {
+            let pod = pods.entry(obs.pod.to_string()).or_insert_with(Pod::new);
+            self.update(fleet, Some(pod), obs, keep);
         }
-        let pod = pods
-            .entry(obs.pod.to_string())
-            .or_insert_with(|| Learned::new(fleet.fit));
-        Self::update(fleet, Some(pod), obs, keep, self.prior, &self.bounds);
+        let every = st.pods.len().div_ceil(SHRINK_PODS).max(1) as u64;
+        if st.fleet.samples.is_multiple_of(every) {
+            st.shrink_speeds();
+        }
     }
 
     fn update(
-        fleet: &mut Learned,
-        pod: Option<&mut Learned>,
+        &self,
+        fleet: &mut Fleet,
+        mut pod: Option<&mut Pod>,
         obs: &Observation<'_>,
         keep: f64,
-        prior: Fit,
-        bounds: &Bounds,
     ) {
         let queued = obs.predicted.map_or(0.0, |p| p.queue_ms);
         // The slot was held from admission to the end, less the predicted wait for it.
@@ -488,30 +601,30 @@ impl CostModel {
                 };
                 // Token counts beyond any context window are garbage, not a sample.
                 (uncached <= MAX_TOKENS && p.queued_tokens <= MAX_TOKENS).then(|| {
-                    let x = [
-                        1.0,
-                        uncached as f64,
-                        p.queued_tokens as f64,
-                        p.running as f64,
-                    ];
+                    let x = features(uncached, p.queued_tokens, p.running);
                     (x, clip(ttft.clamp(0.0, MAX_SAMPLE_MS), p.ttft_ms))
                 })
             }
             _ => None,
         };
         if let Some((x, y)) = sample {
+            // The pod's factor against the fleet's fit before this sample; the fleet's fit is of
+            // every pod's samples (a new pod is predicted as the fleet's average).
+            if let Some(pod) = pod.as_deref_mut() {
+                let f = fleet.fit.predict(x);
+                if f > 0.0 {
+                    pod.learn_speed(y, f, keep);
+                }
+            }
             fleet.lsq.add(x, y, keep);
-            fleet.fit = fleet.lsq.solve(prior, FLEET_PRIOR_SAMPLES, bounds);
+            fleet.fit = fleet
+                .lsq
+                .solve(self.prior, FLEET_PRIOR_SAMPLES, &self.bounds);
         }
         if let Some(pod) = pod {
             ewma(&mut pod.service_ms);
             pod.samples += 1;
             pod.updated = Some(Instant::now());
-            if let Some((x, y)) = sample {
-                pod.lsq.add(x, y, keep);
-            }
-            // Re-solved toward the fleet's current fit even without a TTFT sample of its own.
-            pod.fit = pod.lsq.solve(fleet.fit, POD_PRIOR_SAMPLES, bounds);
         }
     }
 
@@ -520,14 +633,22 @@ impl CostModel {
         let mut pods: Vec<(String, LearnedView)> = st
             .pods
             .iter()
-            .map(|(k, l)| (k.clone(), LearnedView::of(l)))
+            .map(|(k, p)| {
+                let view = LearnedView::of(st.fleet.fit, p.speed, p.service_ms, p.samples);
+                (k.clone(), view)
+            })
             .collect();
         pods.sort_by(|a, b| a.0.cmp(&b.0));
+        let f = &st.fleet;
         CostModelView {
-            fleet: LearnedView::of(&st.fleet),
+            fleet: LearnedView::of(f.fit, 1.0, f.service_ms, f.samples),
             pods,
         }
     }
+}
+
+fn features(uncached: u64, queued: u64, running: u64) -> [f64; N] {
+    [1.0, uncached as f64, queued as f64, running as f64]
 }
 
 impl Producer for CostModel {
@@ -627,6 +748,7 @@ mod tests {
             stale_metrics_penalty_ms: 5000.0,
             learn,
             memory_samples: 64.0,
+            prefill_interference: 0.0,
             eviction_cost: 0.5,
             load_cost: 0.25,
         })
@@ -657,7 +779,11 @@ mod tests {
     }
 
     fn load(requests: u64, tokens: u64) -> InflightLoad {
-        InflightLoad { requests, tokens }
+        InflightLoad {
+            requests,
+            tokens,
+            prefilling: 0,
+        }
     }
 
     #[test]
@@ -665,10 +791,12 @@ mod tests {
         let m = model(false);
         let a = cand_at("a", "10.0.0.1:1", gauges(1.0, 0.0), false, &[]);
         let b = cand_at("b", "10.0.0.2:1", gauges(0.0, 0.0), false, &[]);
-        // c has shown a batch of 2 with requests waiting: its batch limit is 2.
+        // c has shown a batch of 2 with requests waiting (two samples): its batch limit is 2.
         let c = cand_at("c", "10.0.0.3:1", None, false, &[]);
-        c.endpoint
-            .set_metrics(gauges(2.0, 1.0).unwrap(), Instant::now());
+        for _ in 0..2 {
+            c.endpoint
+                .set_metrics(gauges(2.0, 1.0).unwrap(), Instant::now(), None);
+        }
         let c = Candidate {
             sample: c.endpoint.sample(),
             ..c
@@ -819,6 +947,122 @@ mod tests {
             "{:?}",
             rd.predicted
         );
+    }
+
+    /// Four pods, the last `slow` times slower than the others. Each sample is off by up to
+    /// ±30 % and the true TTFT is not linear in the queued tokens (the fleet's fit cannot match
+    /// it everywhere).
+    fn learn_pool(slow: f64) -> (CostModel, [&'static str; 4], impl Fn(u64, u64) -> f64) {
+        let m = model(true);
+        let truth = |uncached: u64, queued: u64| {
+            let q = queued as f64;
+            20.0 + 0.07 * uncached as f64 + 0.02 * q + 0.00002 * q * q
+        };
+        let pods = ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"];
+        let mut rng = 7u64;
+        for k in 0..2000u64 {
+            let pod = (k % 4) as usize;
+            let uncached = 50 + (k * 37) % 3000;
+            let queued = (k * 113) % 4000;
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let noise = 0.7 + 0.6 * ((rng >> 33) as f64 / (1u64 << 31) as f64);
+            let slow = if pod == 3 { slow } else { 1.0 };
+            let y = truth(uncached, queued) * slow * noise;
+            m.observed(&Observation {
+                pod: pods[pod],
+                ttft_ms: Some(y),
+                e2e_ms: 500.0,
+                prompt_tokens: Some(uncached),
+                cached_tokens: Some(0),
+                predicted: Some(Prediction {
+                    ttft_ms: truth(uncached, queued) * slow,
+                    uncached_tokens: uncached,
+                    queued_tokens: queued,
+                    ..Prediction::default()
+                }),
+            });
+        }
+        (m, pods, truth)
+    }
+
+    /// Identical pods keep the fleet's fit (`k` within a few percent of 1): neither noise nor the
+    /// fit's misfit makes one of them look faster and draw every new session.
+    #[test]
+    fn identical_pods_keep_the_fleets_fit() {
+        let (m, _, _) = learn_pool(1.0);
+        let speed: Vec<f64> = m.view().pods.iter().map(|(_, l)| l.speed).collect();
+        assert!(
+            speed.iter().all(|k| (k - 1.0).abs() < 0.03),
+            "identical pods drifted apart: {speed:?}"
+        );
+    }
+
+    /// A pod three times slower than the other three stands out of the noise: its factor is
+    /// three times theirs, the others' stay together, and predictions follow.
+    #[test]
+    fn a_slow_pod_gets_its_own_factor() {
+        let (m, pods, truth) = learn_pool(3.0);
+        let speed: Vec<f64> = m.view().pods.iter().map(|(_, l)| l.speed).collect();
+        let fast = &speed[..3];
+        let (lo, hi) = fast
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(l, h), &s| (l.min(s), h.max(s)));
+        assert!(hi / lo < 1.06, "identical pods drifted apart: {speed:?}");
+        let mean = fast.iter().sum::<f64>() / 3.0;
+        assert!((speed[3] / mean - 3.0).abs() < 0.3, "{speed:?}");
+        // Predictions: 2000 uncached tokens on an idle pod.
+        let cs = [
+            cand_at("fast", pods[0], gauges(0.0, 0.0), false, &[]),
+            cand_at("slow", pods[3], gauges(0.0, 0.0), false, &[]),
+        ];
+        let st = m.read();
+        let now = Instant::now();
+        let want = truth(2000, 0);
+        let fast_ttft = m.predict(&st, now, &cs[0], 2000, None).ttft_ms;
+        let slow_ttft = m.predict(&st, now, &cs[1], 2000, None).ttft_ms;
+        assert!(
+            (fast_ttft / want - 1.0).abs() < 0.15,
+            "{fast_ttft} vs {want}"
+        );
+        assert!(
+            (slow_ttft / want / 3.0 - 1.0).abs() < 0.15,
+            "{slow_ttft} vs 3 × {want}"
+        );
+    }
+
+    /// With continuous batching, every request running on a pod waits for a new request's prefill
+    /// too: `prefillInterference · R_i · s_i · U_i` is added to its cost, so a cold prompt goes to
+    /// the pod with fewer requests running even at the same TTFT, while a warm one stays home.
+    #[test]
+    fn a_prefill_costs_every_running_request() {
+        let m = CostModel::new(CostModelParams {
+            prefill_tokens_per_second: 1000.0,
+            learn: false,
+            prefill_interference: 1.0,
+            ..CostModelParams::default()
+        });
+        let cs = [
+            cand_at("busy", "10.0.0.1:1", gauges(3.0, 0.0), false, &[]),
+            cand_at("quiet", "10.0.0.2:1", gauges(1.0, 0.0), false, &[]),
+        ];
+        // Cold everywhere: 1000 uncached tokens at 1 ms each on both; the ledger says 3 and 1
+        // running (no tokens left to prefill).
+        let mut rd = data(vec![0, 0], vec![load(3, 0), load(1, 0)]);
+        m.produce(&req(), &cs, &mut rd);
+        assert_eq!(rd.predicted[0].ttft_ms, rd.predicted[1].ttft_ms);
+        assert_eq!(rd.predicted[0].others_ms, 3.0 * 1000.0);
+        assert_eq!(rd.predicted[1].others_ms, 1000.0);
+        let scores = score_all(&CostModelScorer, &rd, &cs);
+        assert_eq!(scores[1], 1.0);
+        assert!((scores[0] - 2001.0 / 4001.0).abs() < 1e-12, "{scores:?}");
+        // Warm on the busy pod (14 of 15 blocks of 64: 1000 − 896 = 104 uncached): 104 + 3 · 104
+        // = 416 there against 2000 on the quiet pod.
+        let mut rd = data(vec![14, 0], vec![load(3, 0), load(1, 0)]);
+        m.produce(&req(), &cs, &mut rd);
+        assert_eq!(rd.predicted[0].cost_ms(), 416.0);
+        assert_eq!(rd.predicted[1].cost_ms(), 2000.0);
     }
 
     /// A pod that looked slow and then got no traffic relaxes to the fleet's fit, so it is tried
