@@ -187,7 +187,11 @@ impl Scheduler {
             return;
         }
         let prefill = decision.prefill.filter(|p| *p < candidates.len());
-        for p in &self.producers {
+        // In the reverse of `produce`'s order: a decision reads the prefix index before the
+        // in-flight ledger, so the ledger is charged before the index records — a decision taken
+        // meanwhile that sees this request's prefix on the pod sees its load there too (seeing the
+        // prefix without the load, bursts of long prompts sharing a system prompt piled up).
+        for p in self.producers.iter().rev() {
             p.pre_request(req, &decision.data, candidates, primary, prefill);
         }
         if decision.picked.len() > 1

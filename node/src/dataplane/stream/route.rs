@@ -2,9 +2,9 @@
 //! call into the room that owns it, handing a typed value to the next:
 //!
 //! ```text
-//! parse_body ──► Request::resolve ──► admit ──────► candidates ────► schedule ──► answer ──► record
-//! (request)      (request: rewrite,   (request:      (datalayer       (scheduling) (reply)    (scheduling
-//!  Option<        metadata) Request    Gate) ticket   snapshot ∩       Decision               producers)
+//! parse_body ──► Request::resolve ──► admit ──────► candidates ────► schedule ──► record ─────► answer
+//! (request)      (request: rewrite,   (request:      (datalayer       (scheduling) (scheduling   (reply)
+//!  Option<        metadata) Request    Gate) ticket   snapshot ∩       Decision     producers)
 //!  ParsedRequest>                                     subset hint)
 //! ```
 //! Any stage may refuse: its [`Rejection`] becomes an immediate response and the journey ends.
@@ -74,15 +74,24 @@ impl StreamState {
         self.route_info = Some(answer.info);
         self.primary = answer.primary;
         self.phase = Phase::Routed;
+        // Record the decision (in-flight charge, prefix blocks) before answering: decisions
+        // taken meanwhile on other streams must see this one (recorded after the answer and the
+        // body streamed back, a burst of long prompts arriving together all saw an idle pool and
+        // piled onto the same pods).
+        ctx.scheduler.pre_request(&sched, &decision, &candidates);
         let body = std::mem::take(&mut self.body);
         let body = req.upstream_body(body, self.request_body_mode == FULL_DUPLEX);
-        self.send_full(answer.response).await?;
-        if answer.on_headers && self.body_started {
-            self.stream_body_back(body).await?;
+        let mut sent = self.send_full(answer.response).await;
+        if sent.is_ok() && answer.on_headers && self.body_started {
+            sent = self.stream_body_back(body).await;
         }
-        // Record the decision after answering, off the latency path.
-        ctx.scheduler.pre_request(&sched, &decision, &candidates);
-        Ok(())
+        if sent.is_err() {
+            // Envoy is gone: the request reaches no pod, its charge goes back.
+            if let Some(t) = &ctx.inflight {
+                t.finish(&self.key);
+            }
+        }
+        sent
     }
 
     /// The request counts from here: its labels, received and running.
