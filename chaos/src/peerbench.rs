@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 
 use anyhow::Context;
 use serde::Serialize;
-use sim::EngineModel;
 use sim::loadgen::{self, Arrival, LoadConfig, Report, TenantClass};
+use sim::{EngineModel, SimConfig};
 
 use crate::cluster::{ClusterSpec, LocalCluster};
 use crate::peers::{Peer, PeerRouter};
@@ -100,6 +100,8 @@ pub struct Options {
     pub no_peers: bool,
     /// The pods' engine model.
     pub engine: EngineModel,
+    /// Knobs for some pods only (a heterogeneous pool).
+    pub pod_knobs: Vec<sim::PodOverride>,
 }
 
 /// One (run, workload, target) measurement.
@@ -114,7 +116,10 @@ pub struct Measurement {
 /// Run the benchmark; every report, in order.
 pub async fn run(opts: &Options) -> anyhow::Result<Vec<Measurement>> {
     let cluster = LocalCluster::start(ClusterSpec {
-        sim: crate::workloads::bench_pool(4, opts.engine),
+        sim: SimConfig {
+            pod_knobs: opts.pod_knobs.clone(),
+            ..crate::workloads::bench_pool(4, opts.engine)
+        },
         ..ClusterSpec::default()
     })
     .await

@@ -243,6 +243,49 @@ pub struct KnobsPatch {
     pub step_ns_per_context_token: Option<f64>,
 }
 
+/// Knobs for some pods only: a heterogeneous pool from one process (a slower GPU, a smaller
+/// cache). Written `PODS=PATCH`: `PODS` a comma-separated list of pod indices and inclusive
+/// ranges (`3`, `0-1`, `0,2-3`), `PATCH` a [`KnobsPatch`] as JSON —
+/// `2-3={"step_base_ms":24,"step_us_per_prefill_token":140}`.
+#[derive(Clone, Debug)]
+pub struct PodOverride {
+    /// Sorted, without duplicates.
+    pub pods: Vec<usize>,
+    pub patch: KnobsPatch,
+}
+
+impl std::str::FromStr for PodOverride {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (sel, patch) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{s:?}: expected PODS=PATCH, e.g. 3={{\"time_scale\":2}}"))?;
+        let index = |t: &str| {
+            t.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("{t:?} is not a pod index"))
+        };
+        let mut pods = Vec::new();
+        for part in sel.split(',') {
+            match part.split_once('-') {
+                Some((a, b)) => {
+                    let (a, b) = (index(a)?, index(b)?);
+                    if a > b {
+                        return Err(format!("pod range {part:?} is empty"));
+                    }
+                    pods.extend(a..=b);
+                }
+                None => pods.push(index(part)?),
+            }
+        }
+        pods.sort_unstable();
+        pods.dedup();
+        let patch = serde_json::from_str(patch).map_err(|e| format!("knobs of {sel}: {e}"))?;
+        Ok(PodOverride { pods, patch })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,5 +312,23 @@ mod tests {
         assert!(bad(r#"{"max_num_seqs":0}"#));
         assert!(bad(r#"{"error_rate":1.5}"#));
         assert!(bad(r#"{"time_scale":-1}"#));
+    }
+
+    #[test]
+    fn pod_overrides_parse_indices_ranges_and_a_patch() {
+        let o: PodOverride = r#"3,0-1,1={"time_scale":2.5,"kv_blocks":512}"#.parse().unwrap();
+        assert_eq!(o.pods, vec![0, 1, 3]);
+        let k = PodKnobs::default().patched(&o.patch);
+        assert_eq!((k.time_scale, k.kv_blocks), (2.5, 512));
+        for bad in [
+            "3",
+            "x={}",
+            "2-1={}",
+            "1=",
+            r#"1={"nope":1}"#,
+            r#"-1={"time_scale":2}"#,
+        ] {
+            assert!(bad.parse::<PodOverride>().is_err(), "{bad}");
+        }
     }
 }

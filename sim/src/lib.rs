@@ -57,7 +57,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use engine::PodStats;
-pub use knobs::{EngineModel, KnobsPatch, MetricsFault, PodKnobs};
+pub use knobs::{EngineModel, KnobsPatch, MetricsFault, PodKnobs, PodOverride};
 pub use kvevents::{Encoding, KvEndpoints, KvEventsConfig};
 
 use engine::{Pod, PodOptions};
@@ -95,6 +95,8 @@ pub struct SimConfig {
     pub model: String,
     /// Initial knobs of every pod.
     pub knobs: PodKnobs,
+    /// Applied in order over `knobs` for the pods they name.
+    pub pod_knobs: Vec<PodOverride>,
     /// Admin server port (0 = OS-chosen); `None` starts no admin server.
     pub admin: Option<u16>,
     /// LoRA adapters every pod has loaded at start: (name, path).
@@ -115,6 +117,7 @@ impl Default for SimConfig {
             base_port: 0,
             model: "sim-model".to_owned(),
             knobs: PodKnobs::default(),
+            pod_knobs: Vec::new(),
             admin: None,
             lora_adapters: Vec::new(),
             kv_events: None,
@@ -152,12 +155,32 @@ impl SimConfig {
                 )));
             }
         }
-        if !self.lora_adapters.is_empty() && self.knobs.max_loras == 0 {
-            return Err(SimError::InvalidConfig(
-                "LoRA adapters given but max_loras is 0".into(),
-            ));
+        for o in &self.pod_knobs {
+            if let Some(&i) = o.pods.iter().find(|&&i| i >= self.pods) {
+                return Err(SimError::InvalidConfig(format!(
+                    "pod knobs for pod {i}, but there are {} pods",
+                    self.pods
+                )));
+            }
         }
-        self.knobs.validate()
+        for i in 0..self.pods {
+            let knobs = self.knobs_of(i);
+            if !self.lora_adapters.is_empty() && knobs.max_loras == 0 {
+                return Err(SimError::InvalidConfig(format!(
+                    "LoRA adapters given but pod {i} has max_loras 0"
+                )));
+            }
+            knobs.validate()?;
+        }
+        Ok(())
+    }
+
+    /// Pod `i`'s initial knobs: `knobs` with every override naming it applied.
+    pub fn knobs_of(&self, i: usize) -> PodKnobs {
+        self.pod_knobs
+            .iter()
+            .filter(|o| o.pods.binary_search(&i).is_ok())
+            .fold(self.knobs.clone(), |k, o| k.patched(&o.patch))
     }
 
     fn role(&self, i: usize) -> Option<String> {
@@ -234,7 +257,7 @@ impl Sim {
                 i,
                 *addr,
                 cfg.model.clone(),
-                cfg.knobs.clone(),
+                cfg.knobs_of(i),
                 PodOptions {
                     adapters: cfg.lora_adapters.clone(),
                     kv_events: kv.as_ref().and_then(|k| k.sender()),

@@ -75,6 +75,10 @@ enum Cmd {
         /// The pods' engine model: `step` (continuous batching) or `simple`.
         #[arg(long, default_value = "step", value_parser = chaos::workloads::parse_engine)]
         engine: sim::EngineModel,
+        /// Knobs for some pods only, `PODS=PATCH` as `vllm-sim --pod-knobs` takes them
+        /// (`3={"time_scale":2}`: pod 3 is half as fast). Repeatable.
+        #[arg(long = "pod-knobs")]
+        pod_knobs: Vec<sim::PodOverride>,
         /// Where to write every report as JSON.
         #[arg(long, default_value = "target/peer-bench.json")]
         json: std::path::PathBuf,
@@ -143,9 +147,19 @@ async fn main() -> anyhow::Result<()> {
             only,
             no_peers,
             engine,
+            pod_knobs,
             json,
             svg,
-        } => peers(runs, only, no_peers, engine, &json, &svg).await,
+        } => {
+            let opts = chaos::peerbench::Options {
+                runs,
+                only,
+                no_peers,
+                engine,
+                pod_knobs,
+            };
+            peers(&opts, &json, &svg).await
+        }
         Cmd::NoRegret {
             runs,
             replicas,
@@ -167,21 +181,13 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn peers(
-    runs: usize,
-    only: Vec<String>,
-    no_peers: bool,
-    engine: sim::EngineModel,
+    opts: &chaos::peerbench::Options,
     json: &std::path::Path,
     svg: &std::path::Path,
 ) -> anyhow::Result<()> {
     use chaos::peerbench;
-    let ms = peerbench::run(&peerbench::Options {
-        runs,
-        only,
-        no_peers,
-        engine,
-    })
-    .await?;
+    let runs = opts.runs;
+    let ms = peerbench::run(opts).await?;
     let summaries = peerbench::summarize(&ms);
     println!("\n## Medians over {runs} runs\n");
     print!("{}", peerbench::render(&summaries, runs));

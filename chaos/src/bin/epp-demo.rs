@@ -37,6 +37,10 @@ struct Args {
     /// the simple one).
     #[arg(long)]
     kv_blocks: Option<usize>,
+    /// Knobs for some pods only, `PODS=PATCH` as `vllm-sim --pod-knobs` takes them
+    /// (`3={"time_scale":2}`: pod 3 is half as fast). Repeatable.
+    #[arg(long = "pod-knobs")]
+    pod_knobs: Vec<sim::PodOverride>,
     /// EndpointPickerConfig for the replicas.
     #[arg(long, default_value_os_t = chaos::locate::workspace_root().join("deploy/local/epp-config.yaml"))]
     config: std::path::PathBuf,
@@ -65,6 +69,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(blocks) = args.kv_blocks {
         sim.knobs.kv_blocks = blocks;
     }
+    sim.pod_knobs = args.pod_knobs.clone();
     let spec = ClusterSpec {
         sim,
         replicas: args.replicas,

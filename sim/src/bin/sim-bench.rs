@@ -62,6 +62,9 @@ struct FleetArgs {
     /// Passed to vllm-sim --worker-threads.
     #[arg(long, default_value_t = 0)]
     sim_worker_threads: usize,
+    /// Passed to vllm-sim --engine (`simple` or `step`).
+    #[arg(long, default_value = "simple", value_parser = ["simple", "step"])]
+    engine: String,
 }
 
 /// utime + stime of `pid`, in clock ticks.
@@ -95,6 +98,8 @@ async fn start_sim(fleet: &FleetArgs, extra: &[&str]) -> anyhow::Result<Child> {
         .arg(fleet.pods.to_string())
         .arg("--worker-threads")
         .arg(fleet.sim_worker_threads.to_string())
+        .arg("--engine")
+        .arg(&fleet.engine)
         .args(extra)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())

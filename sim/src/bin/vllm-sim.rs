@@ -93,6 +93,11 @@ struct Args {
     /// Step model: cost per token of context attended over, in ns [default: calibrated].
     #[arg(long)]
     step_ns_per_context_token: Option<f64>,
+    /// Knobs for some pods only, `PODS=PATCH` (repeatable, applied in order): pod indices and
+    /// inclusive ranges, then a JSON knobs patch — `--pod-knobs '3={"time_scale":2}'` makes pod 3 a
+    /// GPU half as fast, `--pod-knobs '0-1={"kv_blocks":1024}'` gives pods 0 and 1 a smaller cache.
+    #[arg(long = "pod-knobs")]
+    pod_knobs: Vec<sim::PodOverride>,
     /// Tokio worker threads; 0 = one per core. 1 runs everything on a single thread, which avoids
     /// cross-thread wake-ups (the cheapest setting for many mostly-idle pods).
     #[arg(long, default_value_t = 0)]
@@ -141,6 +146,7 @@ impl Args {
                     .unwrap_or(d.step_ns_per_context_token),
                 ..d
             },
+            pod_knobs: self.pod_knobs.clone(),
             lora_adapters: self
                 .lora_modules
                 .iter()
