@@ -23,6 +23,13 @@ pub trait StateMachine: Default + Serialize + DeserializeOwned + Send + Sync + '
     /// Applies one committed command and returns its output.
     fn apply(&mut self, cmd: Self::Command) -> Self::Output;
 
+    /// The member `cmd` acts for, when it names one (its heartbeat, its flow-control reports).
+    /// With peer identities checked, a write forwarded over the peer port is refused unless the
+    /// certificate that sent it is that member's: a member cannot speak for another.
+    fn acting_for(_cmd: &Self::Command) -> Option<crate::types::NodeId> {
+        None
+    }
+
     /// Before an entry's commands: the time its leader stamped it with as it appended it
     /// (µs since the UNIX epoch on the leader's clock; see [`Batch::stamp_us`]). The same on every
     /// replica, so a state may take its time from it instead of from its proposers' clocks.

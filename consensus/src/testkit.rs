@@ -23,6 +23,11 @@ pub enum LogCommand {
     },
     /// Do nothing except bump the applied count; used by benchmarks.
     Noop,
+    /// Append `value` on behalf of member `node` (its [`StateMachine::acting_for`]).
+    AppendAs {
+        node: crate::types::NodeId,
+        value: String,
+    },
 }
 
 /// Ordered append log plus a key/value map.
@@ -51,8 +56,16 @@ impl StateMachine for LogMachine {
                 self.log.push(value);
             }
             LogCommand::Noop => {}
+            LogCommand::AppendAs { value, .. } => self.log.push(value),
         }
         self.applied
+    }
+
+    fn acting_for(cmd: &LogCommand) -> Option<crate::types::NodeId> {
+        match cmd {
+            LogCommand::AppendAs { node, .. } => Some(*node),
+            _ => None,
+        }
     }
 }
 

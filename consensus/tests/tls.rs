@@ -232,6 +232,66 @@ async fn rpcs_must_come_from_the_node_they_name() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_writes_only_for_itself() {
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start_with(3, with_identities).await;
+    let leader = cluster.wait_leader(Duration::from_secs(10)).await;
+    let follower = cluster.follower(leader);
+    let other = (1..=3).find(|i| *i != leader && *i != follower).unwrap();
+    let write = |node: u64, value: &str| Frame {
+        data: codec::encode(&consensus::Batch::new(vec![
+            LogCommand::append(format!("{value} (plain)")),
+            LogCommand::AppendAs {
+                node,
+                value: value.into(),
+            },
+        ]))
+        .unwrap()
+        .into(),
+    };
+    let mut c = raw_client(
+        certs(),
+        &format!("node-{follower}"),
+        &cluster.addrs[&leader],
+        &format!("epp-node-{leader}"),
+    )
+    .await
+    .unwrap();
+    // A member's certificate, a command acting for another member: the whole batch is refused.
+    let e = c.client_write(write(other, "forged")).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(
+        e.message()
+            .contains(&format!("ClientWrite for node {other}")),
+        "{e:?}"
+    );
+    c.client_write(write(follower, "own")).await.unwrap();
+    // The same through the node API: a follower's proposals are forwarded to the leader.
+    let node = cluster.node(follower);
+    node.propose(LogCommand::AppendAs {
+        node: follower,
+        value: "proposed".into(),
+    })
+    .await
+    .unwrap();
+    let forged = node
+        .propose(LogCommand::AppendAs {
+            node: other,
+            value: "forged".into(),
+        })
+        .await;
+    assert!(forged.is_err(), "{forged:?}");
+    let index = cluster.node(leader).local_read(|_| ()).await.1;
+    cluster
+        .wait_all_applied(index, Duration::from_secs(10))
+        .await;
+    for (id, log) in cluster.logs().await {
+        assert_eq!(log, vec!["own (plain)", "own", "proposed"], "node {id}");
+    }
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_refuses_to_start_with_a_certificate_not_its_own() {
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();

@@ -127,8 +127,23 @@ impl<S: StateMachine> RaftPeer for PeerService<S> {
     }
 
     async fn client_write(&self, request: Request<Frame>) -> Result<Response<Frame>, Status> {
-        self.check_member(certs(&request).as_ref(), None, "ClientWrite")?;
+        let certs = certs(&request);
+        self.check_member(certs.as_ref(), None, "ClientWrite")?;
         let batch: Batch<S::Command> = decode(&request.into_inner().data)?;
+        if let Some(tls) = &self.inner.tls {
+            // Each command naming a member must come from that member's certificate.
+            let mut checked = Vec::new();
+            for node in batch.commands.iter().filter_map(S::acting_for) {
+                if !checked.contains(&node) {
+                    tls.authorize(
+                        certs.as_ref().map(|c| c.as_slice()),
+                        [node],
+                        &format!("ClientWrite for node {node}"),
+                    )?;
+                    checked.push(node);
+                }
+            }
+        }
         reply(&self.inner.local_write(batch).await)
     }
 

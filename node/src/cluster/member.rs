@@ -37,6 +37,16 @@ impl StateMachine for Replicated {
     fn stamp(&mut self, stamp_us: u64) {
         self.0.stamp(stamp_us);
     }
+
+    fn acting_for(cmd: &ClusterCommand) -> Option<consensus::NodeId> {
+        match cmd {
+            ClusterCommand::Heartbeat { node, .. }
+            | ClusterCommand::Leave { node }
+            | ClusterCommand::Flow { node, .. }
+            | ClusterCommand::Probe { node, .. } => Some(*node),
+            ClusterCommand::ConfigureFlow { .. } | ClusterCommand::ObservePool { .. } => None,
+        }
+    }
 }
 
 /// A running cluster member.
