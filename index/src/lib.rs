@@ -13,6 +13,9 @@
 //!   Replication: [`approx::PodState`] deltas/full states, [`ApproxIndex::merge_pod`];
 //! - [`crdt`]: the same per-pod join as `crdts::CvRDT` values ([`PodState`] unbounded, for
 //!   coalescing deltas; [`BoundedPodState`] with K) — the reference `merge_pod` is tested against;
+//! - [`kvevents`]: the engines' KV-cache events (vLLM, SGLang) as they arrive over ZMQ — frames,
+//!   topics, msgpack batches in every encoding in use, sequence gaps and restarts — for the precise
+//!   index (issue 17; the index itself is not built yet);
 //! - [`clock`]: [`Hlc`], the hybrid logical clock (µs since the UNIX epoch) that stamps entries so
 //!   timestamps from different replicas compare.
 //!
@@ -36,6 +39,7 @@ pub mod clock;
 pub mod crdt;
 pub mod hashing;
 mod idhash;
+pub mod kvevents;
 
 pub use approx::{ApproxIndex, PodDigest, PodId, PodMatch, PodState};
 pub use clock::Hlc;

@@ -50,6 +50,10 @@ fn decode(frames: &[Vec<u8>]) -> Msg {
     assert_eq!(frames.len(), 3, "live messages have three frames");
     let seq = u64::from_be_bytes(frames[1].as_slice().try_into().unwrap());
     let payload: Value = rmp_serde::from_slice(&frames[2]).unwrap();
+    // The EPP's decoder reads the same message.
+    let m = index::kvevents::parse_live(frames).unwrap();
+    assert_eq!((m.topic, m.seq), (frames[0].as_slice(), seq));
+    index::kvevents::decode_batch(m.payload).unwrap();
     (
         String::from_utf8(frames[0].clone()).unwrap(),
         seq,
@@ -96,6 +100,17 @@ fn replay(ctx: &zmq::Context, endpoint: &str, start: u64) -> Vec<Msg> {
     loop {
         let frames = dealer.recv_multipart(0).expect("replay reply");
         assert_eq!(frames[0], b"", "DEALER sees the empty delimiter first");
+        // The EPP's decoder reads the reply as the DEALER hands it over.
+        let parsed = index::kvevents::parse_replay(&frames).unwrap();
+        assert_eq!(
+            parsed == index::kvevents::Replay::End,
+            frames[2] == [0xff; 8],
+            "{frames:?}"
+        );
+        if let index::kvevents::Replay::Batch(m) = parsed {
+            assert_eq!((m.topic, m.payload), (&frames[1][..], &frames[3][..]));
+            index::kvevents::decode_batch(m.payload).unwrap();
+        }
         if frames[2] == [0xff; 8] {
             assert_eq!(frames[1], b"");
             assert_eq!(frames[3], b"");
@@ -318,4 +333,55 @@ async fn legacy_array_encoding_and_restart_resets_the_sequence() {
     assert_eq!(after.len(), 1);
     assert_eq!(after[0].1, 0, "sequence restarts at 0");
     sim.shutdown().await;
+}
+
+/// The EPP's decoder (`index::kvevents`) reads both encodings the simulator publishes, field for
+/// field.
+#[test]
+fn the_epp_decoder_reads_both_encodings() {
+    use index::kvevents::{self as epp, KvEvent as Decoded};
+    use sim::kvevents::{KvEvent, encode_batch};
+    let events = vec![
+        KvEvent::BlockStored {
+            block_hashes: vec![u64::MAX, 3],
+            parent_block_hash: Some(1 << 63),
+            token_ids: vec![1, 2, 3, 4, 5, 6, 7, 8],
+            block_size: 4,
+            lora_id: Some(2),
+            lora_name: Some("adapter".into()),
+        },
+        KvEvent::BlockRemoved {
+            block_hashes: vec![3],
+        },
+        KvEvent::AllBlocksCleared,
+    ];
+    for encoding in [Encoding::Map, Encoding::Array] {
+        let batch = epp::decode_batch(&encode_batch(12.5, &events, encoding)).unwrap();
+        assert_eq!(batch.ts, 12.5);
+        assert_eq!(batch.dp_rank, Some(0));
+        assert_eq!(batch.unknown_events, 0);
+        assert_eq!(
+            batch.events,
+            vec![
+                Decoded::BlockStored(epp::BlockStored {
+                    block_hashes: vec![u64::MAX, 3],
+                    parent_block_hash: Some(1 << 63),
+                    token_ids: vec![1, 2, 3, 4, 5, 6, 7, 8],
+                    block_size: 4,
+                    lora_id: Some(2),
+                    medium: Some("GPU".into()),
+                    lora_name: Some("adapter".into()),
+                    group_idx: Some(0),
+                    kv_cache_spec_kind: None,
+                }),
+                Decoded::BlockRemoved {
+                    block_hashes: vec![3],
+                    medium: Some("GPU".into()),
+                    group_idx: Some(0),
+                },
+                Decoded::AllBlocksCleared,
+            ],
+            "{encoding:?}"
+        );
+    }
 }
