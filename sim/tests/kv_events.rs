@@ -385,3 +385,48 @@ fn the_epp_decoder_reads_both_encodings() {
         );
     }
 }
+
+/// The step model publishes through the same cache: after stores and evictions, the events replayed
+/// from 0 rebuild exactly the blocks the pod holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_step_model_publishes_every_store_and_eviction() {
+    let sim = start(
+        Encoding::Map,
+        PodKnobs {
+            engine: sim::EngineModel::Step,
+            ..knobs()
+        },
+    )
+    .await;
+    let kv = sim.kv_endpoints(0).unwrap();
+    // 8 blocks of 4 tokens: the third prompt evicts blocks of the first two.
+    for base in [100, 200, 300] {
+        complete(&sim, 0, &ids(base, 13)).await;
+    }
+    let held: BTreeSet<u64> = sim.cached_block_hashes(0).unwrap().into_iter().collect();
+    assert!(!held.is_empty());
+    let ctx = zmq::Context::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut model = BTreeSet::new();
+        let batches = replay(&ctx, &kv.replay, 0);
+        for (_, _, batch, _) in &batches {
+            apply(&mut model, batch);
+        }
+        let removed = batches.iter().any(|(_, _, b, _)| {
+            b[1].as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["type"] == "BlockRemoved")
+        });
+        if model == held && removed {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "events rebuild {model:?}, the pod holds {held:?} (an eviction seen: {removed})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sim.shutdown().await;
+}
