@@ -272,6 +272,8 @@ fn unknown_event_types_are_skipped_and_counted_and_a_map_envelope_is_accepted() 
                 V::M(vec![
                     ("type", V::S("BlockPinned")),
                     ("block_hashes", ints(&[1])),
+                    // A known name carrying something else in an event we do not know.
+                    ("medium", V::M(vec![("tier", V::U(2))])),
                 ]),
                 V::A(vec![V::S("SomethingNew"), V::U(1), V::A(vec![])]),
                 V::A(vec![V::S("AllBlocksCleared")]),
