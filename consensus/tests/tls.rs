@@ -280,7 +280,11 @@ async fn a_member_writes_only_for_itself() {
             value: "forged".into(),
         })
         .await;
-    assert!(forged.is_err(), "{forged:?}");
+    let refused = format!("{:?}", forged.unwrap_err());
+    assert!(
+        refused.contains(&format!("ClientWrite for node {other}")),
+        "{refused}"
+    );
     let index = cluster.node(leader).local_read(|_| ()).await.1;
     cluster
         .wait_all_applied(index, Duration::from_secs(10))
