@@ -15,7 +15,9 @@
 //!   coalescing deltas; [`BoundedPodState`] with K) — the reference `merge_pod` is tested against;
 //! - [`kvevents`]: the engines' KV-cache events (vLLM, SGLang) as they arrive over ZMQ — frames,
 //!   topics, msgpack batches in every encoding in use, sequence gaps and restarts — for the precise
-//!   index (issue 17; the index itself is not built yet);
+//!   index;
+//! - [`precise`]: the precise index — which blocks each pod's engine holds, rebuilt from those
+//!   events, keyed by our own chain over token ids (engine hashes mapped to our keys);
 //! - [`clock`]: [`Hlc`], the hybrid logical clock (µs since the UNIX epoch) that stamps entries so
 //!   timestamps from different replicas compare.
 //!
@@ -40,8 +42,10 @@ pub mod crdt;
 pub mod hashing;
 mod idhash;
 pub mod kvevents;
+pub mod precise;
 
 pub use approx::{ApproxIndex, PodDigest, PodId, PodMatch, PodState};
 pub use clock::Hlc;
 pub use crdt::{BoundedPodState, NameMismatch};
 pub use hashing::{BlockHasher, block_hashes_of_text, block_hashes_of_tokens};
+pub use precise::{PreciseIndex, PreciseMatch};

@@ -104,6 +104,7 @@ fn bench_profile(c: &mut Criterion, profile: &str, config: &str) {
                     prompt: &p,
                     cache_salt: None,
                     headers: &headers,
+                    tokens: None,
                 };
                 let d = sched.schedule(&r, &cands, &mut rng).unwrap();
                 sched.pre_request(
@@ -124,6 +125,7 @@ fn bench_profile(c: &mut Criterion, profile: &str, config: &str) {
             prompt: &prompt,
             cache_salt: None,
             headers: &headers,
+            tokens: None,
         };
         let d = sched.schedule(&req, &cands, &mut rng).unwrap();
         sched.pre_request(

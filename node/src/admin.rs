@@ -30,6 +30,8 @@ use crate::dataplane::PickerContext;
 #[derive(Debug)]
 pub struct Admin {
     pub ctx: Arc<PickerContext>,
+    /// The KV-event subscriber, when a precise prefix producer runs.
+    pub kv_events: Option<Arc<crate::datalayer::kvevents::Subscriber>>,
     pub cluster: Option<Arc<ClusterMember>>,
     pub token_file: Option<PathBuf>,
 }
@@ -140,6 +142,7 @@ pub async fn run(
         .route("/debug/cluster/probes", get(cluster_probes))
         .route("/debug/cluster/{op}", post(cluster_op))
         .route("/debug/prefix-index", get(prefix_index))
+        .route("/debug/kv-events", get(kv_events_view))
         .route("/debug/scrape", get(scrape_view))
         .route("/debug/flow", get(flow_view))
         .route("/debug/cost-model", get(cost_model_view))
@@ -213,6 +216,27 @@ async fn scrape_view(State(admin): State<Arc<Admin>>) -> axum::response::Respons
         .collect();
     axum::Json(serde_json::json!({
         "owners_per_pod": owners_per_pod, "members": members, "pods": pods,
+    }))
+    .into_response()
+}
+
+/// `GET /debug/kv-events`: every KV-event subscription (endpoint, sequence, counters, blocks
+/// held) and the precise index's size.
+async fn kv_events_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {
+    let (Some(sub), Some(p)) = (&admin.kv_events, &admin.ctx.scheduler.precise) else {
+        return (
+            StatusCode::NOT_FOUND,
+            "no precise-prefix-cache-producer configured",
+        )
+            .into_response();
+    };
+    let (blocks, keys) = {
+        let ix = p.read();
+        (ix.len(), ix.distinct_keys())
+    };
+    axum::Json(serde_json::json!({
+        "index": {"blocks": blocks, "distinct_keys": keys, "untokenized_requests": p.untokenized()},
+        "pods": sub.status(),
     }))
     .into_response()
 }

@@ -179,6 +179,14 @@ pub async fn serve(
         .tcp_nodelay(true)
         .build()
         .map_err(|e| ServeError::Server(format!("http client: {e}")))?;
+    let renderer = built
+        .render
+        .clone()
+        .map(|config| crate::request::tokens::Renderer {
+            config,
+            client: client.clone(),
+            metrics: metrics.clone(),
+        });
     let scraping = Scraping {
         store: store.clone(),
         scrape: Arc::new(ScrapeConfig {
@@ -363,6 +371,14 @@ pub async fn serve(
         _ => None,
     };
 
+    // The precise prefix index's feed: a subscription per pod of the pool.
+    let kv_events = match &built.scheduler.precise {
+        Some(p) => Some(Arc::new(
+            crate::datalayer::kvevents::Subscriber::start(p.clone(), metrics.clone())
+                .map_err(|e| ServeError::Server(format!("kv-event subscriber thread: {e}")))?,
+        )),
+        None => None,
+    };
     let ctx = Arc::new(PickerContext {
         store,
         scheduler: built.scheduler,
@@ -376,6 +392,7 @@ pub async fn serve(
         subset_filter: !opts.disable_subset_filter,
         rewrites,
         relay: relay.as_ref().map(|r| r.sender()),
+        renderer,
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();
@@ -419,9 +436,21 @@ pub async fn serve(
                 .map_err(|e| format!("health server: {e}"))
         });
     }
+    if let (Some(sub), Some(p)) = (&kv_events, &ctx.scheduler.precise) {
+        tasks.spawn(
+            crate::datalayer::kvevents::follow(
+                sub.clone(),
+                ctx.store.clone(),
+                p.params.kv_events_config.clone(),
+                stop.clone(),
+            )
+            .then_ok(),
+        );
+    }
     tasks.spawn({
         let state = Arc::new(Admin {
             ctx: ctx.clone(),
+            kv_events: kv_events.clone(),
             cluster: cluster.clone(),
             token_file: opts.admin_token_file.clone(),
         });

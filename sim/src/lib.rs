@@ -354,7 +354,7 @@ impl Sim {
 
     /// The discovery file for the EPP.
     pub fn pods_yaml(&self) -> String {
-        server::pods_yaml(&self.pods)
+        server::pods_yaml(&self.fleet)
     }
 
     /// Keys of every block in pod `pod`'s prefix cache, sorted (what KV-event subscribers should

@@ -14,6 +14,7 @@ pub mod discovery;
 pub mod endpoint;
 pub mod extract;
 pub mod inflight;
+pub mod kvevents;
 pub mod promtext;
 pub mod scraper;
 pub mod shard;

@@ -34,4 +34,6 @@ pub struct PickerContext {
     /// Cluster mode without cluster-wide flow control: where the settlements of requests this
     /// replica observed but did not hold go (the peers; `cluster::settle`).
     pub relay: Option<tokio::sync::mpsc::Sender<(String, Option<u64>)>>,
+    /// The `vllm_http` token producer: engine tokens for each request before scheduling.
+    pub renderer: Option<crate::request::tokens::Renderer>,
 }

@@ -243,6 +243,9 @@ pub struct RouteInfo {
     pub priority: i32,
     /// The cost model's prediction for the chosen pod, when it ran (the observer learns from it).
     pub cost: Option<Prediction>,
+    /// Prompt tokens the prefix index predicted cached on the chosen pod (the observer compares
+    /// them with what the pod reports).
+    pub cached: Option<u64>,
 }
 
 impl RouteInfo {
@@ -258,6 +261,9 @@ impl RouteInfo {
         if let Some(c) = &self.cost {
             s.push_str(";c=");
             s.push_str(&c.encode());
+        }
+        if let Some(x) = self.cached {
+            s.push_str(&format!(";x={x}"));
         }
         s
     }
@@ -275,6 +281,7 @@ impl RouteInfo {
                 "p" => info.priority = v.parse().ok()?,
                 // Advisory: a malformed prediction is dropped, not the route info.
                 "c" => info.cost = Prediction::decode(v),
+                "x" => info.cached = v.parse().ok(),
                 _ => {}
             }
         }
@@ -349,8 +356,10 @@ mod route_info_tests {
             fairness_id: "tenant é 1".into(),
             priority: -7,
             cost: None,
+            cached: Some(1024),
         };
         let enc = info.encode();
+        assert!(enc.ends_with(";x=1024"), "{enc}");
         assert!(enc.is_ascii() && !enc.contains(' '), "{enc}");
         assert_eq!(RouteInfo::decode(&enc), Some(info));
         assert_eq!(RouteInfo::decode("m=a;p=x"), None);

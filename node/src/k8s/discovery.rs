@@ -229,7 +229,16 @@ pub fn endpoints_of(pods: &[Arc<Pod>], ports: &[u16]) -> Vec<PodEntry> {
         if !ready {
             continue;
         }
-        let labels: BTreeMap<String, String> = meta.labels.clone().unwrap_or_default();
+        let mut labels: BTreeMap<String, String> = meta.labels.clone().unwrap_or_default();
+        // Where the pod publishes KV events: URLs cannot be label values, so annotations.
+        for key in [
+            crate::datalayer::kvevents::ENDPOINT_LABEL,
+            crate::datalayer::kvevents::REPLAY_LABEL,
+        ] {
+            if let Some(v) = meta.annotations.as_ref().and_then(|a| a.get(key)) {
+                labels.insert(key.to_string(), v.clone());
+            }
+        }
         for (rank, port) in ports.iter().enumerate() {
             out.push(PodEntry {
                 name: if ports.len() == 1 {

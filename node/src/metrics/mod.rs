@@ -17,9 +17,11 @@ use prometheus_client::registry::Registry;
 
 mod cluster;
 mod discovery;
+mod kvevents;
 
 pub use cluster::{ClusterMetrics, DirectionLabels, GossipMetrics, PathLabels, ResultLabels};
 pub use discovery::DiscoveryMetrics;
+pub use kvevents::KvEventMetrics;
 
 pub const PREFIX: &str = "llm_d_epp";
 const MAX_LABEL_VALUES: usize = 1000;
@@ -215,6 +217,7 @@ pub struct Metrics {
     pub cluster: ClusterMetrics,
     pub gossip: GossipMetrics,
     pub discovery: DiscoveryMetrics,
+    pub kv_events: KvEventMetrics,
 }
 
 /// Flow-control metrics (llm-d's `flow_control_*`), updated by [`crate::request::admission::local::FlowGate`].
@@ -445,6 +448,7 @@ impl Metrics {
         let cluster = ClusterMetrics::register(&mut registry);
         let gossip = GossipMetrics::register(&mut registry);
         let discovery = DiscoveryMetrics::register(&mut registry);
+        let kv_events = KvEventMetrics::register(&mut registry);
         Metrics {
             registry,
             pool_name: pool_name.to_string(),
@@ -468,6 +472,7 @@ impl Metrics {
             cluster,
             gossip,
             discovery,
+            kv_events,
             disagg_decisions,
             model_rewrites,
             served_by_fallback,

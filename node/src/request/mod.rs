@@ -21,6 +21,7 @@ pub mod meta;
 pub mod parse;
 pub mod reject;
 pub mod rewrite;
+pub mod tokens;
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};

@@ -16,6 +16,7 @@ pub mod kv_cache_scorer;
 pub mod load_scorers;
 pub mod lora_affinity_scorer;
 pub mod max_score_picker;
+pub mod precise;
 pub mod prefix;
 pub mod queue_scorer;
 pub mod random_picker;
@@ -45,6 +46,9 @@ pub struct SchedRequest<'a> {
     pub prompt: &'a Prompt,
     pub cache_salt: Option<&'a str>,
     pub headers: &'a HashMap<String, String>,
+    /// The prompt as the engine tokenizes it, when a token producer backend that has the model's
+    /// tokenizer ran (`vllm_http`); `None` with the tokenizer-free `estimate` backend.
+    pub tokens: Option<&'a [u32]>,
 }
 
 /// Prefix-cache match of the request on every candidate (llm-d's `PrefixCacheMatchInfo`).
@@ -261,6 +265,7 @@ pub(crate) mod testutil {
             prompt: &NO_PROMPT,
             cache_salt: None,
             headers: &NO_HEADERS,
+            tokens: None,
         }
     }
 

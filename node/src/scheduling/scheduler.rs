@@ -85,6 +85,8 @@ pub struct Scheduler {
     pub handler: Handler,
     /// The approximate prefix index, when one runs (its size is a metric).
     pub prefix_index: Option<Arc<super::prefix::ApproxPrefixProducer>>,
+    /// The precise prefix index, when one runs (the KV-event subscriber feeds it).
+    pub precise: Option<Arc<super::precise::PrecisePrefixProducer>>,
     /// The cost model, when one runs (`/debug/cost-model`).
     pub cost_model: Option<Arc<super::cost_model::CostModel>>,
     /// Session-affinity plugins in use (they bind sessions and write tokens back).
@@ -143,7 +145,9 @@ impl Scheduler {
             return Err(SchedError::NoCandidates);
         }
         let mut data = RequestData {
-            prompt_tokens: req.prompt.estimated_tokens() as usize,
+            prompt_tokens: req
+                .tokens
+                .map_or(req.prompt.estimated_tokens() as usize, <[u32]>::len),
             ..RequestData::default()
         };
         for p in &self.producers {

@@ -11,16 +11,15 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 
-use crate::engine::Pod;
 use crate::fleet::Fleet;
 use crate::knobs::KnobsPatch;
 
 use super::*;
 
 /// Renders the discovery file the EPP reads.
-pub fn pods_yaml(pods: &[Arc<Pod>]) -> String {
+pub fn pods_yaml(fleet: &Fleet) -> String {
     let mut out = String::from("pods:\n");
-    for p in pods {
+    for p in &fleet.pods {
         out.push_str(&format!(
             "  - name: {}\n    address: {}\n    port: {}\n    labels:\n      llm-d.ai/engine-type: vllm\n",
             p.name,
@@ -29,6 +28,13 @@ pub fn pods_yaml(pods: &[Arc<Pod>]) -> String {
         ));
         if let Some(role) = &p.role {
             out.push_str(&format!("      llm-d.ai/role: {role}\n"));
+        }
+        // Where the pod publishes its KV events (the EPP's subscriber reads these keys).
+        if let Some(kv) = fleet.kv_endpoints(p.index) {
+            out.push_str(&format!(
+                "      llm-d.ai/kv-events-endpoint: \"{}\"\n      llm-d.ai/kv-events-replay-endpoint: \"{}\"\n",
+                kv.publisher, kv.replay
+            ));
         }
     }
     out
@@ -78,7 +84,7 @@ pub(super) async fn admin_pods(State(fleet): State<Arc<Fleet>>) -> Response {
 pub(super) async fn admin_yaml(State(fleet): State<Arc<Fleet>>) -> Response {
     (
         [(header::CONTENT_TYPE, "application/yaml")],
-        pods_yaml(&fleet.pods),
+        pods_yaml(&fleet),
     )
         .into_response()
 }

@@ -222,6 +222,12 @@ impl StreamState {
         else {
             return;
         };
+        if let (Some(predicted), Some(u)) = (info.cached, usage) {
+            self.ctx
+                .metrics
+                .kv_events
+                .cached_prediction(predicted, u.cached);
+        }
         let ms = |t: Instant| t.saturating_duration_since(self.started).as_secs_f64() * 1000.0;
         self.ctx.scheduler.observed(&Observation {
             pod: &pod,

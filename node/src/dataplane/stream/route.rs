@@ -58,6 +58,11 @@ impl StreamState {
         };
         let t0 = Instant::now();
         let candidates = self.candidates(t0);
+        // Engine tokens, when a token producer with the model's tokenizer is configured.
+        let tokens = match &ctx.renderer {
+            Some(r) => r.tokens(&req, &self.body, &self.key, &candidates).await,
+            None => None,
+        };
         let sched = SchedRequest {
             request_id: &self.key,
             model: &req.model,
@@ -65,6 +70,7 @@ impl StreamState {
             prompt: req.prompt(),
             cache_salt: req.cache_salt(),
             headers: &self.headers,
+            tokens: tokens.as_deref(),
         };
         let decision = match self.schedule(&sched, &candidates, ticket, t0) {
             Ok(d) => d,
@@ -214,6 +220,11 @@ impl StreamState {
             fairness_id: req.meta.fairness_id.clone(),
             priority: req.meta.priority,
             cost: primary.and_then(|i| decision.data.predicted.get(i).copied()),
+            cached: primary.and_then(|i| {
+                let p = decision.data.prefix.as_ref()?;
+                let matched = p.matched.get(i).copied()? * p.block_size;
+                Some(matched.min(decision.data.prompt_tokens) as u64)
+            }),
         };
         let mut set_headers = vec![
             header(DESTINATION_HEADER, &destination),

@@ -12,6 +12,8 @@ pub struct Built {
     /// The in-flight ledger, when a plugin needs one (the response path releases into it).
     pub inflight: Option<Arc<InflightTracker>>,
     pub admission: AdmissionConfig,
+    /// The `vllm_http` token producer, when the request needs engine tokens.
+    pub render: Option<crate::request::tokens::RenderConfig>,
     /// Effective configuration, for the start-up log line.
     pub summary: String,
 }
@@ -224,16 +226,54 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         Plugin::PrefixProducer(p) => Some(p.clone()),
         _ => None,
     });
-    let prefix_index = match configured_prefix {
-        Some(p) => Some(p),
-        None if needs_prefix => Some(Arc::new(ApproxPrefixProducer::new(
+    let precise = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::PrecisePrefix(p) => Some(p.clone()),
+        _ => None,
+    });
+    if precise.is_some() && configured_prefix.is_some() {
+        return Err(ConfigError::invalid(format!(
+            "plugins: `{}` and `{}` both produce the prefix match; configure one",
+            precise::PRODUCER_TYPE,
+            prefix::PRODUCER_TYPE
+        )));
+    }
+    let prefix_index = match (configured_prefix, &precise) {
+        (Some(p), _) => Some(p),
+        (None, None) if needs_prefix => Some(Arc::new(ApproxPrefixProducer::new(
             prefix::ProducerParams::default(),
         ))),
-        None => None,
+        _ => None,
     };
     if let Some(p) = &prefix_index {
         producers.push(p.clone());
     }
+    if let Some(p) = &precise {
+        producers.push(p.clone());
+    }
+    // Engine tokens: the configured token producer's backend; the precise producer cannot match
+    // without them, so it gets the render backend (on the pods) unless one is configured.
+    let configured_tokens = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::TokenProducer(r) => Some(r.clone()),
+        _ => None,
+    });
+    let render = match configured_tokens {
+        Some(Some(r)) => Some(r),
+        Some(None) if precise.is_some() => {
+            tracing::warn!(
+                "{} with the estimate token backend matches nothing: configure token-producer \
+                 with backend vllm_http",
+                precise::PRODUCER_TYPE
+            );
+            None
+        }
+        Some(None) => None,
+        None if precise.is_some() => crate::request::tokens::TokenProducerParams {
+            backend: crate::request::tokens::VLLM_HTTP.into(),
+            ..Default::default()
+        }
+        .render("token-producer")?,
+        None => None,
+    };
     let configured_inflight = instances.iter().find_map(|(_, _, p)| match p {
         Plugin::InflightProducer(p) => Some(p.clone()),
         _ => None,
@@ -345,12 +385,19 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         }
     };
     let summary = format!(
-        "producers=[{}] {} metrics={}://<pod>{} every {}",
+        "producers=[{}] tokens={} {} metrics={}://<pod>{} every {}",
         producers
             .iter()
             .map(|p| p.type_name())
             .collect::<Vec<_>>()
             .join(", "),
+        match &render {
+            Some(r) => format!(
+                "vllm_http({})",
+                r.url.as_deref().unwrap_or("render on the pods")
+            ),
+            None => "estimate".into(),
+        },
         profiles_summary,
         metrics_source.scheme,
         metrics_source.path,
@@ -390,6 +437,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             producers,
             handler,
             prefix_index,
+            precise,
             cost_model,
             sessions,
             prefill_profile,
@@ -397,6 +445,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         metrics_source,
         inflight,
         admission,
+        render,
         summary,
     })
 }

@@ -15,6 +15,7 @@ use serde::Deserialize;
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 use crate::datalayer::inflight::InflightTracker;
 use crate::request::admission::AdmissionConfig;
+use crate::request::tokens;
 use crate::scheduling::cost_model;
 use crate::scheduling::filters::{self, LabelSelectorFilter, UtilizationFilter};
 use crate::scheduling::inflight::{self, InflightProducer};
@@ -24,6 +25,7 @@ use crate::scheduling::load_scorers::{
 };
 use crate::scheduling::lora_affinity_scorer::{self, LoraAffinityScorer};
 use crate::scheduling::max_score_picker::{self, MaxScorePicker};
+use crate::scheduling::precise;
 use crate::scheduling::prefix::{
     self, ApproxPrefixProducer, PrefixAffinityFilter, PrefixCacheScorer,
 };
@@ -51,7 +53,6 @@ pub const PARSERS: [&str; 4] = [
 /// llm-d plugin types this build recognises but does not implement yet: a config naming one fails
 /// with a message saying so, rather than "unknown type".
 const NOT_YET: &[&str] = &[
-    "precise-prefix-cache-producer",
     "load-aware-scorer",
     "no-hit-lru-scorer",
     "session-id-producer",
@@ -79,8 +80,10 @@ pub enum Plugin {
     /// `cost-model-producer`.
     CostModel(Arc<cost_model::CostModel>),
     InflightProducer(inflight::InflightParams),
-    /// `token-producer` (estimate backend: the count comes from the prompt's estimate tokens).
-    TokenProducer,
+    /// `token-producer`: `None` for the estimate backend, else the render backend.
+    TokenProducer(Option<crate::request::tokens::RenderConfig>),
+    /// `precise-prefix-cache-producer`.
+    PrecisePrefix(Arc<precise::PrecisePrefixProducer>),
     ProfileHandler(HandlerSpec),
     /// A P/D decider of `disagg-profile-handler`.
     Decider(PdDecider),
@@ -155,18 +158,6 @@ pub struct ExtractorParams {
     pub engine_label_key: Option<String>,
 }
 
-/// `token-producer` parameters: only the tokenizer-free `estimate` backend exists here.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct TokenProducerParams {
-    #[serde(default = "estimate")]
-    pub backend: String,
-}
-
-fn estimate() -> String {
-    "estimate".into()
-}
-
 /// Construct one plugin by llm-d type name. `path` locates its parameters for error messages.
 pub fn construct(
     type_name: &str,
@@ -237,15 +228,14 @@ pub fn construct(
                 type_name, &p, path,
             )?))
         }
-        "token-producer" => {
-            let p: TokenProducerParams = params(parameters, path)?;
-            if p.backend != "estimate" {
-                return Err(ConfigError::Field {
-                    path: format!("{path}.backend"),
-                    message: format!("backend `{}` is not supported (only estimate)", p.backend),
-                });
-            }
-            Plugin::TokenProducer
+        tokens::TYPE => {
+            let p: tokens::TokenProducerParams = params(parameters, path)?;
+            Plugin::TokenProducer(p.render(path)?)
+        }
+        precise::PRODUCER_TYPE => {
+            let p: precise::PreciseParams = params(parameters, path)?;
+            p.validate(path)?;
+            Plugin::PrecisePrefix(Arc::new(precise::PrecisePrefixProducer::new(p)))
         }
         filters::LABEL_SELECTOR_TYPE => Plugin::Filter(Arc::new(LabelSelectorFilter {
             params: params(parameters, path)?,

@@ -1,0 +1,160 @@
+//! The EPP's KV-event subscriber against the simulator's publisher (its real PUB and replay
+//! ROUTER sockets): joining a stream mid-way replays what came before, evictions and restarts
+//! reach the index, and a pod without a replay socket is followed from where it joined.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use index::precise::chain_full_blocks;
+use node::datalayer::kvevents::{Subscriber, Target};
+use node::metrics::Metrics;
+use node::scheduling::precise::{PreciseParams, PrecisePrefixProducer, root};
+use sim::kvevents::{Command, KvEvent, Publisher};
+use sim::{Encoding, KvEventsConfig};
+
+const BS: usize = 4;
+
+/// Batch `i`: one block of 4 tokens chained from batch `i - 1`'s (engine hash `100 + i`).
+fn stored(i: u64) -> KvEvent {
+    KvEvent::BlockStored {
+        block_hashes: vec![100 + i],
+        parent_block_hash: i.checked_sub(1).map(|p| 100 + p),
+        token_ids: tokens_of(i),
+        block_size: BS,
+        lora_id: None,
+        lora_name: None,
+    }
+}
+
+fn tokens_of(i: u64) -> Vec<u32> {
+    (0..BS as u32).map(|t| i as u32 * 10 + t).collect()
+}
+
+/// Our keys of the chain of batches `0..n`.
+fn keys(n: u64) -> Vec<u64> {
+    let tokens: Vec<u32> = (0..n).flat_map(tokens_of).collect();
+    let mut out = Vec::new();
+    chain_full_blocks(root("m"), &tokens, BS, &mut out);
+    out
+}
+
+fn wait(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn held(p: &PrecisePrefixProducer, pod: &str) -> Vec<u64> {
+    let ix = p.read();
+    ix.pod_id(pod)
+        .map(|id| ix.held_keys(id))
+        .unwrap_or_default()
+}
+
+fn sorted(mut v: Vec<u64>) -> Vec<u64> {
+    v.sort_unstable();
+    v
+}
+
+fn publisher(encoding: Encoding) -> Publisher {
+    let cfg = KvEventsConfig {
+        encoding,
+        ..KvEventsConfig::default()
+    };
+    Publisher::start(
+        &cfg,
+        "127.0.0.1".parse().unwrap(),
+        vec!["kv@pod@m".to_string()],
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_late_subscriber_replays_the_past_then_follows_evictions_and_restarts() {
+    for encoding in [Encoding::Map, Encoding::Array] {
+        let publisher = publisher(encoding);
+        let tx = publisher.sender().unwrap();
+        let send = |events: Vec<KvEvent>| tx.send(Command::Publish { pod: 0, events }).unwrap();
+        // Five batches before anyone listens.
+        for i in 0..5 {
+            send(vec![stored(i)]);
+        }
+        let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
+        let sub = Subscriber::start(producer.clone(), Arc::new(Metrics::new("p"))).unwrap();
+        let ep = &publisher.endpoints[0];
+        sub.set_targets(vec![Target {
+            pod: "pod".into(),
+            endpoint: ep.publisher.clone(),
+            replay: Some(ep.replay.clone()),
+        }]);
+        // Keep publishing until the subscriber sees the live stream: its first message is a gap
+        // (seq > 0), which the replay fills from 0.
+        let mut n = 5;
+        wait("the subscriber to catch up", || {
+            send(vec![stored(n)]);
+            n += 1;
+            std::thread::sleep(Duration::from_millis(20));
+            held(&producer, "pod") == sorted(keys(n))
+        });
+        // (The status is published every 250 ms.)
+        wait("the status", || sub.status()["pod"].last_seq == Some(n - 1));
+        let st = sub.status()["pod"].clone();
+        assert!(st.gaps >= 1 && st.replayed >= 5, "{st:?}");
+        assert_eq!(st.resyncs, 0, "{st:?}");
+        // The engine evicts the first block: the prefix run is gone for every request.
+        send(vec![KvEvent::BlockRemoved {
+            block_hashes: vec![100],
+        }]);
+        wait("the eviction", || {
+            held(&producer, "pod").len() as u64 == n - 1
+        });
+        // The engine restarts: sequence back to 0, cache empty, one new block.
+        tx.send(Command::Reset { pod: 0 }).unwrap();
+        send(vec![stored(0)]);
+        wait("the restart", || held(&producer, "pod") == keys(1));
+        wait("the restart's status", || sub.status()["pod"].restarts == 1);
+        // Unsubscribed: the pod's blocks are forgotten.
+        sub.set_targets(vec![]);
+        wait("the unsubscription", || producer.read().is_empty());
+    }
+}
+
+#[test]
+fn without_a_replay_socket_a_gap_resyncs_the_pod() {
+    let publisher = publisher(Encoding::Map);
+    let tx = publisher.sender().unwrap();
+    let send = |events: Vec<KvEvent>| tx.send(Command::Publish { pod: 0, events }).unwrap();
+    send(vec![stored(0)]);
+    let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
+    let sub = Subscriber::start(producer.clone(), Arc::new(Metrics::new("p"))).unwrap();
+    sub.set_targets(vec![Target {
+        pod: "pod".into(),
+        endpoint: publisher.endpoints[0].publisher.clone(),
+        replay: None,
+    }]);
+    // Joined mid-stream without replay: what came before is unknown, so a block whose parent it
+    // never saw is an orphan; a root block (no parent) is indexed.
+    let mut n = 1;
+    wait("the live stream", || {
+        send(vec![stored(n)]);
+        n += 1;
+        std::thread::sleep(Duration::from_millis(20));
+        sub.status().get("pod").is_some_and(|s| s.applied > 0)
+    });
+    send(vec![KvEvent::BlockStored {
+        block_hashes: vec![7],
+        parent_block_hash: None,
+        token_ids: tokens_of(0),
+        block_size: BS,
+        lora_id: None,
+        lora_name: None,
+    }]);
+    wait("the root block", || held(&producer, "pod") == keys(1));
+    wait("the status", || sub.status()["pod"].blocks == 1);
+    let st = sub.status()["pod"].clone();
+    assert!(st.gaps >= 1, "{st:?}");
+    assert_eq!(st.replayed, 0, "{st:?}");
+}

@@ -1,0 +1,610 @@
+//! The KV-event subscriber: one ZMQ SUB socket per pod (and a DEALER for its replay socket),
+//! feeding the precise prefix index.
+//!
+//! Where a pod publishes: its label (or, from Kubernetes, annotation) `llm-d.ai/kv-events-endpoint`
+//! (and `llm-d.ai/kv-events-replay-endpoint`), else llm-d's pod discovery:
+//! `tcp://<pod IP>:<socketPort>` (replay on `replayPort` when configured). A task follows the
+//! pool ([`follow`]) and hands the subscription set to the thread that owns every socket (ZMQ
+//! sockets are not thread-safe), which polls them, decodes each batch
+//! ([`index::kvevents`]) and applies it under the index's write lock, one message at a time.
+//!
+//! Per pod the thread tracks the publisher's sequence:
+//! - in order → apply;
+//! - a gap (the first batches after a connect are lost by design, and any beyond the high-water
+//!   mark) → ask the replay socket for the missing batches, hold live ones meanwhile (bounded),
+//!   apply the replayed ones in order, then the held ones; when the pod has no replay socket, the
+//!   replay does not go back far enough, or it does not answer in time, the pod is *resynced*:
+//!   its entries are dropped (a stale entry routes to a pod that no longer holds the blocks; a
+//!   missing one only costs a hit) and the stream is followed from there;
+//! - backwards (the publisher restarted: its cache is empty) → drop the pod's entries, then as a
+//!   new publisher.
+//!
+//! A pod flooding events cannot starve the others or routing: each poll round reads at most
+//! [`BUDGET`] messages per pod, the SUB socket's high-water mark bounds what waits in ZMQ, and
+//! index writes are one batch each. Garbage is counted and dropped.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use index::kvevents::{self, Replay};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use super::endpoint::Endpoint;
+use super::store::Datastore;
+use crate::metrics::Metrics;
+use crate::scheduling::precise::{KvEventsParams, PrecisePrefixProducer};
+
+/// Label (or annotation) naming a pod's KV-event PUB endpoint.
+pub const ENDPOINT_LABEL: &str = "llm-d.ai/kv-events-endpoint";
+/// Label (or annotation) naming a pod's replay ROUTER endpoint.
+pub const REPLAY_LABEL: &str = "llm-d.ai/kv-events-replay-endpoint";
+
+/// Messages read from one pod per poll round.
+pub const BUDGET: usize = 256;
+/// Live messages held per pod while a replay runs; past it the replay is abandoned (resync).
+const BACKLOG: usize = 4096;
+/// How long a replay may take before the pod is resynced instead.
+const REPLAY_DEADLINE: Duration = Duration::from_secs(2);
+/// After a replay failed, gaps resync directly for this long (a pod whose replay socket is down
+/// is not asked on every gap).
+const REPLAY_COOLDOWN: Duration = Duration::from_secs(5);
+/// SUB receive high-water mark (messages).
+const RCVHWM: i32 = 10_000;
+const POLL_MS: i64 = 20;
+
+/// One pod's stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// The pod as the index and the candidates name it (`ip:port`).
+    pub pod: String,
+    pub endpoint: String,
+    pub replay: Option<String>,
+}
+
+fn host(ip: std::net::IpAddr) -> String {
+    match ip {
+        std::net::IpAddr::V4(v4) => v4.to_string(),
+        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+    }
+}
+
+/// Where each endpoint publishes, by label or by llm-d's pod discovery.
+pub fn targets(endpoints: &[Arc<Endpoint>], params: &KvEventsParams) -> Vec<Target> {
+    let d = &params.pod_discovery_config;
+    let mut out: Vec<Target> = endpoints
+        .iter()
+        .filter_map(|e| {
+            let endpoint = e.labels.get(ENDPOINT_LABEL).cloned().or_else(|| {
+                params
+                    .discover_pods
+                    .then(|| format!("tcp://{}:{}", host(e.addr.ip()), d.socket_port))
+            })?;
+            let replay = e.labels.get(REPLAY_LABEL).cloned().or_else(|| {
+                d.replay_port
+                    .map(|p| format!("tcp://{}:{p}", host(e.addr.ip())))
+            });
+            Some(Target {
+                pod: e.hostport.clone(),
+                endpoint,
+                replay,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.pod.cmp(&b.pod));
+    out
+}
+
+/// What `/debug/kv-events` shows of one subscription.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PodStatus {
+    pub endpoint: String,
+    pub replay: Option<String>,
+    pub model: String,
+    pub last_seq: Option<u64>,
+    pub applied: u64,
+    pub replayed: u64,
+    pub garbage: u64,
+    pub gaps: u64,
+    pub resyncs: u64,
+    pub restarts: u64,
+    pub replaying: bool,
+    pub blocks: usize,
+    /// Seconds since the last message (None before the first).
+    pub idle_s: Option<f64>,
+}
+
+/// The running subscriber; dropping it stops the thread.
+pub struct Subscriber {
+    tx: mpsc::Sender<Vec<Target>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    status: Arc<Mutex<BTreeMap<String, PodStatus>>>,
+}
+
+impl std::fmt::Debug for Subscriber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscriber").finish_non_exhaustive()
+    }
+}
+
+impl Subscriber {
+    pub fn start(
+        producer: Arc<PrecisePrefixProducer>,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<Subscriber> {
+        let (tx, rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let status = Arc::new(Mutex::new(BTreeMap::new()));
+        let thread = {
+            let (stop, status) = (stop.clone(), status.clone());
+            std::thread::Builder::new()
+                .name("kv-events".into())
+                .spawn(move || {
+                    Thread {
+                        ctx: zmq::Context::new(),
+                        subs: Vec::new(),
+                        producer,
+                        metrics,
+                        status,
+                        rounds: 0,
+                    }
+                    .run(&rx, &stop)
+                })?
+        };
+        Ok(Subscriber {
+            tx,
+            stop,
+            thread: Some(thread),
+            status,
+        })
+    }
+
+    /// Subscribe to exactly these streams.
+    pub fn set_targets(&self, targets: Vec<Target>) {
+        let _ = self.tx.send(targets);
+    }
+
+    /// Every subscription's state, by pod.
+    pub fn status(&self) -> BTreeMap<String, PodStatus> {
+        self.status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Follow the pool: every second, the subscription set from the datastore's endpoints.
+pub async fn follow(
+    sub: Arc<Subscriber>,
+    store: Arc<Datastore>,
+    params: KvEventsParams,
+    stop: CancellationToken,
+) {
+    let mut last: Option<Vec<Target>> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let now = targets(&store.endpoints(), &params);
+        if last.as_ref() != Some(&now) {
+            sub.set_targets(now.clone());
+            last = Some(now);
+        }
+    }
+}
+
+struct Replaying {
+    deadline: Instant,
+    /// Whether a replayed batch arrived yet.
+    got_any: bool,
+    /// Live messages held meanwhile: (seq, topic, payload).
+    backlog: VecDeque<(u64, Vec<u8>, Vec<u8>)>,
+}
+
+struct Sub {
+    target: Target,
+    sub: zmq::Socket,
+    dealer: Option<zmq::Socket>,
+    /// The last sequence number applied.
+    last: Option<u64>,
+    /// Whether the index holds anything from this stream (a resync has something to drop).
+    has_state: bool,
+    replaying: Option<Replaying>,
+    cooldown_until: Option<Instant>,
+    status: PodStatus,
+    last_message: Option<Instant>,
+}
+
+struct Thread {
+    ctx: zmq::Context,
+    subs: Vec<Sub>,
+    producer: Arc<PrecisePrefixProducer>,
+    metrics: Arc<Metrics>,
+    status: Arc<Mutex<BTreeMap<String, PodStatus>>>,
+    /// Status publications so far.
+    rounds: u64,
+}
+
+impl Thread {
+    fn run(mut self, rx: &mpsc::Receiver<Vec<Target>>, stop: &AtomicBool) {
+        let mut published = Instant::now();
+        while !stop.load(Ordering::Relaxed) {
+            let mut latest = None;
+            while let Ok(t) = rx.try_recv() {
+                latest = Some(t);
+            }
+            if let Some(t) = latest {
+                self.reconcile(t);
+            }
+            if self.subs.is_empty() {
+                std::thread::sleep(Duration::from_millis(POLL_MS as u64));
+            } else {
+                self.poll_round();
+            }
+            self.check_deadlines();
+            if published.elapsed() >= Duration::from_millis(250) {
+                self.publish_status();
+                published = Instant::now();
+            }
+        }
+    }
+
+    fn reconcile(&mut self, targets: Vec<Target>) {
+        // Gone, or moved to another endpoint: unsubscribe and forget the pod's blocks.
+        self.subs.retain(|s| {
+            let keep = targets.contains(&s.target);
+            if !keep {
+                self.producer.remove(&s.target.pod);
+                self.metrics.kv_events.forget_pod(&s.target.pod);
+                tracing::info!(pod = %s.target.pod, "kv events: unsubscribed");
+            }
+            keep
+        });
+        for t in targets {
+            if self.subs.iter().any(|s| s.target == t) {
+                continue;
+            }
+            match self.connect(&t) {
+                Ok(sub) => {
+                    tracing::info!(pod = %t.pod, endpoint = %t.endpoint, replay = ?t.replay, "kv events: subscribed");
+                    self.subs.push(sub);
+                }
+                Err(e) => {
+                    tracing::warn!(pod = %t.pod, endpoint = %t.endpoint, error = %e, "kv events: cannot subscribe");
+                }
+            }
+        }
+        self.publish_status();
+    }
+
+    fn connect(&self, t: &Target) -> Result<Sub, zmq::Error> {
+        let sub = self.ctx.socket(zmq::SUB)?;
+        sub.set_rcvhwm(RCVHWM)?;
+        sub.set_linger(0)?;
+        sub.set_subscribe(
+            self.producer
+                .params
+                .kv_events_config
+                .topic_filter
+                .as_bytes(),
+        )?;
+        sub.connect(&t.endpoint)?;
+        let dealer = match &t.replay {
+            Some(r) => {
+                let d = self.ctx.socket(zmq::DEALER)?;
+                d.set_linger(0)?;
+                d.set_sndhwm(16)?;
+                d.connect(r)?;
+                Some(d)
+            }
+            None => None,
+        };
+        Ok(Sub {
+            status: PodStatus {
+                endpoint: t.endpoint.clone(),
+                replay: t.replay.clone(),
+                ..PodStatus::default()
+            },
+            target: t.clone(),
+            sub,
+            dealer,
+            last: None,
+            has_state: false,
+            replaying: None,
+            cooldown_until: None,
+            last_message: None,
+        })
+    }
+
+    fn poll_round(&mut self) {
+        // Which sockets are readable: SUB then DEALER for each pod.
+        let ready: Vec<(bool, bool)> = {
+            let mut items = Vec::with_capacity(self.subs.len() * 2);
+            for s in &self.subs {
+                items.push(s.sub.as_poll_item(zmq::POLLIN));
+                if let Some(d) = &s.dealer {
+                    items.push(d.as_poll_item(zmq::POLLIN));
+                }
+            }
+            if zmq::poll(&mut items, POLL_MS).is_err() {
+                return;
+            }
+            let mut k = 0;
+            self.subs
+                .iter()
+                .map(|s| {
+                    let live = items[k].is_readable();
+                    k += 1;
+                    let replay = s.dealer.is_some() && {
+                        k += 1;
+                        items[k - 1].is_readable()
+                    };
+                    (live, replay)
+                })
+                .collect()
+        };
+        for (i, (live, replay)) in ready.into_iter().enumerate() {
+            if replay {
+                self.drain_replay(i);
+            }
+            if live {
+                self.drain_live(i);
+            }
+        }
+    }
+
+    fn drain_live(&mut self, i: usize) {
+        for _ in 0..BUDGET {
+            let Ok(frames) = self.subs[i].sub.recv_multipart(zmq::DONTWAIT) else {
+                return;
+            };
+            self.subs[i].last_message = Some(Instant::now());
+            match kvevents::parse_live(&frames) {
+                Ok(m) => {
+                    let (seq, topic, payload) = (m.seq, m.topic.to_vec(), m.payload.to_vec());
+                    self.on_live(i, seq, topic, payload);
+                }
+                Err(e) => self.garbage(i, &e),
+            }
+        }
+    }
+
+    fn drain_replay(&mut self, i: usize) {
+        for _ in 0..BUDGET {
+            let Some(d) = &self.subs[i].dealer else {
+                return;
+            };
+            let Ok(frames) = d.recv_multipart(zmq::DONTWAIT) else {
+                return;
+            };
+            match kvevents::parse_replay(&frames) {
+                Ok(Replay::Batch(m)) => {
+                    let (seq, topic, payload) = (m.seq, m.topic.to_vec(), m.payload.to_vec());
+                    self.on_replayed(i, seq, &topic, &payload);
+                }
+                Ok(Replay::End) => self.finish_replay(i, false),
+                Err(e) => self.garbage(i, &e),
+            }
+        }
+    }
+
+    fn garbage(&mut self, i: usize, e: &kvevents::Error) {
+        let s = &mut self.subs[i];
+        s.status.garbage += 1;
+        self.metrics.kv_events.messages(&s.target.pod, "garbage", 1);
+        tracing::debug!(pod = %s.target.pod, error = %e, "kv events: garbage dropped");
+    }
+
+    fn on_live(&mut self, i: usize, seq: u64, topic: Vec<u8>, payload: Vec<u8>) {
+        let s = &mut self.subs[i];
+        if let Some(r) = &mut s.replaying {
+            if r.backlog.len() >= BACKLOG {
+                self.metrics
+                    .kv_events
+                    .messages(&s.target.pod, "overflow", 1);
+                // The replay can no longer bring the stream up to date without this message.
+                self.finish_replay(i, true);
+                return self.on_live(i, seq, topic, payload);
+            }
+            r.backlog.push_back((seq, topic, payload));
+            return;
+        }
+        match s.last {
+            None if seq == 0 => self.apply(i, seq, &topic, &payload, "applied"),
+            Some(l) if seq == l.wrapping_add(1) => self.apply(i, seq, &topic, &payload, "applied"),
+            Some(l) if seq <= l => {
+                // The publisher restarted: its cache is empty.
+                s.status.restarts += 1;
+                self.metrics.kv_events.recovery(&s.target.pod, "restart");
+                self.producer.clear(&s.target.pod);
+                s.has_state = false;
+                s.last = None;
+                self.on_live(i, seq, topic, payload);
+            }
+            _ => {
+                let from = s.last.map_or(0, |l| l + 1);
+                self.gap(i, from, seq, topic, payload);
+            }
+        }
+    }
+
+    /// Batches `from..seq` are missing; `seq` arrived.
+    fn gap(&mut self, i: usize, from: u64, seq: u64, topic: Vec<u8>, payload: Vec<u8>) {
+        let s = &mut self.subs[i];
+        s.status.gaps += 1;
+        self.metrics.kv_events.recovery(&s.target.pod, "gap");
+        let cooled = s.cooldown_until.is_none_or(|t| Instant::now() >= t);
+        if let Some(d) = s.dealer.as_ref().filter(|_| cooled) {
+            let frames: [&[u8]; 2] = [b"", &from.to_be_bytes()];
+            if d.send_multipart(frames, zmq::DONTWAIT).is_ok() {
+                let mut backlog = VecDeque::new();
+                backlog.push_back((seq, topic, payload));
+                s.replaying = Some(Replaying {
+                    deadline: Instant::now() + REPLAY_DEADLINE,
+                    got_any: false,
+                    backlog,
+                });
+                return;
+            }
+        }
+        self.resync(i);
+        self.apply(i, seq, &topic, &payload, "applied");
+    }
+
+    /// What we hold of this pod may be stale beyond repair: drop it, follow from here.
+    fn resync(&mut self, i: usize) {
+        let s = &mut self.subs[i];
+        if s.has_state {
+            s.status.resyncs += 1;
+            self.metrics.kv_events.recovery(&s.target.pod, "resync");
+            self.producer.clear(&s.target.pod);
+            s.has_state = false;
+        }
+    }
+
+    fn on_replayed(&mut self, i: usize, seq: u64, topic: &[u8], payload: &[u8]) {
+        let s = &mut self.subs[i];
+        let Some(r) = &mut s.replaying else {
+            return; // a late answer to an abandoned replay
+        };
+        let first = !r.got_any;
+        r.got_any = true;
+        let expected = s.last.map_or(0, |l| l + 1);
+        if seq < expected {
+            self.metrics
+                .kv_events
+                .messages(&s.target.pod, "duplicate", 1);
+            return;
+        }
+        if seq > expected {
+            // The publisher's ring does not reach back to what we missed.
+            if !first {
+                tracing::debug!(pod = %s.target.pod, seq, expected, "kv events: hole inside a replay");
+            }
+            self.resync(i);
+        }
+        self.apply(i, seq, topic, payload, "replayed");
+    }
+
+    /// The replay ended (or was abandoned): apply what was held meanwhile.
+    fn finish_replay(&mut self, i: usize, abandoned: bool) {
+        let s = &mut self.subs[i];
+        let Some(r) = s.replaying.take() else { return };
+        if abandoned || !r.got_any {
+            s.cooldown_until = Some(Instant::now() + REPLAY_COOLDOWN);
+        } else {
+            self.metrics.kv_events.recovery(&s.target.pod, "replayed");
+        }
+        let mut backlog = r.backlog;
+        // Whatever the replay did not cover is gone: take the held stream from its first message.
+        if let Some((first, _, _)) = backlog.front()
+            && s.last.is_none_or(|l| *first > l + 1)
+        {
+            let first = *first;
+            self.resync(i);
+            self.subs[i].last = first.checked_sub(1);
+        }
+        while let Some((seq, topic, payload)) = backlog.pop_front() {
+            let s = &self.subs[i];
+            if s.replaying.is_some() {
+                // A new gap inside the backlog started another replay: hold the rest again.
+                if let Some(r) = &mut self.subs[i].replaying {
+                    r.backlog.push_back((seq, topic, payload));
+                }
+                continue;
+            }
+            if s.last.is_some_and(|l| seq <= l) {
+                self.metrics
+                    .kv_events
+                    .messages(&s.target.pod, "duplicate", 1);
+                continue;
+            }
+            self.on_live(i, seq, topic, payload);
+        }
+    }
+
+    fn check_deadlines(&mut self) {
+        let now = Instant::now();
+        for i in 0..self.subs.len() {
+            if self.subs[i]
+                .replaying
+                .as_ref()
+                .is_some_and(|r| now >= r.deadline)
+            {
+                tracing::debug!(pod = %self.subs[i].target.pod, "kv events: replay timed out");
+                self.finish_replay(i, true);
+            }
+        }
+    }
+
+    fn apply(&mut self, i: usize, seq: u64, topic: &[u8], payload: &[u8], outcome: &'static str) {
+        let s = &mut self.subs[i];
+        s.last = Some(seq);
+        let batch = match kvevents::decode_batch(payload) {
+            Ok(b) => b,
+            Err(e) => {
+                // The sequence number is consumed either way: the batch is lost, like a gap
+                // that nothing can fill.
+                s.status.garbage += 1;
+                self.metrics.kv_events.messages(&s.target.pod, "garbage", 1);
+                tracing::debug!(pod = %s.target.pod, error = %e, "kv events: undecodable batch");
+                self.resync(i);
+                return;
+            }
+        };
+        let model = kvevents::parse_topic(topic)
+            .map(|t| t.model)
+            .filter(|m| !m.is_empty())
+            .or_else(|| (!s.status.model.is_empty()).then_some(s.status.model.as_str()))
+            .or(self.producer.params.model_name())
+            .unwrap_or("")
+            .to_string();
+        let applied = self.producer.apply(&s.target.pod, &model, &batch.events);
+        s.status.model = model;
+        s.has_state |= applied.stored > 0;
+        if outcome == "replayed" {
+            s.status.replayed += 1;
+        } else {
+            s.status.applied += 1;
+        }
+        self.metrics.kv_events.messages(&s.target.pod, outcome, 1);
+        self.metrics.kv_events.blocks(&s.target.pod, &applied);
+    }
+
+    fn publish_status(&mut self) {
+        let now = Instant::now();
+        self.rounds += 1;
+        let ix = self.producer.read();
+        let mut out = BTreeMap::new();
+        for s in &mut self.subs {
+            s.status.last_seq = s.last;
+            s.status.replaying = s.replaying.is_some();
+            s.status.blocks = ix.pod_id(&s.target.pod).map_or(0, |id| ix.pod_len(id));
+            s.status.idle_s = s.last_message.map(|t| (now - t).as_secs_f64());
+            out.insert(s.target.pod.clone(), s.status.clone());
+        }
+        // Sizing walks the whole index: every 20th status (5 s).
+        if self.rounds % 20 == 1 {
+            self.metrics
+                .kv_events
+                .set_index(self.subs.len(), ix.len(), ix.approx_heap_bytes());
+        }
+        drop(ix);
+        *self.status.lock().unwrap_or_else(|p| p.into_inner()) = out;
+    }
+}

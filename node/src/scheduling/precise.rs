@@ -1,0 +1,414 @@
+//! `precise-prefix-cache-producer`: the prefix match from what each engine *reports* it holds.
+//!
+//! The index ([`index::PreciseIndex`]) is fed by the KV-event subscriber
+//! ([`crate::datalayer::kvevents`]); per request the producer hashes the prompt's engine tokens
+//! (from the token producer, or a pre-tokenized prompt) into the same key chain and writes the
+//! per-candidate match as `PrefixMatchInfo`, which `prefix-cache-scorer`, the affinity filter, the
+//! P/D decider and the cost model read unchanged. Without engine tokens (the `estimate` token
+//! backend) nothing can match: the producer reports zero matches and counts the request.
+//!
+//! Parameters are llm-d's (`tokenProcessorConfig`, `indexerConfig`, `kvEventsConfig`); the key
+//! chain uses each pod's engine block size from its events (`tokenProcessorConfig.blockSize` is
+//! only the fallback before the first event), and the index lives in this process, so
+//! `indexerConfig` (tokenizer pools, external index backends) is accepted and not used except
+//! `tokenizersPoolConfig.modelName` (the model of pods whose topic names none).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use index::kvevents::KvEvent;
+use index::precise::{Applied, chain_full_blocks};
+use index::{BlockHasher, PreciseIndex, PreciseMatch};
+use serde::Deserialize;
+
+use super::{PrefixMatchInfo, Producer, RequestData, SchedRequest};
+use crate::config::ConfigError;
+use crate::datalayer::store::Candidate;
+use crate::request::parse::Prompt;
+
+pub const PRODUCER_TYPE: &str = "precise-prefix-cache-producer";
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TokenProcessorConfig {
+    #[serde(default = "d_block")]
+    pub block_size: usize,
+    /// llm-d's root-hash seed; our keys are private to this process, so it changes nothing.
+    #[serde(default)]
+    pub hash_seed: String,
+}
+
+fn d_block() -> usize {
+    16
+}
+
+impl Default for TokenProcessorConfig {
+    fn default() -> Self {
+        TokenProcessorConfig {
+            block_size: d_block(),
+            hash_seed: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PodDiscoveryConfig {
+    /// The pods' PUB port (`tcp://<pod IP>:<socketPort>`).
+    #[serde(default = "d_socket_port")]
+    pub socket_port: u16,
+    /// The pods' replay ROUTER port; none = no replay (gaps resync the pod).
+    #[serde(default)]
+    pub replay_port: Option<u16>,
+}
+
+fn d_socket_port() -> u16 {
+    5557
+}
+
+impl Default for PodDiscoveryConfig {
+    fn default() -> Self {
+        PodDiscoveryConfig {
+            socket_port: d_socket_port(),
+            replay_port: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct KvEventsParams {
+    /// Centralized mode's bind address (pods connect to the EPP); see `discoverPods`.
+    #[serde(default)]
+    pub zmq_endpoint: Option<String>,
+    #[serde(default = "d_topic")]
+    pub topic_filter: String,
+    /// llm-d's worker count; one thread here serves every subscription.
+    #[serde(default)]
+    pub concurrency: Option<usize>,
+    /// Subscribe to each pod of the pool (the only mode this build implements).
+    #[serde(default = "d_true")]
+    pub discover_pods: bool,
+    #[serde(default)]
+    pub pod_discovery_config: PodDiscoveryConfig,
+    /// `vllm` or `sglang`: both publish the same frames; the decoder takes either.
+    #[serde(default)]
+    pub engine_type: Option<String>,
+}
+
+fn d_topic() -> String {
+    "kv@".into()
+}
+fn d_true() -> bool {
+    true
+}
+
+impl Default for KvEventsParams {
+    fn default() -> Self {
+        KvEventsParams {
+            zmq_endpoint: None,
+            topic_filter: d_topic(),
+            concurrency: None,
+            discover_pods: true,
+            pod_discovery_config: PodDiscoveryConfig::default(),
+            engine_type: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PreciseParams {
+    #[serde(default)]
+    pub token_processor_config: TokenProcessorConfig,
+    #[serde(default)]
+    pub indexer_config: Option<serde_json::Value>,
+    #[serde(default)]
+    pub kv_events_config: KvEventsParams,
+    #[serde(default)]
+    pub speculative_indexing: bool,
+    #[serde(default, rename = "speculativeTTL")]
+    pub speculative_ttl: Option<String>,
+}
+
+impl PreciseParams {
+    /// Refuse what this build does not do rather than ignore it.
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        let field = |f: &str, message: String| ConfigError::Field {
+            path: format!("{path}.{f}"),
+            message,
+        };
+        let speculative_in_indexer = self
+            .indexer_config
+            .as_ref()
+            .and_then(|v| v.get("speculativeIndexing"))
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false);
+        if self.speculative_indexing || speculative_in_indexer {
+            return Err(field(
+                "speculativeIndexing",
+                "speculative indexing is not implemented by this build yet".into(),
+            ));
+        }
+        if !self.kv_events_config.discover_pods {
+            return Err(field(
+                "kvEventsConfig.discoverPods",
+                "only per-pod subscriptions (discoverPods: true) are implemented; centralized \
+                 mode (pods connecting to zmqEndpoint) is not yet"
+                    .into(),
+            ));
+        }
+        let bs = self.token_processor_config.block_size;
+        if bs == 0 || bs > index::hashing::MAX_BLOCK_SIZE {
+            return Err(field(
+                "tokenProcessorConfig.blockSize",
+                format!(
+                    "block size {bs} is outside 1..={}",
+                    index::hashing::MAX_BLOCK_SIZE
+                ),
+            ));
+        }
+        if let Some(e) = &self.kv_events_config.engine_type
+            && !["vllm", "sglang"].contains(&e.as_str())
+        {
+            return Err(field(
+                "kvEventsConfig.engineType",
+                format!("engine type `{e}` is not vllm or sglang"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `indexerConfig.tokenizersPoolConfig.modelName`: the model of pods whose topic names none.
+    pub fn model_name(&self) -> Option<&str> {
+        self.indexer_config
+            .as_ref()?
+            .get("tokenizersPoolConfig")?
+            .get("modelName")?
+            .as_str()
+            .filter(|m| !m.is_empty())
+    }
+}
+
+/// The root of a key chain: the effective model's seed (the adapter's name for LoRA blocks), as
+/// the approximate index seeds its chains.
+pub fn root(model: &str) -> u64 {
+    BlockHasher::new(model, None, 1, 0).seed
+}
+
+#[derive(Debug)]
+pub struct PrecisePrefixProducer {
+    pub params: PreciseParams,
+    index: RwLock<PreciseIndex>,
+    /// Requests scored without engine tokens (nothing could match).
+    untokenized: AtomicU64,
+}
+
+impl PrecisePrefixProducer {
+    pub fn new(params: PreciseParams) -> Self {
+        PrecisePrefixProducer {
+            params,
+            index: RwLock::new(PreciseIndex::new()),
+            untokenized: AtomicU64::new(0),
+        }
+    }
+
+    pub fn read(&self) -> RwLockReadGuard<'_, PreciseIndex> {
+        self.index.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, PreciseIndex> {
+        self.index.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Apply one batch of pod `pod`'s events (`model`: its topic's model).
+    pub fn apply(&self, pod: &str, model: &str, events: &[KvEvent]) -> Applied {
+        let mut ix = self.write();
+        let id = ix.pod(pod);
+        ix.apply(id, model, events, &root)
+    }
+
+    /// Forget what pod `pod` holds (resync, restart). Returns the blocks dropped.
+    pub fn clear(&self, pod: &str) -> u64 {
+        let mut ix = self.write();
+        match ix.pod_id(pod) {
+            Some(id) => ix.clear_pod(id),
+            None => 0,
+        }
+    }
+
+    pub fn remove(&self, pod: &str) {
+        self.write().remove_pod(pod);
+    }
+
+    /// Requests scored without engine tokens so far.
+    pub fn untokenized(&self) -> u64 {
+        self.untokenized.load(Ordering::Relaxed)
+    }
+
+    /// The engine block size for this request: the first candidate's from its events, else its
+    /// metrics, else the configured one.
+    fn block_size(&self, ix: &PreciseIndex, candidates: &[Candidate]) -> usize {
+        candidates
+            .iter()
+            .find_map(|c| {
+                ix.pod_id(&c.endpoint.hostport)
+                    .and_then(|id| ix.block_size(id))
+            })
+            .or_else(|| {
+                candidates
+                    .first()
+                    .and_then(|c| c.metrics())
+                    .and_then(|m| m.block_size)
+                    .map(|b| b as usize)
+            })
+            .filter(|b| (1..=index::hashing::MAX_BLOCK_SIZE).contains(b))
+            .unwrap_or(self.params.token_processor_config.block_size)
+    }
+}
+
+impl Producer for PrecisePrefixProducer {
+    fn type_name(&self) -> &'static str {
+        PRODUCER_TYPE
+    }
+
+    fn produce(&self, req: &SchedRequest<'_>, candidates: &[Candidate], data: &mut RequestData) {
+        let tokens = match (req.tokens, req.prompt) {
+            (Some(t), _) => t,
+            (None, Prompt::Tokens(t)) => t.as_slice(),
+            _ => &[],
+        };
+        let ix = self.read();
+        let block_size = self.block_size(&ix, candidates);
+        let mut matched = vec![0usize; candidates.len()];
+        if tokens.is_empty() {
+            if !matches!(req.prompt, Prompt::None) {
+                self.untokenized.fetch_add(1, Ordering::Relaxed);
+            }
+            data.prefix = Some(PrefixMatchInfo {
+                block_size,
+                total_blocks: data.prompt_tokens.div_ceil(block_size.max(1)),
+                matched,
+                hashes: Vec::new(),
+            });
+            return;
+        }
+        let seed = BlockHasher::new(req.target_model, req.cache_salt, 1, 0).seed;
+        let mut keys = Vec::with_capacity(tokens.len() / block_size + 1);
+        chain_full_blocks(seed, tokens, block_size, &mut keys);
+        let mut runs: Vec<PreciseMatch> = Vec::new();
+        ix.match_prefix(&keys, &mut runs);
+        if !runs.is_empty() {
+            for (slot, c) in matched.iter_mut().zip(candidates) {
+                if let Some(id) = ix.pod_id(&c.endpoint.hostport) {
+                    *slot = runs.iter().find(|m| m.pod == id).map_or(0, |m| m.blocks);
+                }
+            }
+        }
+        data.prefix = Some(PrefixMatchInfo {
+            block_size,
+            // The partial tail block is never cached, but it is part of the prompt.
+            total_blocks: tokens.len().div_ceil(block_size),
+            matched,
+            hashes: keys,
+        });
+    }
+
+    /// The engines report what they store; nothing to record at routing time.
+    fn pre_request(
+        &self,
+        _req: &SchedRequest<'_>,
+        _data: &RequestData,
+        _candidates: &[Candidate],
+        _primary: usize,
+        _prefill: Option<usize>,
+    ) {
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduling::testutil::*;
+    use index::kvevents::BlockStored;
+
+    #[test]
+    fn params_follow_llmd_and_refuse_what_is_not_built() {
+        let p: PreciseParams = serde_json::from_value(serde_json::json!({
+            "tokenProcessorConfig": {"blockSize": 64, "hashSeed": "42"},
+            "indexerConfig": {"tokenizersPoolConfig": {"modelName": "m"}},
+            "kvEventsConfig": {"topicFilter": "kv@", "concurrency": 4,
+                               "podDiscoveryConfig": {"socketPort": 5556, "replayPort": 5557}},
+        }))
+        .unwrap();
+        p.validate("p").unwrap();
+        assert_eq!(p.model_name(), Some("m"));
+        assert_eq!(
+            p.kv_events_config.pod_discovery_config.replay_port,
+            Some(5557)
+        );
+        for bad in [
+            serde_json::json!({"speculativeIndexing": true}),
+            serde_json::json!({"indexerConfig": {"speculativeIndexing": true}}),
+            serde_json::json!({"kvEventsConfig": {"discoverPods": false, "zmqEndpoint": "tcp://*:5557"}}),
+            serde_json::json!({"tokenProcessorConfig": {"blockSize": 0}}),
+        ] {
+            let p: PreciseParams = serde_json::from_value(bad.clone()).unwrap();
+            assert!(p.validate("p").is_err(), "{bad}");
+        }
+        assert!(serde_json::from_value::<PreciseParams>(serde_json::json!({"nope": 1})).is_err());
+    }
+
+    #[test]
+    fn the_match_follows_the_engines_events() {
+        let p = PrecisePrefixProducer::new(PreciseParams::default());
+        let cs = [
+            cand_at("a", "10.0.0.1:8000", None, false, &[]),
+            cand_at("b", "10.0.0.2:8000", None, false, &[]),
+        ];
+        let tokens: Vec<u32> = (0..40).collect();
+        // b's engine stored the first two 16-token blocks of model `m`.
+        let a = p.apply(
+            "10.0.0.2:8000",
+            "m",
+            &[KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![7, 8],
+                token_ids: tokens[..32].to_vec(),
+                block_size: 16,
+                ..BlockStored::default()
+            })],
+        );
+        assert_eq!(a.stored, 2);
+        let prompt = Prompt::Text(b"ignored".to_vec());
+        let mut r = req();
+        r.prompt = &prompt;
+        r.target_model = "m";
+        r.tokens = Some(&tokens);
+        let mut data = RequestData::default();
+        p.produce(&r, &cs, &mut data);
+        let info = data.prefix.unwrap();
+        assert_eq!((info.block_size, info.total_blocks), (16, 3));
+        assert_eq!(info.matched, vec![0, 2]);
+        // Without engine tokens nothing matches, and the request is counted.
+        r.tokens = None;
+        let mut data = RequestData::default();
+        p.produce(&r, &cs, &mut data);
+        assert_eq!(data.prefix.unwrap().matched, vec![0, 0]);
+        assert_eq!(p.untokenized(), 1);
+        // The pod's engine evicted the second block.
+        p.apply(
+            "10.0.0.2:8000",
+            "m",
+            &[KvEvent::BlockRemoved {
+                block_hashes: vec![8],
+                medium: None,
+                group_idx: None,
+            }],
+        );
+        r.tokens = Some(&tokens);
+        let mut data = RequestData::default();
+        p.produce(&r, &cs, &mut data);
+        assert_eq!(data.prefix.unwrap().matched, vec![0, 1]);
+        assert_eq!(p.clear("10.0.0.2:8000"), 1);
+    }
+}
