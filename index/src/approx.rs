@@ -196,7 +196,7 @@ impl Reverse {
 /// Heap bytes of a std (hashbrown) map of this capacity: buckets = the power of two whose 7/8 load
 /// (all of it minus one below 8 buckets) is the capacity; one (K, V) slot and one control byte per
 /// bucket plus a 16-byte control group.
-fn map_heap_bytes<K, V>(capacity: usize) -> usize {
+pub(crate) fn map_heap_bytes<K, V>(capacity: usize) -> usize {
     if capacity == 0 {
         return 0;
     }

@@ -63,7 +63,7 @@ impl BlockHasher {
 }
 
 #[inline]
-pub(crate) fn chain(prev: u64, block_id: u64) -> u64 {
+fn chain(prev: u64, block_id: u64) -> u64 {
     let mut buf = [0u8; 16];
     buf[..8].copy_from_slice(&block_id.to_le_bytes());
     buf[8..].copy_from_slice(&prev.to_le_bytes());

@@ -3,15 +3,16 @@
 //!
 //! Engines name blocks by their own hashes (vLLM: SHA-256 over pickled tuples with a per-process
 //! seed), which a router cannot reproduce. So, as llm-d's indexer does, every block is keyed by
-//! *our* chained hash over its token ids ([`chain_full_blocks`]: the same chain as
-//! [`crate::hashing::block_hashes_of_tokens`], full blocks only, seeded by the model — the LoRA
-//! adapter's name for adapter blocks — and the cache salt), and each pod keeps the map from its
+//! *our* chained hash over its token ids ([`chain_full_blocks`]: full blocks only, seeded by the
+//! model — the LoRA adapter's name for adapter blocks — and the cache salt), and each pod keeps the map from its
 //! engine's hashes to our keys, learnt from `BlockStored` (which carries the tokens and the parent's
 //! engine hash). A request's tokens hash to the same keys, and [`PreciseIndex::match_prefix`] gives
 //! every pod its run of leading blocks held.
 //!
-//! Layout, for compactness (about 50–60 B per held block, see `approx_heap_bytes`):
-//! - `blocks`: our key → the pods holding it, three inline before spilling to the heap;
+//! Layout, for compactness (~50 B per held block at hash tables' average load, see
+//! `approx_heap_bytes`):
+//! - `blocks`: our key → the pods holding it, two inline (a 16-byte slot) before spilling to an
+//!   arena;
 //! - per pod, engine hash → our key.
 //!
 //! A pod appears in a key's holders once per engine block mapped to that key (a multiset): two
@@ -27,110 +28,63 @@ use crate::kvevents::{BlockStored, KvEvent};
 /// A pod's slot in the index.
 pub type PodId = u32;
 
-/// The key chain of `tokens`' full blocks of `block_size`, continuing from `prev` (a root from
-/// [`crate::BlockHasher`]'s seed, or the parent block's key), appended to `out`.
+/// The key chain of `tokens`' full blocks of `block_size`, continuing from `prev` (the model's
+/// seed, [`crate::BlockHasher`]'s, for a chain from token 0, or the parent block's key), appended
+/// to `out`. One hash per block: XXH3
+/// of the block's tokens (little-endian bytes) seeded with the previous key.
 pub fn chain_full_blocks(prev: u64, tokens: &[u32], block_size: usize, out: &mut Vec<u64>) {
     if block_size == 0 || block_size > MAX_BLOCK_SIZE {
         return;
     }
+    // One block's bytes at a time, filled in place (the loop vectorises; the buffer stays in L1).
+    let mut buf = vec![0u8; block_size * 4];
     let mut prev = prev;
-    let mut buf = Vec::with_capacity(block_size * 4);
+    out.reserve(tokens.len() / block_size);
     for block in tokens.chunks_exact(block_size) {
-        buf.clear();
-        for t in block {
-            buf.extend_from_slice(&t.to_le_bytes());
+        for (b, t) in buf.chunks_exact_mut(4).zip(block) {
+            b.copy_from_slice(&t.to_le_bytes());
         }
-        prev = crate::hashing::chain(prev, xxhash_rust::xxh64::xxh64(&buf, 0));
+        prev = xxhash_rust::xxh3::xxh3_64_with_seed(&buf, prev);
         out.push(prev);
     }
 }
 
-/// The pods holding one key, as a multiset (see the module doc).
-#[derive(Debug, Clone)]
-enum Holders {
-    Few {
-        len: u8,
-        ids: [PodId; 3],
-    },
-    // Boxed: a thin pointer keeps the enum at 16 bytes (a `Vec` is 24, a `Box<[_]>` 16 plus the
-    // tag); the spill is rare (a block on four or more pods).
-    #[allow(clippy::box_collection)]
-    Many(Box<Vec<PodId>>),
-}
+/// No pod in this slot.
+const NONE: PodId = PodId::MAX;
+/// First slot of a key held by more than two pods: the second slot indexes `spill`.
+const SPILLED: PodId = PodId::MAX - 1;
+/// Pod ids stay below the markers.
+const MAX_PODS: usize = (PodId::MAX - 1) as usize;
+
+/// The pods holding one key, as a multiset (see the module doc): up to two inline — 8 bytes, so a
+/// `blocks` slot is 16 — else all of them in the index's spill arena.
+#[derive(Debug, Clone, Copy)]
+struct Holders([PodId; 2]);
 
 impl Holders {
     fn one(pod: PodId) -> Self {
-        Holders::Few {
-            len: 1,
-            ids: [pod, 0, 0],
-        }
-    }
-
-    fn as_slice(&self) -> &[PodId] {
-        match self {
-            Holders::Few { len, ids } => &ids[..usize::from(*len)],
-            Holders::Many(v) => v,
-        }
-    }
-
-    fn push(&mut self, pod: PodId) {
-        match self {
-            Holders::Few { len, ids } if usize::from(*len) < ids.len() => {
-                ids[usize::from(*len)] = pod;
-                *len += 1;
-            }
-            Holders::Few { ids, .. } => {
-                let mut v = ids.to_vec();
-                v.push(pod);
-                *self = Holders::Many(Box::new(v));
-            }
-            Holders::Many(v) => v.push(pod),
-        }
-    }
-
-    /// Removes one occurrence of `pod`; true if there was one.
-    fn remove_one(&mut self, pod: PodId) -> bool {
-        match self {
-            Holders::Few { len, ids } => {
-                let n = usize::from(*len);
-                let Some(i) = ids[..n].iter().position(|p| *p == pod) else {
-                    return false;
-                };
-                ids.copy_within(i + 1..n, i);
-                *len -= 1;
-                true
-            }
-            Holders::Many(v) => {
-                let Some(i) = v.iter().position(|p| *p == pod) else {
-                    return false;
-                };
-                v.swap_remove(i);
-                true
-            }
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.as_slice().is_empty()
-    }
-
-    fn contains(&self, pod: PodId) -> bool {
-        self.as_slice().contains(&pod)
-    }
-
-    fn heap_bytes(&self) -> usize {
-        match self {
-            Holders::Few { .. } => 0,
-            Holders::Many(v) => 24 + v.capacity() * std::mem::size_of::<PodId>(),
-        }
+        Holders([pod, NONE])
     }
 }
+
+/// The holders of a key as a slice.
+fn holders<'a>(spill: &'a [Vec<PodId>], h: &'a Holders) -> &'a [PodId] {
+    match h.0 {
+        [SPILLED, i] => spill.get(i as usize).map_or(&[], Vec::as_slice),
+        [_, NONE] => &h.0[..1],
+        _ => &h.0,
+    }
+}
+
+/// Engine hashes are the engine's (untrusted, and not always well mixed: small integers from old
+/// formats): hashed with a per-process seed, not used as their own hash.
+type EngineMap = std::collections::HashMap<u64, u64, foldhash::fast::RandomState>;
 
 #[derive(Debug, Default)]
 struct Pod {
     name: String,
     /// Engine block hash → our key.
-    engine: IdMap<u64, u64>,
+    engine: EngineMap,
     /// Tokens per block in this pod's last `BlockStored` (0 until one arrived).
     block_size: u32,
     /// False once removed; the slot is reused by the next new pod.
@@ -176,6 +130,9 @@ pub struct PreciseIndex {
     pods: Vec<Pod>,
     by_name: HashMap<String, PodId>,
     blocks: IdMap<u64, Holders>,
+    /// Holder lists of keys held by more than two pods, and the free slots among them.
+    spill: Vec<Vec<PodId>>,
+    spill_free: Vec<PodId>,
     /// (pod, engine block) pairs held.
     entries: usize,
 }
@@ -205,7 +162,8 @@ impl PreciseIndex {
                 self.pods.len() - 1
             }
         };
-        let id = PodId::try_from(id).unwrap_or(PodId::MAX);
+        // More pods than ids below the markers cannot exist in a pool; saturate rather than wrap.
+        let id = id.min(MAX_PODS - 1) as PodId;
         self.by_name.insert(name.to_string(), id);
         id
     }
@@ -258,22 +216,65 @@ impl PreciseIndex {
     }
 
     fn unhold(&mut self, key: u64, pod: PodId) {
-        if let Some(h) = self.blocks.get_mut(&key)
-            && h.remove_one(pod)
-        {
-            self.entries -= 1;
-            if h.is_empty() {
-                self.blocks.remove(&key);
+        let Some(h) = self.blocks.get_mut(&key) else {
+            return;
+        };
+        match h.0 {
+            [SPILLED, i] => {
+                let Some(v) = self.spill.get_mut(i as usize) else {
+                    return;
+                };
+                let Some(at) = v.iter().position(|p| *p == pod) else {
+                    return;
+                };
+                v.swap_remove(at);
+                if v.len() <= 2 {
+                    // Back inline.
+                    *h = Holders([v[0], v.get(1).copied().unwrap_or(NONE)]);
+                    v.clear();
+                    v.shrink_to_fit();
+                    self.spill_free.push(i);
+                }
             }
+            [a, b] if a == pod => {
+                if b == NONE {
+                    self.blocks.remove(&key);
+                } else {
+                    h.0 = [b, NONE];
+                }
+            }
+            [_, b] if b == pod => h.0[1] = NONE,
+            _ => return,
         }
+        self.entries -= 1;
     }
 
     fn hold(&mut self, key: u64, pod: PodId) {
         self.entries += 1;
-        match self.blocks.get_mut(&key) {
-            Some(h) => h.push(pod),
-            None => {
-                self.blocks.insert(key, Holders::one(pod));
+        let Some(h) = self.blocks.get_mut(&key) else {
+            self.blocks.insert(key, Holders::one(pod));
+            return;
+        };
+        match h.0 {
+            [SPILLED, i] => {
+                if let Some(v) = self.spill.get_mut(i as usize) {
+                    v.push(pod);
+                }
+            }
+            [a, NONE] => h.0 = [a, pod],
+            [a, b] => {
+                let list = vec![a, b, pod];
+                let i = match self.spill_free.pop() {
+                    Some(i) => {
+                        self.spill[i as usize] = list;
+                        i
+                    }
+                    None => {
+                        self.spill.push(list);
+                        (self.spill.len() - 1) as PodId
+                    }
+                };
+                h.0 = [SPILLED, i];
             }
         }
     }
@@ -407,7 +408,7 @@ impl PreciseIndex {
         let Some(first) = keys.first().and_then(|k| self.blocks.get(k)) else {
             return;
         };
-        for &pod in first.as_slice() {
+        for &pod in holders(&self.spill, first) {
             if !out.iter().any(|m| m.pod == pod) {
                 out.push(PreciseMatch { pod, blocks: 1 });
             }
@@ -416,9 +417,10 @@ impl PreciseIndex {
         let mut active = out.len();
         for (i, key) in keys.iter().enumerate().skip(1) {
             let Some(h) = self.blocks.get(key) else { break };
+            let h = holders(&self.spill, h);
             let mut j = 0;
             while j < active {
-                if h.contains(out[j].pod) {
+                if h.contains(&out[j].pod) {
                     out[j].blocks = i + 1;
                     j += 1;
                 } else {
@@ -435,15 +437,17 @@ impl PreciseIndex {
     /// Heap bytes held (hash tables at their capacity, spilled holder lists, names), for the
     /// memory-per-entry figure.
     pub fn approx_heap_bytes(&self) -> usize {
-        // hashbrown: one slot of (K, V) plus one control byte per bucket.
-        let table = |cap: usize, slot: usize| cap * (slot + 1);
-        let mut n = table(
-            self.blocks.capacity(),
-            std::mem::size_of::<(u64, Holders)>(),
-        );
-        n += self.blocks.values().map(Holders::heap_bytes).sum::<usize>();
+        use crate::approx::map_heap_bytes;
+        let mut n = map_heap_bytes::<u64, Holders>(self.blocks.capacity())
+            + self.spill.capacity() * std::mem::size_of::<Vec<PodId>>()
+            + self
+                .spill
+                .iter()
+                .map(|v| v.capacity() * std::mem::size_of::<PodId>())
+                .sum::<usize>()
+            + self.spill_free.capacity() * std::mem::size_of::<PodId>();
         for p in &self.pods {
-            n += table(p.engine.capacity(), 16) + p.name.capacity();
+            n += map_heap_bytes::<u64, u64>(p.engine.capacity()) + p.name.capacity();
         }
         n + self.pods.capacity() * std::mem::size_of::<Pod>()
     }
@@ -472,7 +476,7 @@ mod tests {
 
     #[test]
     fn holders_stay_small() {
-        assert_eq!(std::mem::size_of::<Holders>(), 16);
+        assert_eq!(std::mem::size_of::<(u64, Holders)>(), 16);
     }
 
     fn root(model: &str) -> u64 {

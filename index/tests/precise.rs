@@ -1,0 +1,143 @@
+//! The precise index against a plain model: any sequence of stores, removals and clears over a few
+//! pods sharing blocks leaves every pod holding exactly the keys of its engine blocks, and every
+//! prefix match equal to the model's (the inline/spilled holder lists are an implementation
+//! detail that must not show).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use index::kvevents::{BlockStored, KvEvent};
+use index::precise::{PreciseMatch, chain_full_blocks};
+use index::{BlockHasher, PreciseIndex};
+use proptest::prelude::*;
+
+const BS: usize = 2;
+
+fn root(model: &str) -> u64 {
+    BlockHasher::new(model, None, 1, 0).seed
+}
+
+/// Prompt `p`'s first `n` blocks: a few prompts, sharing their first block when `p` is even.
+fn tokens(p: u8, n: usize) -> Vec<u32> {
+    (0..n * BS)
+        .map(|i| {
+            if i < BS && p.is_multiple_of(2) {
+                i as u32
+            } else {
+                u32::from(p) * 1000 + i as u32
+            }
+        })
+        .collect()
+}
+
+fn keys(p: u8, n: usize) -> Vec<u64> {
+    let mut out = Vec::new();
+    chain_full_blocks(root("m"), &tokens(p, n), BS, &mut out);
+    out
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Pod stores prompt p's first n blocks (engine hashes derived from pod, prompt, block, and
+    /// a generation so the same blocks can be stored again under new engine hashes).
+    Store {
+        pod: u8,
+        p: u8,
+        n: usize,
+        generation: u8,
+    },
+    /// Pod evicts the i-th engine block it stored (by insertion order), if any.
+    Remove {
+        pod: u8,
+        i: usize,
+    },
+    Clear {
+        pod: u8,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..6u8, 0..4u8, 1..5usize, 0..2u8)
+            .prop_map(|(pod, p, n, generation)| Op::Store { pod, p, n, generation }),
+        3 => (0..6u8, 0..40usize).prop_map(|(pod, i)| Op::Remove { pod, i }),
+        1 => (0..6u8).prop_map(|pod| Op::Clear { pod }),
+    ]
+}
+
+fn engine_hash(pod: u8, p: u8, block: usize, generation: u8) -> u64 {
+    (u64::from(pod) << 48) | (u64::from(p) << 32) | ((block as u64) << 8) | u64::from(generation)
+}
+
+proptest! {
+    #[test]
+    fn the_index_is_its_model(ops in prop::collection::vec(op(), 1..80)) {
+        let mut ix = PreciseIndex::new();
+        // The model: per pod, engine hash → key, in insertion order.
+        let mut model: BTreeMap<u8, Vec<(u64, u64)>> = BTreeMap::new();
+        for op in &ops {
+            match *op {
+                Op::Store { pod, p, n, generation } => {
+                    let id = ix.pod(&format!("pod{pod}"));
+                    let hashes: Vec<u64> =
+                        (0..n).map(|b| engine_hash(pod, p, b, generation)).collect();
+                    let ev = KvEvent::BlockStored(BlockStored {
+                        block_hashes: hashes.clone(),
+                        token_ids: tokens(p, n),
+                        block_size: BS as u32,
+                        ..BlockStored::default()
+                    });
+                    ix.apply(id, "m", &[ev], &root);
+                    let m = model.entry(pod).or_default();
+                    for (h, k) in hashes.into_iter().zip(keys(p, n)) {
+                        if !m.iter().any(|(e, _)| *e == h) {
+                            m.push((h, k));
+                        }
+                    }
+                }
+                Op::Remove { pod, i } => {
+                    let Some(m) = model.get_mut(&pod) else { continue };
+                    if i < m.len() {
+                        let (h, _) = m.remove(i);
+                        let id = ix.pod(&format!("pod{pod}"));
+                        ix.apply(id, "m", &[KvEvent::BlockRemoved {
+                            block_hashes: vec![h], medium: None, group_idx: None,
+                        }], &root);
+                    }
+                }
+                Op::Clear { pod } => {
+                    model.remove(&pod);
+                    let id = ix.pod(&format!("pod{pod}"));
+                    ix.apply(id, "m", &[KvEvent::AllBlocksCleared], &root);
+                }
+            }
+        }
+        let total: usize = model.values().map(Vec::len).sum();
+        prop_assert_eq!(ix.len(), total);
+        for (pod, m) in &model {
+            let id = ix.pod_id(&format!("pod{pod}")).unwrap();
+            let mut want: Vec<u64> = m.iter().map(|(_, k)| *k).collect();
+            want.sort_unstable();
+            prop_assert_eq!(ix.held_keys(id), want);
+        }
+        // Every prompt's match equals the model's: per pod, leading keys held.
+        for p in 0..4u8 {
+            let ks = keys(p, 4);
+            let mut got = Vec::new();
+            ix.match_prefix(&ks, &mut got);
+            let got: BTreeSet<(String, usize)> = got
+                .iter()
+                .map(|PreciseMatch { pod, blocks }| (ix.pod_name(*pod).unwrap().to_string(), *blocks))
+                .collect();
+            let want: BTreeSet<(String, usize)> = model
+                .iter()
+                .map(|(pod, m)| {
+                    let held: BTreeSet<u64> = m.iter().map(|(_, k)| *k).collect();
+                    (format!("pod{pod}"), ks.iter().take_while(|k| held.contains(k)).count())
+                })
+                .filter(|(_, n)| *n > 0)
+                .collect();
+            prop_assert_eq!(got, want);
+        }
+    }
+}
