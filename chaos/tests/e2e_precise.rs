@@ -137,7 +137,7 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
         .unwrap();
     let mut mismatched = Vec::new();
     for (i, pod) in c.sim.pods().iter().enumerate() {
-        let held = view["pods"][pod.addr.to_string()]["blocks"].as_u64();
+        let held = view["subscriptions"][pod.addr.to_string()]["blocks"].as_u64();
         let cached = c.sim.stats(i).cached_blocks;
         if held != Some(cached) {
             mismatched.push((pod.addr.to_string(), held, cached));

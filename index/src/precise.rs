@@ -83,8 +83,11 @@ type EngineMap = std::collections::HashMap<u64, u64, foldhash::fast::RandomState
 #[derive(Debug, Default)]
 struct Pod {
     name: String,
-    /// Engine block hash → our key.
+    /// Engine block hash → our key (a mirrored pod: key → key).
     engine: EngineMap,
+    /// Distinct keys held, and their wrapping sum: the digest replicas compare.
+    distinct: u64,
+    digest: u64,
     /// Tokens per block in this pod's last `BlockStored` (0 until one arrived).
     block_size: u32,
     /// False once removed; the slot is reused by the next new pod.
@@ -133,6 +136,8 @@ pub struct PreciseIndex {
     /// Holder lists of keys held by more than two pods, and the free slots among them.
     spill: Vec<Vec<PodId>>,
     spill_free: Vec<PodId>,
+    /// When on: every change of a pod's distinct keys, in order (see [`Self::take_journal`]).
+    journal: Option<Vec<(PodId, u64, bool)>>,
     /// (pod, engine block) pairs held.
     entries: usize,
 }
@@ -247,12 +252,42 @@ impl PreciseIndex {
             _ => return,
         }
         self.entries -= 1;
+        let still = self
+            .blocks
+            .get(&key)
+            .is_some_and(|h| holders(&self.spill, h).contains(&pod));
+        if !still {
+            self.distinct_change(pod, key, false);
+        }
+    }
+
+    /// Pod `pod` started or stopped holding `key` at all.
+    fn distinct_change(&mut self, pod: PodId, key: u64, added: bool) {
+        if let Some(p) = self.pods.get_mut(pod as usize) {
+            if added {
+                p.distinct += 1;
+                p.digest = p.digest.wrapping_add(key);
+            } else {
+                p.distinct -= 1;
+                p.digest = p.digest.wrapping_sub(key);
+            }
+        }
+        if let Some(j) = &mut self.journal {
+            j.push((pod, key, added));
+        }
     }
 
     fn hold(&mut self, key: u64, pod: PodId) {
         self.entries += 1;
         let Some(h) = self.blocks.get_mut(&key) else {
             self.blocks.insert(key, Holders::one(pod));
+            self.distinct_change(pod, key, true);
+            return;
+        };
+        if !holders(&self.spill, h).contains(&pod) {
+            self.distinct_change(pod, key, true);
+        }
+        let Some(h) = self.blocks.get_mut(&key) else {
             return;
         };
         match h.0 {
@@ -432,6 +467,59 @@ impl PreciseIndex {
                 break;
             }
         }
+    }
+
+    /// Record every change of a pod's distinct keys from now on (for replication).
+    pub fn journal(&mut self) {
+        self.journal.get_or_insert_with(Vec::new);
+    }
+
+    /// The changes recorded since the last call: (pod, key, added), in order.
+    pub fn take_journal(&mut self) -> Vec<(PodId, u64, bool)> {
+        self.journal
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Pod `id`'s distinct keys held and their digest (wrapping sum): equal sets give equal
+    /// digests, whichever events built them.
+    pub fn digest(&self, id: PodId) -> (u64, u64) {
+        self.slot(id).map_or((0, 0), |p| (p.distinct, p.digest))
+    }
+
+    /// A mirrored pod (its events are applied on another replica): take that replica's changes
+    /// of its distinct keys. Idempotent per key (adding a held key, removing an absent one: no-op).
+    pub fn mirror(&mut self, id: PodId, block_size: u32, adds: &[u64], removes: &[u64]) {
+        if self.slot(id).is_none() {
+            return;
+        }
+        for k in removes {
+            if self.pods[id as usize].engine.remove(k).is_some() {
+                self.unhold(*k, id);
+            }
+        }
+        for k in adds {
+            if self.pods[id as usize].engine.insert(*k, *k).is_none() {
+                self.hold(*k, id);
+            }
+        }
+        if block_size > 0 && block_size as usize <= MAX_BLOCK_SIZE {
+            self.pods[id as usize].block_size = block_size;
+        }
+    }
+
+    /// A mirrored pod's whole state, replacing what it held.
+    pub fn replace_mirror(&mut self, id: PodId, block_size: u32, keys: &[u64]) {
+        self.clear_pod(id);
+        self.mirror(id, block_size, keys, &[]);
+    }
+
+    /// Pod `id`'s distinct keys (its state for a peer) and block size.
+    pub fn pod_state(&self, id: PodId) -> (u32, Vec<u64>) {
+        let mut keys = self.held_keys(id);
+        keys.dedup();
+        (self.slot(id).map_or(0, |p| p.block_size), keys)
     }
 
     /// Heap bytes held (hash tables at their capacity, spilled holder lists, names), for the

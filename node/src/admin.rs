@@ -220,8 +220,8 @@ async fn scrape_view(State(admin): State<Arc<Admin>>) -> axum::response::Respons
     .into_response()
 }
 
-/// `GET /debug/kv-events`: every KV-event subscription (endpoint, sequence, counters, blocks
-/// held) and the precise index's size.
+/// `GET /debug/kv-events`: the precise index (size; per pod its distinct blocks and digest) and
+/// this replica's KV-event subscriptions (endpoint, sequence, counters, blocks held).
 async fn kv_events_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {
     let (Some(sub), Some(p)) = (&admin.kv_events, &admin.ctx.scheduler.precise) else {
         return (
@@ -234,9 +234,22 @@ async fn kv_events_view(State(admin): State<Arc<Admin>>) -> axum::response::Resp
         let ix = p.read();
         (ix.len(), ix.distinct_keys())
     };
+    // Every pod in the index (subscribed here or mirrored from its owner): distinct blocks and
+    // their digest, equal on every replica once converged.
+    let index: serde_json::Map<String, serde_json::Value> = p
+        .digests()
+        .into_iter()
+        .map(|(pod, (n, d))| {
+            (
+                pod,
+                serde_json::json!({"blocks": n, "digest": format!("{d:016x}")}),
+            )
+        })
+        .collect();
     axum::Json(serde_json::json!({
         "index": {"blocks": blocks, "distinct_keys": keys, "untokenized_requests": p.untokenized()},
-        "pods": sub.status(),
+        "pods": index,
+        "subscriptions": sub.status(),
     }))
     .into_response()
 }

@@ -324,6 +324,12 @@ pub async fn serve(
             c.gossip.clone(),
             metrics.clone(),
         );
+        // Sharded KV-event subscriptions: the owners' index changes go to the other replicas.
+        if c.scrape_owners > 0
+            && let Some(p) = &built.scheduler.precise
+        {
+            g.replicate_precise(p.clone());
+        }
         // Without cluster-wide flow control the replicas share their ledgers' load this way.
         if global_gate.is_none()
             && let Some(tracker) = &built.inflight
@@ -357,7 +363,8 @@ pub async fn serve(
             if let Some(g) = &gossip {
                 routes = routes
                     .add_service(g.service(identity.clone()))
-                    .add_service(g.sample_service(identity.clone()));
+                    .add_service(g.sample_service(identity.clone()))
+                    .add_service(g.precise_service(identity.clone()));
             }
             if let Some(r) = &relay {
                 routes = routes.add_service(r.service(identity));
@@ -440,6 +447,7 @@ pub async fn serve(
         tasks.spawn(
             crate::datalayer::kvevents::follow(
                 sub.clone(),
+                p.clone(),
                 ctx.store.clone(),
                 p.params.kv_events_config.clone(),
                 stop.clone(),

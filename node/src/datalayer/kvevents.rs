@@ -186,9 +186,12 @@ impl Drop for Subscriber {
     }
 }
 
-/// Follow the pool: every second, the subscription set from the datastore's endpoints.
+/// Follow the pool: every 500 ms, the subscription set from the datastore's endpoints this
+/// replica owns (cluster mode: the pod's scrape owners; standalone: every pod), and pods gone from
+/// the pool dropped from the index.
 pub async fn follow(
     sub: Arc<Subscriber>,
+    producer: Arc<PrecisePrefixProducer>,
     store: Arc<Datastore>,
     params: KvEventsParams,
     stop: CancellationToken,
@@ -200,7 +203,15 @@ pub async fn follow(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let now = targets(&store.endpoints(), &params);
+        let endpoints = store.endpoints();
+        let known = store.hostports();
+        for pod in producer.pods() {
+            if !known.contains(&pod) {
+                producer.remove(&pod);
+            }
+        }
+        let mut now = targets(&endpoints, &params);
+        now.retain(|t| store.shard.owns(&t.pod));
         if last.as_ref() != Some(&now) {
             sub.set_targets(now.clone());
             last = Some(now);
@@ -222,6 +233,10 @@ struct Sub {
     dealer: Option<zmq::Socket>,
     /// The last sequence number applied.
     last: Option<u64>,
+    /// The last sequence number received live (the SUB socket delivers in order: a live number
+    /// going back is a restarted publisher; a live number at or below `last` but above this one
+    /// was already applied from a replay).
+    live_last: Option<u64>,
     /// Whether the index holds anything from this stream (a resync has something to drop).
     has_state: bool,
     replaying: Option<Replaying>,
@@ -265,11 +280,13 @@ impl Thread {
     }
 
     fn reconcile(&mut self, targets: Vec<Target>) {
-        // Gone, or moved to another endpoint: unsubscribe and forget the pod's blocks.
+        // Gone, moved to another endpoint, or owned by other replicas now: unsubscribe; what
+        // the pod holds stays as a mirror the owners' gossip maintains (a pod gone from the pool
+        // is dropped by `follow`).
         self.subs.retain(|s| {
             let keep = targets.contains(&s.target);
             if !keep {
-                self.producer.remove(&s.target.pod);
+                self.producer.hand_over(&s.target.pod);
                 self.metrics.kv_events.forget_pod(&s.target.pod);
                 tracing::info!(pod = %s.target.pod, "kv events: unsubscribed");
             }
@@ -280,7 +297,20 @@ impl Thread {
                 continue;
             }
             match self.connect(&t) {
-                Ok(sub) => {
+                Ok(mut sub) => {
+                    // The stream rebuilds the pod from its engine's events: the past from the
+                    // replay socket at once (a quiet pod publishes nothing to detect a gap by).
+                    self.producer.reset_locally(&t.pod);
+                    if let Some(d) = &sub.dealer {
+                        let frames: [&[u8]; 2] = [b"", &0u64.to_be_bytes()];
+                        if d.send_multipart(frames, zmq::DONTWAIT).is_ok() {
+                            sub.replaying = Some(Replaying {
+                                deadline: Instant::now() + REPLAY_DEADLINE,
+                                got_any: false,
+                                backlog: VecDeque::new(),
+                            });
+                        }
+                    }
                     tracing::info!(pod = %t.pod, endpoint = %t.endpoint, replay = ?t.replay, "kv events: subscribed");
                     self.subs.push(sub);
                 }
@@ -324,6 +354,7 @@ impl Thread {
             sub,
             dealer,
             last: None,
+            live_last: None,
             has_state: false,
             replaying: None,
             cooldown_until: None,
@@ -377,7 +408,7 @@ impl Thread {
             match kvevents::parse_live(&frames) {
                 Ok(m) => {
                     let (seq, topic, payload) = (m.seq, m.topic.to_vec(), m.payload.to_vec());
-                    self.on_live(i, seq, topic, payload);
+                    self.receive_live(i, seq, topic, payload);
                 }
                 Err(e) => self.garbage(i, &e),
             }
@@ -410,6 +441,23 @@ impl Thread {
         tracing::debug!(pod = %s.target.pod, error = %e, "kv events: garbage dropped");
     }
 
+    /// A message from the SUB socket.
+    fn receive_live(&mut self, i: usize, seq: u64, topic: Vec<u8>, payload: Vec<u8>) {
+        let s = &mut self.subs[i];
+        let restarted = s.live_last.is_some_and(|l| seq <= l);
+        s.live_last = Some(seq);
+        if restarted {
+            // The publisher restarted: its cache is empty, its old batches are gone.
+            s.status.restarts += 1;
+            self.metrics.kv_events.recovery(&s.target.pod, "restart");
+            s.replaying = None;
+            self.producer.clear(&s.target.pod);
+            s.has_state = false;
+            s.last = None;
+        }
+        self.on_live(i, seq, topic, payload);
+    }
+
     fn on_live(&mut self, i: usize, seq: u64, topic: Vec<u8>, payload: Vec<u8>) {
         let s = &mut self.subs[i];
         if let Some(r) = &mut s.replaying {
@@ -428,13 +476,10 @@ impl Thread {
             None if seq == 0 => self.apply(i, seq, &topic, &payload, "applied"),
             Some(l) if seq == l.wrapping_add(1) => self.apply(i, seq, &topic, &payload, "applied"),
             Some(l) if seq <= l => {
-                // The publisher restarted: its cache is empty.
-                s.status.restarts += 1;
-                self.metrics.kv_events.recovery(&s.target.pod, "restart");
-                self.producer.clear(&s.target.pod);
-                s.has_state = false;
-                s.last = None;
-                self.on_live(i, seq, topic, payload);
+                // Already applied from a replay.
+                self.metrics
+                    .kv_events
+                    .messages(&s.target.pod, "duplicate", 1);
             }
             _ => {
                 let from = s.last.map_or(0, |l| l + 1);
@@ -505,9 +550,9 @@ impl Thread {
     fn finish_replay(&mut self, i: usize, abandoned: bool) {
         let s = &mut self.subs[i];
         let Some(r) = s.replaying.take() else { return };
-        if abandoned || !r.got_any {
+        if abandoned {
             s.cooldown_until = Some(Instant::now() + REPLAY_COOLDOWN);
-        } else {
+        } else if r.got_any {
             self.metrics.kv_events.recovery(&s.target.pod, "replayed");
         }
         let mut backlog = r.backlog;

@@ -13,8 +13,9 @@
 //! `indexerConfig` (tokenizer pools, external index backends) is accepted and not used except
 //! `tokenizersPoolConfig.modelName` (the model of pods whose topic names none).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use index::kvevents::KvEvent;
 use index::precise::{Applied, chain_full_blocks};
@@ -196,12 +197,22 @@ pub fn root(model: &str) -> u64 {
     BlockHasher::new(model, None, 1, 0).seed
 }
 
+/// One pod's changes of its distinct keys waiting for the peers (cluster mode).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct PodChanges {
+    pub block_size: u32,
+    /// key → added (true) or removed (false); the last change of a key wins.
+    pub keys: HashMap<u64, bool>,
+}
+
 #[derive(Debug)]
 pub struct PrecisePrefixProducer {
     pub params: PreciseParams,
     index: RwLock<PreciseIndex>,
     /// Requests scored without engine tokens (nothing could match).
     untokenized: AtomicU64,
+    /// Cluster mode: the changes of the pods this replica subscribes to, for the peers.
+    outbox: Mutex<Option<HashMap<String, PodChanges>>>,
 }
 
 impl PrecisePrefixProducer {
@@ -210,6 +221,7 @@ impl PrecisePrefixProducer {
             params,
             index: RwLock::new(PreciseIndex::new()),
             untokenized: AtomicU64::new(0),
+            outbox: Mutex::new(None),
         }
     }
 
@@ -221,24 +233,130 @@ impl PrecisePrefixProducer {
         self.index.write().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Cluster mode: from now on the changes of every pod's distinct keys are kept for the
+    /// peers ([`Self::take_changes`]).
+    pub fn replicate(&self) {
+        self.write().journal();
+        *self.outbox.lock().unwrap_or_else(|p| p.into_inner()) = Some(HashMap::new());
+    }
+
+    /// Move the index's journal into the outbox (under the index's write lock, so pod ids are
+    /// still the pods they name); `keep: false` discards it.
+    fn journaled(&self, ix: &mut PreciseIndex, keep: bool) {
+        let journal = ix.take_journal();
+        if journal.is_empty() || !keep {
+            return;
+        }
+        let mut out = self.outbox.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(out) = out.as_mut() else { return };
+        for (id, key, added) in journal {
+            let Some(name) = ix.pod_name(id) else {
+                continue;
+            };
+            let c = out.entry(name.to_string()).or_default();
+            c.block_size = ix.block_size(id).unwrap_or(0) as u32;
+            c.keys.insert(key, added);
+        }
+    }
+
+    /// The changes kept since the last call, by pod.
+    pub fn take_changes(&self) -> HashMap<String, PodChanges> {
+        self.outbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
     /// Apply one batch of pod `pod`'s events (`model`: its topic's model).
     pub fn apply(&self, pod: &str, model: &str, events: &[KvEvent]) -> Applied {
         let mut ix = self.write();
         let id = ix.pod(pod);
-        ix.apply(id, model, events, &root)
+        let a = ix.apply(id, model, events, &root);
+        self.journaled(&mut ix, true);
+        a
     }
 
-    /// Forget what pod `pod` holds (resync, restart). Returns the blocks dropped.
+    /// Forget what pod `pod` holds (resync, restart: the peers forget it too). Returns the
+    /// blocks dropped.
     pub fn clear(&self, pod: &str) -> u64 {
         let mut ix = self.write();
-        match ix.pod_id(pod) {
+        let n = match ix.pod_id(pod) {
             Some(id) => ix.clear_pod(id),
             None => 0,
+        };
+        self.journaled(&mut ix, true);
+        n
+    }
+
+    /// Drop pod `pod`'s entries here only (a subscription starting over what a peer's gossip
+    /// built; the peers keep theirs).
+    pub fn reset_locally(&self, pod: &str) {
+        let mut ix = self.write();
+        if let Some(id) = ix.pod_id(pod) {
+            ix.clear_pod(id);
         }
+        self.journaled(&mut ix, false);
+    }
+
+    /// This replica stops subscribing to `pod` (another owns it now): keep what it holds as a
+    /// mirror, which the owner's gossip maintains from here.
+    pub fn hand_over(&self, pod: &str) {
+        let mut ix = self.write();
+        if let Some(id) = ix.pod_id(pod) {
+            let (bs, keys) = ix.pod_state(id);
+            ix.replace_mirror(id, bs, &keys);
+        }
+        self.journaled(&mut ix, false);
     }
 
     pub fn remove(&self, pod: &str) {
-        self.write().remove_pod(pod);
+        let mut ix = self.write();
+        ix.remove_pod(pod);
+        self.journaled(&mut ix, false);
+    }
+
+    /// A peer's changes of pod `pod` (which it subscribes to).
+    pub fn mirror(&self, pod: &str, block_size: u32, adds: &[u64], removes: &[u64]) {
+        let mut ix = self.write();
+        let id = ix.pod(pod);
+        ix.mirror(id, block_size, adds, removes);
+        self.journaled(&mut ix, false);
+    }
+
+    /// A peer's whole state of pod `pod`, replacing ours.
+    pub fn replace(&self, pod: &str, block_size: u32, keys: &[u64]) {
+        let mut ix = self.write();
+        let id = ix.pod(pod);
+        ix.replace_mirror(id, block_size, keys);
+        self.journaled(&mut ix, false);
+    }
+
+    /// Pod `pod`'s distinct keys held and their digest (`(0, 0)` when unknown).
+    pub fn digest(&self, pod: &str) -> (u64, u64) {
+        let ix = self.read();
+        ix.pod_id(pod).map_or((0, 0), |id| ix.digest(id))
+    }
+
+    /// Pod `pod`'s block size and distinct keys.
+    pub fn state(&self, pod: &str) -> Option<(u32, Vec<u64>)> {
+        let ix = self.read();
+        ix.pod_id(pod).map(|id| ix.pod_state(id))
+    }
+
+    /// Every pod's distinct keys and digest, by pod: equal on every replica once converged.
+    pub fn digests(&self) -> std::collections::BTreeMap<String, (u64, u64)> {
+        let ix = self.read();
+        ix.pod_names()
+            .into_iter()
+            .filter_map(|n| Some((n.clone(), ix.digest(ix.pod_id(&n)?))))
+            .collect()
+    }
+
+    /// Pods in the index.
+    pub fn pods(&self) -> Vec<String> {
+        self.read().pod_names()
     }
 
     /// Requests scored without engine tokens so far.

@@ -48,6 +48,9 @@ pub mod pb {
 }
 
 mod fanout;
+mod precise;
+
+pub use precise::PreciseGossipService;
 
 use pb::prefix_gossip_client::PrefixGossipClient;
 use pb::prefix_gossip_server::{PrefixGossip, PrefixGossipServer};
@@ -240,6 +243,9 @@ pub struct Gossip {
     load: OnceLock<(Arc<InflightTracker>, RemoteLoadFeed)>,
     /// Each peer's last load report.
     peer_load: Mutex<HashMap<u64, (Instant, Vec<pb::PodLoad>)>>,
+    /// The replicated precise prefix index (`precise`), when one runs and subscriptions are
+    /// sharded.
+    precise: OnceLock<Arc<crate::scheduling::precise::PrecisePrefixProducer>>,
 }
 
 impl Gossip {
@@ -269,6 +275,7 @@ impl Gossip {
             heard: Mutex::new(HashMap::new()),
             load: OnceLock::new(),
             peer_load: Mutex::new(HashMap::new()),
+            precise: OnceLock::new(),
         })
     }
 
@@ -372,7 +379,10 @@ impl Gossip {
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = membership.tick() => self.update_peers(&member, &mut peers, &stop).await,
-                _ = flush.tick(), if self.prefix.is_some() => self.flush(&peers),
+                _ = flush.tick(), if self.prefix.is_some() || self.precise.get().is_some() => {
+                    self.flush(&peers);
+                    self.precise_flush(&peers);
+                }
                 _ = bounds.tick(), if self.prefix.is_some() => {
                     if let Some((p, _)) = &self.prefix {
                         p.refresh_bounds(&self.store.candidates(Instant::now()));
@@ -396,20 +406,20 @@ impl Gossip {
         stop: &CancellationToken,
     ) {
         let status = member.node.status().await;
-        let wanted: Vec<String> = status
+        let wanted: Vec<(String, u64)> = status
             .members
             .iter()
             .filter(|m| m.addr != status.addr)
-            .map(|m| m.addr.clone())
+            .map(|m| (m.addr.clone(), m.node_id))
             .collect();
         peers.retain(|addr, p| {
-            let keep = wanted.contains(addr);
+            let keep = wanted.iter().any(|(a, _)| a == addr);
             if !keep {
                 p.stop.cancel();
             }
             keep
         });
-        for addr in wanted {
+        for (addr, peer_id) in wanted {
             if peers.contains_key(&addr) {
                 continue;
             }
@@ -421,12 +431,30 @@ impl Gossip {
                 }
             };
             let (tx, rx) = mpsc::channel(self.opts.peer_queue.max(1));
+            let precise_rx;
             let peer = Peer {
                 tx,
                 // A new peer (or this replica, new) starts with a full anti-entropy round.
                 needs_sync: Arc::new(AtomicBool::new(true)),
                 stop: stop.child_token(),
+                precise_tx: if self.precise.get().is_some() {
+                    let (tx, rx) = mpsc::channel(self.opts.peer_queue.max(1));
+                    precise_rx = Some(rx);
+                    Some(tx)
+                } else {
+                    precise_rx = None;
+                    None
+                },
             };
+            if let Some(rx) = precise_rx {
+                tokio::spawn(self.clone().precise_peer_loop(
+                    addr.clone(),
+                    peer_id,
+                    precise::client(channel.clone()),
+                    rx,
+                    peer.stop.clone(),
+                ));
+            }
             let client = PrefixGossipClient::new(channel.clone())
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES);
@@ -656,6 +684,8 @@ struct Peer {
     tx: mpsc::Sender<Arc<pb::Deltas>>,
     needs_sync: Arc<AtomicBool>,
     stop: CancellationToken,
+    /// The precise index's deltas for this peer (when replicated).
+    precise_tx: Option<mpsc::Sender<Arc<pb::PreciseDeltas>>>,
 }
 
 /// The `PrefixGossip` and `SampleFanout` gRPC services (and the certificate binding of their

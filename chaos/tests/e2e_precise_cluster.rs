@@ -1,0 +1,233 @@
+//! End to end through Envoy, Active-Active: three replicas share one precise prefix index while
+//! each pod's KV-event stream is subscribed by its two scrape owners only (`--scrape-owners 2`,
+//! the default).
+//!
+//! Eight simulated pods with small KV caches publish KV events. Checked from outside the EPP:
+//! every pod is subscribed by exactly two replicas; with Envoy spreading the streams over the
+//! three replicas, the cached tokens each replica predicted for the pod it chose match what the
+//! pods reported within 2%; once traffic stops every replica's index equals every pod's cache (the
+//! simulator's own count), subscribed or mirrored; after `kill -9` of a replica the survivors
+//! take its subscriptions over (replaying the streams) and converge again; a replica cut off from
+//! its peers for 30 s converges after healing.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use chaos::cluster::{ClusterSpec, LocalCluster};
+use sim::loadgen::{self, LoadConfig};
+use sim::{KvEventsConfig, PodKnobs, SimConfig};
+
+const CONFIG: &str = "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: precise-prefix-cache-producer
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: prefix-cache-scorer, weight: 3}
+  - {pluginRef: queue-scorer, weight: 2}
+  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
+";
+
+fn spec() -> ClusterSpec {
+    ClusterSpec {
+        sim: SimConfig {
+            pods: 8,
+            knobs: PodKnobs {
+                kv_blocks: 600,
+                max_num_seqs: 8,
+                ..PodKnobs::default()
+            },
+            kv_events: Some(KvEventsConfig::default()),
+            ..SimConfig::default()
+        },
+        replicas: 3,
+        raft: true,
+        epp_args: vec!["--config-text".into(), CONFIG.into()],
+        ..ClusterSpec::default()
+    }
+}
+
+fn load(seed: u64, conversations: usize) -> LoadConfig {
+    LoadConfig {
+        conversations,
+        turns: 4,
+        system_prompt_words: 640,
+        conversation_words: 1500,
+        user_words: 32,
+        max_tokens: 16,
+        concurrency: 6,
+        seed,
+        ..LoadConfig::default()
+    }
+}
+
+fn counter(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Replica `i`'s `/debug/kv-events`.
+async fn view(c: &LocalCluster, i: usize) -> serde_json::Value {
+    c.epp(i)
+        .unwrap()
+        .admin_json("/debug/kv-events")
+        .await
+        .unwrap()
+}
+
+/// Every pod's cached blocks, from the simulator.
+fn truth(c: &LocalCluster) -> BTreeMap<String, u64> {
+    c.sim
+        .pods()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.addr.to_string(), c.sim.stats(i).cached_blocks))
+        .collect()
+}
+
+/// Wait until replicas `live` hold identical indexes equal to the pods' caches; how long it took.
+async fn converged(c: &LocalCluster, live: &[usize], limit: Duration) -> Result<Duration, String> {
+    let t0 = Instant::now();
+    loop {
+        let want = truth(c);
+        let mut views = Vec::new();
+        for &i in live {
+            views.push(view(c, i).await["pods"].clone());
+        }
+        let blocks = |v: &serde_json::Value| -> BTreeMap<String, u64> {
+            want.keys()
+                .map(|pod| (pod.clone(), v[pod]["blocks"].as_u64().unwrap_or(0)))
+                .collect()
+        };
+        if views.windows(2).all(|w| w[0] == w[1]) && blocks(&views[0]) == want {
+            return Ok(t0.elapsed());
+        }
+        if t0.elapsed() > limit {
+            let got: Vec<_> = views.iter().map(blocks).collect();
+            return Err(format!(
+                "not converged after {limit:?}: pods {want:?}, replicas {got:?}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_share_one_precise_index_from_sharded_subscriptions() {
+    let mut c = LocalCluster::start(spec()).await.unwrap();
+    c.wait_for_pods().await.unwrap();
+    let url = c.envoy.url();
+    // Ownership settles once the replicas hear each other (fan-out every 50 ms).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let r = loadgen::run(&load(1, 24), &url).await.unwrap();
+    assert_eq!(r.errors, 0, "{r:?}");
+
+    // Exactly two subscribers per pod.
+    let mut subscribers: BTreeMap<String, usize> = BTreeMap::new();
+    for i in 0..3 {
+        let v = view(&c, i).await;
+        for pod in v["subscriptions"].as_object().unwrap().keys() {
+            *subscribers.entry(pod.clone()).or_default() += 1;
+        }
+    }
+    // Accuracy over the three replicas' routing decisions.
+    let (mut predicted, mut observed, mut err, mut routed) = (0, 0, 0, Vec::new());
+    for i in 0..3 {
+        let m = c.epp(i).unwrap().metrics().await.unwrap();
+        predicted += counter(&m, "llm_d_epp_prefix_cached_tokens_predicted_total");
+        observed += counter(&m, "llm_d_epp_prefix_cached_tokens_observed_total");
+        err += counter(&m, "llm_d_epp_prefix_cached_tokens_abs_error_total");
+        routed.push(counter(&m, "llm_d_epp_request_total"));
+    }
+    let took = converged(&c, &[0, 1, 2], Duration::from_secs(3)).await;
+    eprintln!(
+        "subscribers per pod {subscribers:?}; requests per replica {routed:?}; predicted {predicted} \
+         observed {observed} |error| {err} ({:.2}%); cached ratio {:.3}; converged {took:?} after \
+         the traffic",
+        err as f64 * 100.0 / observed.max(1) as f64,
+        r.cached_ratio
+    );
+    assert_eq!(subscribers.len(), 8, "{subscribers:?}");
+    assert!(subscribers.values().all(|n| *n == 2), "{subscribers:?}");
+    assert!(routed.iter().all(|n| *n > 0), "Envoy spreads: {routed:?}");
+    assert_eq!(observed, r.cached_tokens);
+    assert!(
+        err as f64 <= 0.02 * observed as f64,
+        "prediction error {err} of {observed}"
+    );
+    took.unwrap();
+
+    // kill -9 replica 2 under traffic: once it is missed (2 s without a word), its
+    // subscriptions move to the survivors, which replay the streams.
+    let t_kill = Instant::now();
+    c.raft.as_mut().unwrap().kill9(2).await.unwrap();
+    let traffic = tokio::spawn({
+        let url = url.clone();
+        async move { loadgen::run(&load(2, 16), &url).await.unwrap() }
+    });
+    let mut moved = None;
+    while t_kill.elapsed() < Duration::from_secs(10) {
+        let mut subscribers: BTreeMap<String, usize> = BTreeMap::new();
+        for i in [0, 2] {
+            for pod in view(&c, i).await["subscriptions"]
+                .as_object()
+                .unwrap()
+                .keys()
+            {
+                *subscribers.entry(pod.clone()).or_default() += 1;
+            }
+        }
+        if subscribers.len() == 8 && subscribers.values().all(|n| *n == 2) {
+            moved = Some(t_kill.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = traffic.await.unwrap();
+    assert_eq!(r.errors, 0, "{r:?}");
+    let after_kill = converged(&c, &[0, 2], Duration::from_secs(10)).await;
+    eprintln!(
+        "after kill -9: every pod subscribed twice again {moved:?} after the kill; indexes \
+         converged {after_kill:?} after the traffic ({:?} after the kill)",
+        t_kill.elapsed()
+    );
+    assert!(
+        moved.is_some(),
+        "the dead replica's subscriptions did not move"
+    );
+    after_kill.unwrap();
+    c.raft.as_mut().unwrap().restart(2).await.unwrap();
+    converged(&c, &[0, 1, 2], Duration::from_secs(10))
+        .await
+        .unwrap();
+
+    // Replica 3 cut off from its peers for 30 s under traffic, then healed.
+    c.raft.as_ref().unwrap().isolate(3);
+    let t0 = Instant::now();
+    let mut seed = 3;
+    while t0.elapsed() < Duration::from_secs(30) {
+        let r = loadgen::run(&load(seed, 4), &url).await.unwrap();
+        assert_eq!(r.errors, 0, "routing goes on during a partition: {r:?}");
+        seed += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    c.raft.as_ref().unwrap().heal_all();
+    let healed = converged(&c, &[0, 1, 2], Duration::from_secs(10))
+        .await
+        .unwrap();
+    eprintln!("partitioned 30 s: converged {healed:?} after healing");
+    c.shutdown().await;
+}

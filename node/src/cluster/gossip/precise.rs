@@ -1,0 +1,326 @@
+//! The precise prefix index between replicas (`PreciseGossip` in `proto/gossip.proto`).
+//!
+//! A pod's KV-event stream is subscribed by its scrape owners only (`datalayer::kvevents::follow`).
+//! Each owner sends the changes of the pod's distinct block keys to every peer at the gossip
+//! interval; a replica that does not own the pod mirrors them (idempotent per key: adding a held
+//! key or removing an absent one changes nothing). The owners read the same stream, so their
+//! last change of every key agrees and the interleaving of their batches does not matter; two
+//! senders keep the mirrors fresh while a dead owner is not yet detected (2 s), at twice the
+//! bytes. Lost batches, and owners whose states differ (one resynced), are repaired by
+//! anti-entropy, pulled by each mirror from the pod's *primary* (its first owner):
+//! per pod the number of distinct keys and their wrapping sum; a differing pod comes back whole
+//! and replaces the mirror. An owner's own subscription is authoritative: what peers send about
+//! a pod this replica owns is ignored. Ownership moves with the live members: the new owner
+//! subscribes (replaying the stream), the old one keeps its entries as a mirror
+//! (`PrecisePrefixProducer::hand_over`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use consensus::network::tls::PeerIdentity;
+use prost::Message;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use super::{Gossip, MAX_MESSAGE_BYTES, Peer, pb};
+use crate::scheduling::precise::PrecisePrefixProducer;
+use pb::precise_gossip_client::PreciseGossipClient;
+use pb::precise_gossip_server::{PreciseGossip, PreciseGossipServer};
+
+/// How often a mirror compares its pods with their primaries.
+const ANTI_ENTROPY: Duration = Duration::from_secs(1);
+/// The first comparison after a peer appears (a new replica fills its mirrors at once).
+const FIRST_SYNC: Duration = Duration::from_millis(200);
+
+pub(super) type Client = PreciseGossipClient<tonic::transport::Channel>;
+
+pub(super) fn client(channel: tonic::transport::Channel) -> Client {
+    PreciseGossipClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+impl Gossip {
+    /// Replicate `producer`'s index: its owned pods' changes go to the peers, the peers' to it.
+    pub fn replicate_precise(&self, producer: Arc<PrecisePrefixProducer>) {
+        producer.replicate();
+        if self.precise.set(producer).is_err() {
+            tracing::warn!("precise index already replicated; a second gossip is ignored");
+        }
+    }
+
+    pub(super) fn precise(&self) -> Result<&PrecisePrefixProducer, Status> {
+        self.precise
+            .get()
+            .map(Arc::as_ref)
+            .ok_or_else(|| Status::failed_precondition("no precise prefix index on this replica"))
+    }
+
+    /// The gRPC service to serve on the peer port.
+    pub fn precise_service(
+        self: &Arc<Self>,
+        identity: Option<PeerIdentity>,
+    ) -> PreciseGossipServer<PreciseGossipService> {
+        PreciseGossipServer::new(PreciseGossipService(self.clone(), identity))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    fn primary_of(&self, pod: &str) -> Option<u64> {
+        self.store.shard.owners(pod).first().copied()
+    }
+
+    /// Offer the changes of the pods this replica owns to every peer.
+    pub(super) fn precise_flush(&self, peers: &BTreeMap<String, Peer>) {
+        let Some(producer) = self.precise.get() else {
+            return;
+        };
+        let changes = producer.take_changes();
+        if changes.is_empty() || peers.is_empty() {
+            return;
+        }
+        let mut pods: Vec<pb::PreciseDelta> = changes
+            .into_iter()
+            .filter(|(pod, _)| self.store.shard.owns(pod))
+            .map(|(pod, c)| {
+                let (mut adds, mut removes) = (Vec::new(), Vec::new());
+                for (k, added) in c.keys {
+                    if added {
+                        adds.push(k);
+                    } else {
+                        removes.push(k);
+                    }
+                }
+                pb::PreciseDelta {
+                    pod,
+                    block_size: c.block_size,
+                    adds,
+                    removes,
+                }
+            })
+            .collect();
+        if pods.is_empty() {
+            return;
+        }
+        pods.sort_by(|a, b| a.pod.cmp(&b.pod));
+        let msg = Arc::new(pb::PreciseDeltas {
+            from: self.node_id,
+            pods,
+        });
+        for p in peers.values() {
+            if let Some(tx) = &p.precise_tx
+                && tx.try_send(msg.clone()).is_err()
+            {
+                // The peer's next anti-entropy round repairs it.
+                self.metrics.gossip.dropped_batch();
+            }
+        }
+    }
+
+    /// Pushes this replica's deltas to one peer and pulls anti-entropy for the pods that peer is
+    /// the primary of.
+    pub(super) async fn precise_peer_loop(
+        self: Arc<Self>,
+        addr: String,
+        peer_id: u64,
+        mut client: Client,
+        mut rx: mpsc::Receiver<Arc<pb::PreciseDeltas>>,
+        stop: CancellationToken,
+    ) {
+        let mut sync =
+            tokio::time::interval_at(tokio::time::Instant::now() + FIRST_SYNC, ANTI_ENTROPY);
+        sync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing = false;
+        loop {
+            let res = tokio::select! {
+                _ = stop.cancelled() => return,
+                msg = rx.recv() => {
+                    let Some(msg) = msg else { return };
+                    self.precise_push(&mut client, (*msg).clone()).await
+                }
+                _ = sync.tick() => self.precise_sync(&mut client, peer_id).await,
+            };
+            match res {
+                Ok(()) if failing => {
+                    tracing::info!(%addr, "precise gossip: peer reachable again");
+                    failing = false;
+                }
+                Ok(()) => {}
+                Err(e) => {
+                    self.metrics.gossip.push_failed();
+                    if !failing {
+                        tracing::warn!(%addr, error = %e, "precise gossip: exchange failed; anti-entropy will repair");
+                        failing = true;
+                    }
+                    while rx.try_recv().is_ok() {
+                        self.metrics.gossip.dropped_batch();
+                    }
+                }
+            }
+        }
+    }
+
+    async fn precise_push(
+        &self,
+        client: &mut Client,
+        msg: pb::PreciseDeltas,
+    ) -> Result<(), Status> {
+        let bytes = msg.encoded_len();
+        let entries: usize = msg
+            .pods
+            .iter()
+            .map(|p| p.adds.len() + p.removes.len())
+            .sum();
+        let mut req = Request::new(msg);
+        req.set_timeout(self.opts.rpc_timeout);
+        tokio::time::timeout(self.opts.rpc_timeout, client.push(req))
+            .await
+            .map_err(|_| Status::deadline_exceeded("push timed out"))??;
+        self.metrics.gossip.sent(bytes, entries);
+        Ok(())
+    }
+
+    /// One anti-entropy pull: the digests of the pods `peer_id` is the primary of (and this
+    /// replica does not own); its differing pods replace ours.
+    async fn precise_sync(&self, client: &mut Client, peer_id: u64) -> Result<(), Status> {
+        let producer = self.precise()?;
+        let shard = &self.store.shard;
+        let mut pods: Vec<pb::PreciseDigest> = self
+            .store
+            .hostports()
+            .into_iter()
+            .filter(|pod| !shard.owns(pod) && self.primary_of(pod) == Some(peer_id))
+            .map(|pod| {
+                let (distinct, digest) = producer.digest(&pod);
+                pb::PreciseDigest {
+                    pod,
+                    distinct,
+                    digest,
+                }
+            })
+            .collect();
+        if pods.is_empty() {
+            return Ok(());
+        }
+        pods.sort_by(|a, b| a.pod.cmp(&b.pod));
+        let msg = pb::PreciseDigests {
+            from: self.node_id,
+            pods,
+        };
+        self.metrics.gossip.sent(msg.encoded_len(), 0);
+        let mut req = Request::new(msg);
+        req.set_timeout(self.opts.rpc_timeout);
+        let reply = tokio::time::timeout(self.opts.rpc_timeout, client.sync(req))
+            .await
+            .map_err(|_| Status::deadline_exceeded("sync timed out"))??
+            .into_inner();
+        let entries: usize = reply.pods.iter().map(|p| p.keys.len()).sum();
+        self.metrics.gossip.received(reply.encoded_len(), entries);
+        let known = self.store.hostports();
+        for st in reply.pods {
+            // Ownership may have moved meanwhile: an owner's own stream wins.
+            if known.contains(&st.pod) && !shard.owns(&st.pod) {
+                producer.replace(&st.pod, st.block_size, &st.keys);
+            }
+        }
+        Ok(())
+    }
+
+    /// The pods of a mirror's digests this replica owns and holds differently: whole (bounded;
+    /// the rest differ still and come in the next round).
+    fn precise_answer(
+        &self,
+        digests: Vec<pb::PreciseDigest>,
+    ) -> Result<pb::PreciseSyncReply, Status> {
+        let producer = self.precise()?;
+        let known = self.store.hostports();
+        let mut pods = Vec::new();
+        let mut n = 0;
+        for d in digests {
+            if !known.contains(&d.pod) || !self.store.shard.owns(&d.pod) {
+                continue;
+            }
+            if producer.digest(&d.pod) == (d.distinct, d.digest) {
+                continue;
+            }
+            let Some((block_size, keys)) = producer.state(&d.pod) else {
+                continue;
+            };
+            if n > 0 && n + keys.len() > self.opts.max_sync_entries {
+                break;
+            }
+            n += keys.len();
+            pods.push(pb::PreciseState {
+                pod: d.pod,
+                block_size,
+                keys,
+            });
+        }
+        Ok(pb::PreciseSyncReply { pods })
+    }
+
+    /// A primary's changes: mirrored for known pods this replica does not own.
+    fn precise_merge(&self, pods: Vec<pb::PreciseDelta>) -> Result<(), Status> {
+        let producer = self.precise()?;
+        let known = self.store.hostports();
+        for d in pods {
+            if !known.contains(&d.pod) {
+                self.metrics.rejected_value("peer", "pod");
+                continue;
+            }
+            if self.store.shard.owns(&d.pod) {
+                continue;
+            }
+            producer.mirror(&d.pod, d.block_size, &d.adds, &d.removes);
+        }
+        Ok(())
+    }
+}
+
+/// The `PreciseGossip` gRPC service.
+#[derive(Debug, Clone)]
+pub struct PreciseGossipService(Arc<Gossip>, Option<PeerIdentity>);
+
+impl PreciseGossipService {
+    fn authorize<T>(&self, req: &Request<T>, from: u64) -> Result<(), Status> {
+        crate::cluster::authorize_peer(self.1.as_ref(), req, from, &self.0.metrics, "gossip")
+    }
+}
+
+#[tonic::async_trait]
+impl PreciseGossip for PreciseGossipService {
+    async fn push(
+        &self,
+        req: Request<pb::PreciseDeltas>,
+    ) -> Result<Response<pb::PushReply>, Status> {
+        self.authorize(&req, req.get_ref().from)?;
+        let msg = req.into_inner();
+        self.0.heard_from(msg.from);
+        let entries: usize = msg
+            .pods
+            .iter()
+            .map(|p| p.adds.len() + p.removes.len())
+            .sum();
+        self.0.metrics.gossip.received(msg.encoded_len(), entries);
+        self.0.precise_merge(msg.pods)?;
+        Ok(Response::new(pb::PushReply {}))
+    }
+
+    async fn sync(
+        &self,
+        req: Request<pb::PreciseDigests>,
+    ) -> Result<Response<pb::PreciseSyncReply>, Status> {
+        self.authorize(&req, req.get_ref().from)?;
+        let msg = req.into_inner();
+        self.0.heard_from(msg.from);
+        self.0.metrics.gossip.received(msg.encoded_len(), 0);
+        let reply = self.0.precise_answer(msg.pods)?;
+        self.0.metrics.gossip.sent(
+            reply.encoded_len(),
+            reply.pods.iter().map(|p| p.keys.len()).sum(),
+        );
+        Ok(Response::new(reply))
+    }
+}
