@@ -192,6 +192,76 @@ pub async fn run(opts: &Options) -> anyhow::Result<Vec<Measurement>> {
     Ok(out)
 }
 
+/// The project's default profile with the precise prefix producer instead of the approximate
+/// one (the cost model reads either).
+pub const PRECISE_PROFILE: &str = "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: precise-prefix-cache-producer
+- type: cost-model-scorer
+";
+
+/// Precise against approximate prefix routing (`epp-bench precise`): the peer benchmark's
+/// workloads through the default profile on a pool publishing KV events, once with the built-in
+/// default (approximate index) and once with [`PRECISE_PROFILE`], each on a fresh cluster (cold
+/// pods, fresh EPP) built from the same configuration, the arms alternating which goes first.
+pub async fn precise_vs_approx(opts: &Options) -> anyhow::Result<Vec<Measurement>> {
+    let arms: [(&str, Vec<String>); 2] = [
+        ("epp (approximate)", Vec::new()),
+        (
+            "epp (precise)",
+            vec!["--config-text".into(), PRECISE_PROFILE.into()],
+        ),
+    ];
+    let mut out = Vec::new();
+    for run in 0..opts.runs {
+        for (w, (name, load)) in workloads().into_iter().enumerate() {
+            if !opts.only.is_empty() && !opts.only.iter().any(|o| o == name) {
+                continue;
+            }
+            let load = LoadConfig {
+                seed: 1_000 * (run as u64 + 1) + w as u64,
+                ..load
+            };
+            let mut reports = Vec::new();
+            for k in 0..arms.len() {
+                let (target, args) = &arms[(k + run) % arms.len()];
+                let cluster = LocalCluster::start(ClusterSpec {
+                    sim: SimConfig {
+                        pod_knobs: opts.pod_knobs.clone(),
+                        kv_events: Some(sim::KvEventsConfig::default()),
+                        ..crate::workloads::bench_pool(4, opts.engine)
+                    },
+                    epp_args: args.clone(),
+                    ..ClusterSpec::default()
+                })
+                .await
+                .context("starting pods, the EPP and Envoy")?;
+                cluster.wait_for_pods().await?;
+                eprintln!("run {} · {name} · {target} ...", run + 1);
+                let report = loadgen::run(&load, &cluster.envoy.url())
+                    .await
+                    .with_context(|| format!("{name} through {target}"))?;
+                cluster.shutdown().await;
+                reports.push((target.to_string(), report));
+            }
+            reports.sort_by_key(|(t, _)| arms.iter().position(|(n, _)| n == t));
+            println!("\n### run {} · {name}\n", run + 1);
+            print!("{}", loadgen::render_table(&reports));
+            for (target, report) in reports {
+                out.push(Measurement {
+                    run: run + 1,
+                    workload: name.to_string(),
+                    target,
+                    report,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.retain(|x| x.is_finite());
     if v.is_empty() {

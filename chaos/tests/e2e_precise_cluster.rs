@@ -145,14 +145,26 @@ async fn three_replicas_share_one_precise_index_from_sharded_subscriptions() {
     }
     // Accuracy over the three replicas' routing decisions.
     let (mut predicted, mut observed, mut err, mut routed) = (0, 0, 0, Vec::new());
+    let (mut gossip_bytes, mut changes) = (0, 0);
     for i in 0..3 {
         let m = c.epp(i).unwrap().metrics().await.unwrap();
         predicted += counter(&m, "llm_d_epp_prefix_cached_tokens_predicted_total");
         observed += counter(&m, "llm_d_epp_prefix_cached_tokens_observed_total");
         err += counter(&m, "llm_d_epp_prefix_cached_tokens_abs_error_total");
         routed.push(counter(&m, "llm_d_epp_request_total"));
+        gossip_bytes += counter(
+            &m,
+            "llm_d_epp_prefix_gossip_bytes_total{direction=\"sent\"}",
+        );
+        changes += counter(&m, "llm_d_epp_kv_events_blocks_total");
     }
     let took = converged(&c, &[0, 1, 2], Duration::from_secs(3)).await;
+    // Each block event is applied by the pod's two owners, each of which sends it to two peers.
+    eprintln!(
+        "gossip: {gossip_bytes} bytes sent for {changes} block events applied by the owners: \
+         {:.1} bytes per event applied",
+        gossip_bytes as f64 / changes.max(1) as f64
+    );
     eprintln!(
         "subscribers per pod {subscribers:?}; requests per replica {routed:?}; predicted {predicted} \
          observed {observed} |error| {err} ({:.2}%); cached ratio {:.3}; converged {took:?} after \

@@ -251,6 +251,17 @@ pub struct Publisher {
     pub endpoints: Vec<KvEndpoints>,
 }
 
+/// Binds `socket`, retrying when a signal interrupts the call (a child process exiting sends
+/// SIGCHLD; zmq reports EINTR rather than restarting).
+fn bind(socket: &zmq::Socket, endpoint: &str, what: &'static str) -> Result<(), KvEventsError> {
+    loop {
+        match socket.bind(endpoint) {
+            Err(zmq::Error::EINTR) => continue,
+            other => return other.map_err(zerr(what)),
+        }
+    }
+}
+
 fn bound_endpoint(socket: &zmq::Socket) -> Result<String, KvEventsError> {
     match socket.get_last_endpoint().map_err(zerr("last endpoint"))? {
         Ok(s) => Ok(s),
@@ -277,14 +288,10 @@ impl Publisher {
             let publisher = ctx.socket(zmq::PUB).map_err(zerr("PUB socket"))?;
             publisher.set_sndhwm(cfg.hwm).map_err(zerr("set hwm"))?;
             publisher.set_linger(0).map_err(zerr("set linger"))?;
-            publisher
-                .bind(&format!("tcp://{host}:*"))
-                .map_err(zerr("bind PUB"))?;
+            bind(&publisher, &format!("tcp://{host}:*"), "bind PUB")?;
             let replay = ctx.socket(zmq::ROUTER).map_err(zerr("ROUTER socket"))?;
             replay.set_linger(0).map_err(zerr("set linger"))?;
-            replay
-                .bind(&format!("tcp://{host}:*"))
-                .map_err(zerr("bind ROUTER"))?;
+            bind(&replay, &format!("tcp://{host}:*"), "bind ROUTER")?;
             endpoints.push(KvEndpoints {
                 publisher: bound_endpoint(&publisher)?,
                 replay: bound_endpoint(&replay)?,

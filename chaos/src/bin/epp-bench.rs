@@ -86,6 +86,20 @@ enum Cmd {
         #[arg(long, default_value = "target/peer-bench.svg")]
         svg: std::path::PathBuf,
     },
+    /// The default profile with the precise prefix index against the approximate one, on the
+    /// peer benchmark's workloads (pods publishing KV events).
+    Precise {
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Only these workloads (shared-prompt, long-prefixes, agentic, bursty).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+        #[arg(long, default_value = "step", value_parser = chaos::workloads::parse_engine)]
+        engine: sim::EngineModel,
+        /// Knobs for some pods, `PODS=PATCH` (`*={"kv_blocks":1200}`: KV pressure). Repeatable.
+        #[arg(long = "pod-knobs")]
+        pod_knobs: Vec<sim::PodOverride>,
+    },
     /// Premium p95 TTFT alone and under a best-effort burst, through the flow-control example.
     NoRegret {
         #[arg(long, default_value_t = 1)]
@@ -159,6 +173,25 @@ async fn main() -> anyhow::Result<()> {
                 pod_knobs,
             };
             peers(&opts, &json, &svg).await
+        }
+        Cmd::Precise {
+            runs,
+            only,
+            engine,
+            pod_knobs,
+        } => {
+            use chaos::peerbench;
+            let opts = peerbench::Options {
+                runs,
+                only,
+                no_peers: true,
+                engine,
+                pod_knobs,
+            };
+            let ms = peerbench::precise_vs_approx(&opts).await?;
+            println!("\n## Medians over {runs} runs\n");
+            print!("{}", peerbench::render(&peerbench::summarize(&ms), runs));
+            Ok(())
         }
         Cmd::NoRegret {
             runs,

@@ -323,6 +323,16 @@ impl Thread {
     }
 
     fn connect(&self, t: &Target) -> Result<Sub, zmq::Error> {
+        // A signal (SIGCHLD, ...) can interrupt a zmq call with EINTR: try again.
+        loop {
+            match self.try_connect(t) {
+                Err(zmq::Error::EINTR) => continue,
+                other => return other,
+            }
+        }
+    }
+
+    fn try_connect(&self, t: &Target) -> Result<Sub, zmq::Error> {
         let sub = self.ctx.socket(zmq::SUB)?;
         sub.set_rcvhwm(RCVHWM)?;
         sub.set_linger(0)?;
