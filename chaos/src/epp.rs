@@ -175,6 +175,18 @@ impl EppProcess {
     }
 }
 
+/// The sum of a metric's series in a Prometheus text exposition: `name` is the metric's name
+/// (every label set counts) or a name with a label set (that series only).
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// CPU seconds (user + system) process `pid` has used so far, from `/proc/<pid>/stat`.
 pub fn proc_cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;

@@ -145,47 +145,29 @@ pub async fn run(opts: &Options) -> anyhow::Result<Vec<Measurement>> {
         }
     }
     let mut out = Vec::new();
-    for run in 0..opts.runs {
-        for (w, (name, load)) in workloads().into_iter().enumerate() {
-            if !opts.only.is_empty() && !opts.only.iter().any(|o| o == name) {
-                continue;
-            }
-            let load = LoadConfig {
-                seed: 1_000 * (run as u64 + 1) + w as u64,
-                ..load
-            };
-            let mut reports = Vec::new();
-            for k in 0..targets.len() {
-                let (target, url) = &targets[(k + run) % targets.len()];
-                cluster.sim.reset_prefix_caches();
-                eprintln!("run {} · {name} · {target} ...", run + 1);
-                let report = loadgen::run(&load, url)
-                    .await
-                    .with_context(|| format!("{name} through {target}"))?;
-                if target == "epp" && std::env::var_os("PEER_BENCH_DEBUG").is_some() {
-                    let admin = cluster.epp(0)?.addrs.admin;
-                    for view in ["cost-model", "inflight", "scrape"] {
-                        let v = reqwest::get(format!("http://{admin}/debug/{view}"))
-                            .await?
-                            .text()
-                            .await?;
-                        eprintln!("  /debug/{view}: {v}");
-                    }
+    for (run, name, load) in schedule(opts) {
+        let mut reports = Vec::new();
+        for k in 0..targets.len() {
+            let (target, url) = &targets[(k + run) % targets.len()];
+            cluster.sim.reset_prefix_caches();
+            eprintln!("run {} · {name} · {target} ...", run + 1);
+            let report = loadgen::run(&load, url)
+                .await
+                .with_context(|| format!("{name} through {target}"))?;
+            if target == "epp" && std::env::var_os("PEER_BENCH_DEBUG").is_some() {
+                let admin = cluster.epp(0)?.addrs.admin;
+                for view in ["cost-model", "inflight", "scrape"] {
+                    let v = reqwest::get(format!("http://{admin}/debug/{view}"))
+                        .await?
+                        .text()
+                        .await?;
+                    eprintln!("  /debug/{view}: {v}");
                 }
-                reports.push((target.clone(), report));
             }
-            reports.sort_by_key(|(t, _)| targets.iter().position(|(n, _)| n == t));
-            println!("\n### run {} · {name}\n", run + 1);
-            print!("{}", loadgen::render_table(&reports));
-            for (target, report) in reports {
-                out.push(Measurement {
-                    run: run + 1,
-                    workload: name.to_string(),
-                    target,
-                    report,
-                });
-            }
+            reports.push((target.clone(), report));
         }
+        let order: Vec<&str> = targets.iter().map(|(n, _)| n.as_str()).collect();
+        keep(&mut out, run, name, reports, &order);
     }
     drop(routers);
     cluster.shutdown().await;
@@ -215,51 +197,68 @@ pub async fn precise_vs_approx(opts: &Options) -> anyhow::Result<Vec<Measurement
         ),
     ];
     let mut out = Vec::new();
+    for (run, name, load) in schedule(opts) {
+        let mut reports = Vec::new();
+        for k in 0..arms.len() {
+            let (target, args) = &arms[(k + run) % arms.len()];
+            let cluster = LocalCluster::start(ClusterSpec {
+                sim: SimConfig {
+                    pod_knobs: opts.pod_knobs.clone(),
+                    kv_events: Some(sim::KvEventsConfig::default()),
+                    ..crate::workloads::bench_pool(4, opts.engine)
+                },
+                epp_args: args.clone(),
+                ..ClusterSpec::default()
+            })
+            .await
+            .context("starting pods, the EPP and Envoy")?;
+            cluster.wait_for_pods().await?;
+            eprintln!("run {} · {name} · {target} ...", run + 1);
+            let report = loadgen::run(&load, &cluster.envoy.url())
+                .await
+                .with_context(|| format!("{name} through {target}"))?;
+            cluster.shutdown().await;
+            reports.push((target.to_string(), report));
+        }
+        let order: Vec<&str> = arms.iter().map(|(n, _)| *n).collect();
+        keep(&mut out, run, name, reports, &order);
+    }
+    Ok(out)
+}
+
+/// Every (run, workload, load seeded for that run and workload) a benchmark measures, in order.
+fn schedule(opts: &Options) -> Vec<(usize, &'static str, LoadConfig)> {
+    let mut out = Vec::new();
     for run in 0..opts.runs {
         for (w, (name, load)) in workloads().into_iter().enumerate() {
-            if !opts.only.is_empty() && !opts.only.iter().any(|o| o == name) {
-                continue;
-            }
-            let load = LoadConfig {
-                seed: 1_000 * (run as u64 + 1) + w as u64,
-                ..load
-            };
-            let mut reports = Vec::new();
-            for k in 0..arms.len() {
-                let (target, args) = &arms[(k + run) % arms.len()];
-                let cluster = LocalCluster::start(ClusterSpec {
-                    sim: SimConfig {
-                        pod_knobs: opts.pod_knobs.clone(),
-                        kv_events: Some(sim::KvEventsConfig::default()),
-                        ..crate::workloads::bench_pool(4, opts.engine)
-                    },
-                    epp_args: args.clone(),
-                    ..ClusterSpec::default()
-                })
-                .await
-                .context("starting pods, the EPP and Envoy")?;
-                cluster.wait_for_pods().await?;
-                eprintln!("run {} · {name} · {target} ...", run + 1);
-                let report = loadgen::run(&load, &cluster.envoy.url())
-                    .await
-                    .with_context(|| format!("{name} through {target}"))?;
-                cluster.shutdown().await;
-                reports.push((target.to_string(), report));
-            }
-            reports.sort_by_key(|(t, _)| arms.iter().position(|(n, _)| n == t));
-            println!("\n### run {} · {name}\n", run + 1);
-            print!("{}", loadgen::render_table(&reports));
-            for (target, report) in reports {
-                out.push(Measurement {
-                    run: run + 1,
-                    workload: name.to_string(),
-                    target,
-                    report,
-                });
+            if opts.only.is_empty() || opts.only.iter().any(|o| o == name) {
+                let seed = 1_000 * (run as u64 + 1) + w as u64;
+                out.push((run, name, LoadConfig { seed, ..load }));
             }
         }
     }
-    Ok(out)
+    out
+}
+
+/// Print one workload's reports (targets in `order`) and keep them.
+fn keep(
+    out: &mut Vec<Measurement>,
+    run: usize,
+    name: &str,
+    mut reports: Vec<(String, Report)>,
+    order: &[&str],
+) {
+    reports.sort_by_key(|(t, _)| order.iter().position(|n| n == t));
+    println!("\n### run {} · {name}\n", run + 1);
+    print!("{}", loadgen::render_table(&reports));
+    for (target, report) in reports {
+        out.push(Measurement {
+            run: run + 1,
+            workload: name.to_string(),
+            target,
+            report,
+        });
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -1,7 +1,7 @@
 //! Workloads shared by the tests, the benchmarks and the demo.
 
 use sim::loadgen::LoadConfig;
-use sim::{EngineModel, PodKnobs, SimConfig};
+use sim::{EngineModel, KvEventsConfig, PodKnobs, SimConfig};
 
 /// `step` or `simple`, for the binaries' `--engine` flags.
 pub fn parse_engine(s: &str) -> Result<EngineModel, String> {
@@ -130,6 +130,44 @@ schedulingProfiles:
 flowControl:
   defaultRequestTTL: 30s
   saturationDetector: {{pluginRef: slots}}
+"
+    )
+}
+
+/// Pods that publish KV events and hold little KV cache (600 blocks of 16 tokens: two ~4.5k-token
+/// conversations), so their engines evict under a multi-turn workload: the precise index's tests.
+pub fn kv_event_pods(pods: usize) -> SimConfig {
+    SimConfig {
+        pods,
+        knobs: PodKnobs {
+            kv_blocks: 600,
+            max_num_seqs: 8,
+            ..PodKnobs::default()
+        },
+        kv_events: Some(KvEventsConfig::default()),
+        ..SimConfig::default()
+    }
+}
+
+/// llm-d's precise-prefix guide profile (prefix 3, queue 2, KV utilization 2) with `producer`
+/// (`precise-prefix-cache-producer` or `approx-prefix-cache-producer`) filling the prefix match.
+pub fn llmd_prefix_config(producer: &str) -> String {
+    format!(
+        "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: {producer}
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {{pluginRef: prefix-cache-scorer, weight: 3}}
+  - {{pluginRef: queue-scorer, weight: 2}}
+  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
 "
     )
 }

@@ -13,20 +13,12 @@
 use std::time::Duration;
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
+use chaos::workloads;
+use sim::SimConfig;
 use sim::loadgen::{self, LoadConfig};
-use sim::{KvEventsConfig, PodKnobs, SimConfig};
 
 fn pods() -> SimConfig {
-    SimConfig {
-        pods: 8,
-        knobs: PodKnobs {
-            kv_blocks: 600,
-            max_num_seqs: 8,
-            ..PodKnobs::default()
-        },
-        kv_events: Some(KvEventsConfig::default()),
-        ..SimConfig::default()
-    }
+    workloads::kv_event_pods(8)
 }
 
 fn load() -> LoadConfig {
@@ -44,37 +36,12 @@ fn load() -> LoadConfig {
 }
 
 fn config(producer: &str) -> String {
-    format!(
-        "\
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: {producer}
-- type: prefix-cache-scorer
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - {{pluginRef: prefix-cache-scorer, weight: 3}}
-  - {{pluginRef: queue-scorer, weight: 2}}
-  - {{pluginRef: kv-cache-utilization-scorer, weight: 2}}
-"
-    )
+    workloads::llmd_prefix_config(producer)
 }
 
 /// A counter's value in a Prometheus text exposition (summed over its series).
 fn counter(metrics: &str, name: &str) -> u64 {
-    metrics
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+    chaos::epp::metric_sum(metrics, name) as u64
 }
 
 #[derive(Debug)]

@@ -15,41 +15,18 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
+use chaos::workloads;
 use sim::loadgen::{self, LoadConfig};
-use sim::{KvEventsConfig, PodKnobs, SimConfig};
-
-const CONFIG: &str = "\
-apiVersion: llm-d.ai/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-producer
-- type: prefix-cache-scorer
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: prefix-cache-scorer, weight: 3}
-  - {pluginRef: queue-scorer, weight: 2}
-  - {pluginRef: kv-cache-utilization-scorer, weight: 2}
-";
 
 fn spec() -> ClusterSpec {
     ClusterSpec {
-        sim: SimConfig {
-            pods: 8,
-            knobs: PodKnobs {
-                kv_blocks: 600,
-                max_num_seqs: 8,
-                ..PodKnobs::default()
-            },
-            kv_events: Some(KvEventsConfig::default()),
-            ..SimConfig::default()
-        },
+        sim: workloads::kv_event_pods(8),
         replicas: 3,
         raft: true,
-        epp_args: vec!["--config-text".into(), CONFIG.into()],
+        epp_args: vec![
+            "--config-text".into(),
+            workloads::llmd_prefix_config("precise-prefix-cache-producer"),
+        ],
         ..ClusterSpec::default()
     }
 }
@@ -69,14 +46,7 @@ fn load(seed: u64, conversations: usize) -> LoadConfig {
 }
 
 fn counter(metrics: &str, name: &str) -> u64 {
-    metrics
-        .lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+    chaos::epp::metric_sum(metrics, name) as u64
 }
 
 /// Replica `i`'s `/debug/kv-events`.
