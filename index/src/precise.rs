@@ -55,6 +55,8 @@ const NONE: PodId = PodId::MAX;
 const SPILLED: PodId = PodId::MAX - 1;
 /// Pod ids stay below the markers.
 const MAX_PODS: usize = (PodId::MAX - 1) as usize;
+/// Speculative entries kept at most (the oldest are dropped first).
+pub const MAX_SPECULATIVE: usize = 1 << 20;
 
 /// The pods holding one key, as a multiset (see the module doc): up to two inline — 8 bytes, so a
 /// `blocks` slot is 16 — else all of them in the index's spill arena.
@@ -138,6 +140,9 @@ pub struct PreciseIndex {
     spill_free: Vec<PodId>,
     /// When on: every change of a pod's distinct keys, in order (see [`Self::take_journal`]).
     journal: Option<Vec<(PodId, u64, bool)>>,
+    /// Speculative entries: key → (pod, expiry), and the same in expiry order for the sweep.
+    speculative: IdMap<u64, Vec<(PodId, u64)>>,
+    spec_queue: std::collections::VecDeque<(u64, u64, PodId)>,
     /// (pod, engine block) pairs held.
     entries: usize,
 }
@@ -332,6 +337,12 @@ impl PreciseIndex {
     pub fn remove_pod(&mut self, name: &str) {
         if let Some(id) = self.by_name.remove(name) {
             self.clear_pod(id);
+            // Its slot will be reused: no speculation may carry over to the next pod.
+            self.speculative.retain(|_, v| {
+                v.retain(|e| e.0 != id);
+                !v.is_empty()
+            });
+            self.spec_queue.retain(|e| e.2 != id);
             if let Some(p) = self.pods.get_mut(id as usize) {
                 *p = Pod::default();
             }
@@ -439,11 +450,33 @@ impl PreciseIndex {
 
     /// Each pod's run of leading `keys` it holds (pods with a run of 0 are left out), into `out`.
     pub fn match_prefix(&self, keys: &[u64], out: &mut Vec<PreciseMatch>) {
+        self.match_prefix_at(keys, None, out);
+    }
+
+    /// [`Self::match_prefix`], counting also the speculative entries still alive at `now`
+    /// ([`Self::speculate`]) when `now` is given.
+    pub fn match_prefix_at(&self, keys: &[u64], now: Option<u64>, out: &mut Vec<PreciseMatch>) {
         out.clear();
-        let Some(first) = keys.first().and_then(|k| self.blocks.get(k)) else {
-            return;
+        let empty: &[(PodId, u64)] = &[];
+        let spec = |key: &u64| match now {
+            Some(_) if !self.speculative.is_empty() => {
+                self.speculative.get(key).map_or(empty, Vec::as_slice)
+            }
+            _ => empty,
         };
-        for &pod in holders(&self.spill, first) {
+        let alive = move |e: &(PodId, u64)| now.is_some_and(|t| e.1 > t);
+        let held = |key: &u64| {
+            self.blocks
+                .get(key)
+                .map_or(&[][..], |h| holders(&self.spill, h))
+        };
+        let Some(first) = keys.first() else { return };
+        let spec_first = spec(first);
+        let firsts = held(first)
+            .iter()
+            .copied()
+            .chain(spec_first.iter().filter(|e| alive(e)).map(|e| e.0));
+        for pod in firsts {
             if !out.iter().any(|m| m.pod == pod) {
                 out.push(PreciseMatch { pod, blocks: 1 });
             }
@@ -451,11 +484,17 @@ impl PreciseIndex {
         // `out[..active]` are still running; finished runs are swapped behind them.
         let mut active = out.len();
         for (i, key) in keys.iter().enumerate().skip(1) {
-            let Some(h) = self.blocks.get(key) else { break };
-            let h = holders(&self.spill, h);
+            if active == 0 {
+                break;
+            }
+            let (h, sp) = (held(key), spec(key));
+            if h.is_empty() && sp.is_empty() {
+                break;
+            }
             let mut j = 0;
             while j < active {
-                if h.contains(&out[j].pod) {
+                let pod = out[j].pod;
+                if h.contains(&pod) || sp.iter().any(|e| e.0 == pod && alive(e)) {
                     out[j].blocks = i + 1;
                     j += 1;
                 } else {
@@ -463,8 +502,40 @@ impl PreciseIndex {
                     out.swap(j, active);
                 }
             }
-            if active == 0 {
+        }
+    }
+
+    /// Speculative indexing: pod `id` is about to hold `keys` (a request was just routed there),
+    /// until `expires` — before its engine's events say so. Entries past their time are swept
+    /// here, oldest first (every call passes the same time-to-live, so the queue is in expiry
+    /// order); at most [`MAX_SPECULATIVE`] are kept.
+    pub fn speculate(&mut self, id: PodId, keys: &[u64], now: u64, expires: u64) {
+        while let Some(&(exp, key, pod)) = self.spec_queue.front() {
+            if exp > now && self.spec_queue.len() + keys.len() <= MAX_SPECULATIVE {
                 break;
+            }
+            self.spec_queue.pop_front();
+            self.unspeculate(key, pod, exp);
+        }
+        if self.slot(id).is_none() {
+            return;
+        }
+        for &key in keys.iter().take(MAX_SPECULATIVE) {
+            let v = self.speculative.entry(key).or_default();
+            match v.iter_mut().find(|e| e.0 == id) {
+                Some(e) => e.1 = expires,
+                None => v.push((id, expires)),
+            }
+            self.spec_queue.push_back((expires, key, id));
+        }
+    }
+
+    /// Drops `pod`'s speculative entry of `key` if it still expires at `exp` (not renewed).
+    fn unspeculate(&mut self, key: u64, pod: PodId, exp: u64) {
+        if let Some(v) = self.speculative.get_mut(&key) {
+            v.retain(|e| !(e.0 == pod && e.1 <= exp));
+            if v.is_empty() {
+                self.speculative.remove(&key);
             }
         }
     }
@@ -561,6 +632,44 @@ fn is_gpu(medium: Option<&str>) -> bool {
 mod tests {
     use super::*;
     use crate::BlockHasher;
+
+    #[test]
+    fn speculative_entries_match_until_they_expire() {
+        let mut ix = PreciseIndex::new();
+        let a = ix.pod("a");
+        let b = ix.pod("b");
+        let t = toks(12, 5);
+        let k = keys("m", &t);
+        // b's engine holds the first block; a was just sent the whole prompt.
+        ix.apply(b, "m", &[stored(&[1], None, &t[..4])], &root);
+        ix.speculate(a, &k, 100, 2100);
+        let mut out = Vec::new();
+        ix.match_prefix_at(&k, Some(1000), &mut out);
+        out.sort_by_key(|m| m.pod);
+        assert_eq!(
+            out,
+            vec![
+                PreciseMatch { pod: a, blocks: 3 },
+                PreciseMatch { pod: b, blocks: 1 }
+            ]
+        );
+        // Without speculation, or once expired: only what the engines reported.
+        ix.match_prefix(&k, &mut out);
+        assert_eq!(out, vec![PreciseMatch { pod: b, blocks: 1 }]);
+        ix.match_prefix_at(&k, Some(2100), &mut out);
+        assert_eq!(out, vec![PreciseMatch { pod: b, blocks: 1 }]);
+        // A later call sweeps the expired entries; a renewed one survives its old expiry.
+        ix.speculate(b, &k[..1], 2200, 4200);
+        assert!(!ix.speculative.contains_key(&k[1]));
+        ix.speculate(b, &k[..1], 3000, 5000);
+        ix.speculate(b, &[], 4300, 6300);
+        ix.match_prefix_at(&k, Some(4300), &mut out);
+        assert_eq!(out, vec![PreciseMatch { pod: b, blocks: 1 }]);
+        assert_eq!(ix.speculative.get(&k[0]).map(Vec::len), Some(1));
+        // A removed pod's speculation goes with it.
+        ix.remove_pod("b");
+        assert!(ix.speculative.is_empty() && ix.spec_queue.is_empty());
+    }
 
     #[test]
     fn holders_stay_small() {

@@ -11,11 +11,14 @@
 //! chain uses each pod's engine block size from its events (`tokenProcessorConfig.blockSize` is
 //! only the fallback before the first event), and the index lives in this process, so
 //! `indexerConfig` (tokenizer pools, external index backends) is accepted and not used except
-//! `tokenizersPoolConfig.modelName` (the model of pods whose topic names none).
+//! `tokenizersPoolConfig.modelName` (the model of pods whose topic names none) and
+//! `speculativeIndexing`. With speculative indexing on, a routing decision counts as the pod's
+//! for `speculativeTTL` before its engine reports the blocks.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
 
 use index::kvevents::KvEvent;
 use index::precise::{Applied, chain_full_blocks};
@@ -23,7 +26,7 @@ use index::{BlockHasher, PreciseIndex, PreciseMatch};
 use serde::Deserialize;
 
 use super::{PrefixMatchInfo, Producer, RequestData, SchedRequest};
-use crate::config::ConfigError;
+use crate::config::{ConfigError, parse_duration};
 use crate::datalayer::store::Candidate;
 use crate::request::parse::Prompt;
 
@@ -139,17 +142,12 @@ impl PreciseParams {
             path: format!("{path}.{f}"),
             message,
         };
-        let speculative_in_indexer = self
-            .indexer_config
-            .as_ref()
-            .and_then(|v| v.get("speculativeIndexing"))
-            .and_then(serde_json::Value::as_bool)
-            .unwrap_or(false);
-        if self.speculative_indexing || speculative_in_indexer {
-            return Err(field(
-                "speculativeIndexing",
-                "speculative indexing is not implemented by this build yet".into(),
-            ));
+        if let Some(t) = &self.speculative_ttl {
+            match parse_duration(t) {
+                Ok(d) if !d.is_zero() => {}
+                Ok(_) => return Err(field("speculativeTTL", "must be positive".into())),
+                Err(e) => return Err(field("speculativeTTL", e)),
+            }
         }
         if !self.kv_events_config.discover_pods {
             return Err(field(
@@ -178,6 +176,23 @@ impl PreciseParams {
             ));
         }
         Ok(())
+    }
+
+    /// How long a routing decision counts as the pod's (speculative indexing: on at the top
+    /// level or in `indexerConfig`, as llm-d's versions put it), `None` when off.
+    pub fn speculation(&self) -> Option<Duration> {
+        let in_indexer = self
+            .indexer_config
+            .as_ref()
+            .and_then(|v| v.get("speculativeIndexing"))
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false);
+        (self.speculative_indexing || in_indexer).then(|| {
+            self.speculative_ttl
+                .as_deref()
+                .and_then(|t| parse_duration(t).ok())
+                .unwrap_or(Duration::from_secs(2))
+        })
     }
 
     /// `indexerConfig.tokenizersPoolConfig.modelName`: the model of pods whose topic names none.
@@ -213,15 +228,20 @@ pub struct PrecisePrefixProducer {
     untokenized: AtomicU64,
     /// Cluster mode: the changes of the pods this replica subscribes to, for the peers.
     outbox: Mutex<Option<HashMap<String, PodChanges>>>,
+    /// Speculative indexing's time to live, and the origin of its clock.
+    speculation: Option<Duration>,
+    started: Instant,
 }
 
 impl PrecisePrefixProducer {
     pub fn new(params: PreciseParams) -> Self {
         PrecisePrefixProducer {
+            speculation: params.speculation(),
             params,
             index: RwLock::new(PreciseIndex::new()),
             untokenized: AtomicU64::new(0),
             outbox: Mutex::new(None),
+            started: Instant::now(),
         }
     }
 
@@ -359,6 +379,10 @@ impl PrecisePrefixProducer {
         self.read().pod_names()
     }
 
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
     /// Requests scored without engine tokens so far.
     pub fn untokenized(&self) -> u64 {
         self.untokenized.load(Ordering::Relaxed)
@@ -415,7 +439,8 @@ impl Producer for PrecisePrefixProducer {
         let mut keys = Vec::with_capacity(tokens.len() / block_size + 1);
         chain_full_blocks(seed, tokens, block_size, &mut keys);
         let mut runs: Vec<PreciseMatch> = Vec::new();
-        ix.match_prefix(&keys, &mut runs);
+        let now = self.speculation.map(|_| self.now_ms());
+        ix.match_prefix_at(&keys, now, &mut runs);
         if !runs.is_empty() {
             for (slot, c) in matched.iter_mut().zip(candidates) {
                 if let Some(id) = ix.pod_id(&c.endpoint.hostport) {
@@ -432,15 +457,33 @@ impl Producer for PrecisePrefixProducer {
         });
     }
 
-    /// The engines report what they store; nothing to record at routing time.
+    /// The engines report what they store; with speculative indexing the chosen pods count as
+    /// holding the prompt's blocks until the time to live ends (a burst sharing a prompt sees the
+    /// first request's pod before its engine has said anything).
     fn pre_request(
         &self,
         _req: &SchedRequest<'_>,
-        _data: &RequestData,
-        _candidates: &[Candidate],
-        _primary: usize,
-        _prefill: Option<usize>,
+        data: &RequestData,
+        candidates: &[Candidate],
+        primary: usize,
+        prefill: Option<usize>,
     ) {
+        let (Some(ttl), Some(info)) = (self.speculation, &data.prefix) else {
+            return;
+        };
+        if info.hashes.is_empty() {
+            return;
+        }
+        let now = self.now_ms();
+        let expires = now.saturating_add(ttl.as_millis() as u64);
+        let mut ix = self.write();
+        for c in std::iter::once(primary)
+            .chain(prefill)
+            .filter_map(|i| candidates.get(i))
+        {
+            let id = ix.pod(&c.endpoint.hostport);
+            ix.speculate(id, &info.hashes, now, expires);
+        }
     }
 }
 
@@ -466,8 +509,8 @@ mod tests {
             Some(5557)
         );
         for bad in [
-            serde_json::json!({"speculativeIndexing": true}),
-            serde_json::json!({"indexerConfig": {"speculativeIndexing": true}}),
+            serde_json::json!({"speculativeIndexing": true, "speculativeTTL": "0s"}),
+            serde_json::json!({"speculativeTTL": "soon"}),
             serde_json::json!({"kvEventsConfig": {"discoverPods": false, "zmqEndpoint": "tcp://*:5557"}}),
             serde_json::json!({"tokenProcessorConfig": {"blockSize": 0}}),
         ] {
@@ -475,6 +518,20 @@ mod tests {
             assert!(p.validate("p").is_err(), "{bad}");
         }
         assert!(serde_json::from_value::<PreciseParams>(serde_json::json!({"nope": 1})).is_err());
+        assert_eq!(p.speculation(), None);
+        let on = |v| {
+            serde_json::from_value::<PreciseParams>(v)
+                .unwrap()
+                .speculation()
+        };
+        assert_eq!(
+            on(serde_json::json!({"indexerConfig": {"speculativeIndexing": true}})),
+            Some(Duration::from_secs(2))
+        );
+        assert_eq!(
+            on(serde_json::json!({"speculativeIndexing": true, "speculativeTTL": "500ms"})),
+            Some(Duration::from_millis(500))
+        );
     }
 
     #[test]
@@ -528,5 +585,27 @@ mod tests {
         p.produce(&r, &cs, &mut data);
         assert_eq!(data.prefix.unwrap().matched, vec![0, 1]);
         assert_eq!(p.clear("10.0.0.2:8000"), 1);
+    }
+
+    #[test]
+    fn speculation_counts_a_routed_prompt_until_the_engine_speaks() {
+        let p = PrecisePrefixProducer::new(
+            serde_json::from_value(serde_json::json!({"speculativeIndexing": true})).unwrap(),
+        );
+        let cs = [
+            cand_at("a", "10.0.0.1:8000", None, false, &[]),
+            cand_at("b", "10.0.0.2:8000", None, false, &[]),
+        ];
+        let tokens: Vec<u32> = (0..40).collect();
+        let prompt = Prompt::Tokens(tokens.clone());
+        let mut r = req();
+        r.prompt = &prompt;
+        let mut data = RequestData::default();
+        p.produce(&r, &cs, &mut data);
+        assert_eq!(data.prefix.as_ref().unwrap().matched, vec![0, 0]);
+        p.pre_request(&r, &data, &cs, 1, None);
+        let mut again = RequestData::default();
+        p.produce(&r, &cs, &mut again);
+        assert_eq!(again.prefix.unwrap().matched, vec![0, 2]);
     }
 }
