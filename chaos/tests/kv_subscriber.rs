@@ -83,7 +83,13 @@ fn a_late_subscriber_replays_the_past_then_follows_evictions_and_restarts() {
             send(vec![stored(i)]);
         }
         let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
-        let sub = Subscriber::start(producer.clone(), Arc::new(Metrics::new("p"))).unwrap();
+        let sub = Subscriber::start(
+            producer.clone(),
+            "kv@".into(),
+            None,
+            Arc::new(Metrics::new("p")),
+        )
+        .unwrap();
         let ep = &publisher.endpoints[0];
         sub.set_targets(vec![Target {
             pod: "pod".into(),
@@ -131,7 +137,13 @@ fn without_a_replay_socket_a_gap_resyncs_the_pod() {
     let send = |events: Vec<KvEvent>| tx.send(Command::Publish { pod: 0, events }).unwrap();
     send(vec![stored(0)]);
     let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
-    let sub = Subscriber::start(producer.clone(), Arc::new(Metrics::new("p"))).unwrap();
+    let sub = Subscriber::start(
+        producer.clone(),
+        "kv@".into(),
+        None,
+        Arc::new(Metrics::new("p")),
+    )
+    .unwrap();
     sub.set_targets(vec![Target {
         pod: "pod".into(),
         endpoint: publisher.endpoints[0].publisher.clone(),
@@ -159,4 +171,76 @@ fn without_a_replay_socket_a_gap_resyncs_the_pod() {
     let st = sub.status()["pod"].clone();
     assert!(st.gaps >= 1, "{st:?}");
     assert_eq!(st.replayed, 0, "{st:?}");
+}
+
+#[test]
+fn garbage_and_absurd_sequence_numbers_are_counted_and_survived() {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).unwrap();
+    publisher.bind("tcp://127.0.0.1:*").unwrap();
+    let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
+    let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
+    let metrics = Arc::new(Metrics::new("p"));
+    let sub = Subscriber::start(producer.clone(), "kv@".into(), None, metrics.clone()).unwrap();
+    sub.set_targets(vec![Target {
+        pod: "pod".into(),
+        endpoint,
+        replay: None,
+    }]);
+    let batch = |i: u64| sim::kvevents::encode_batch(0.0, &[stored(i)], Encoding::Map);
+    let topic: &[u8] = b"kv@pod@m";
+    // Until the subscription is up, then the garbage, then a root block that must be indexed.
+    let mut n = 0u64;
+    wait("the subscription", || {
+        let seq = n.to_be_bytes();
+        publisher
+            .send_multipart([topic, &seq[..], &batch(0)[..]], 0)
+            .unwrap();
+        n += 1;
+        std::thread::sleep(Duration::from_millis(20));
+        sub.status().get("pod").is_some_and(|s| s.applied > 0)
+    });
+    let garbage: Vec<Vec<Vec<u8>>> = vec![
+        vec![topic.to_vec()],                          // one frame
+        vec![topic.to_vec(), vec![1, 2, 3], batch(0)], // a 3-byte sequence
+        vec![
+            topic.to_vec(),
+            (n + 1).to_be_bytes().to_vec(),
+            vec![0xc1, 0xff, 0x00],
+        ], // not msgpack
+        vec![topic.to_vec(), u64::MAX.to_be_bytes().to_vec(), batch(0)], // the end of time
+        vec![topic.to_vec(), u64::MAX.to_be_bytes().to_vec(), batch(0)], // and again
+        vec![
+            topic.to_vec(),
+            0u64.to_be_bytes().to_vec(),
+            vec![0x93, 0xcb],
+        ], // truncated
+        vec![
+            b"not a topic".to_vec(),
+            1u64.to_be_bytes().to_vec(),
+            batch(0),
+        ],
+    ];
+    for frames in &garbage {
+        publisher.send_multipart(frames, 0).unwrap();
+    }
+    // The thread lives on: a fresh root block is indexed.
+    publisher
+        .send_multipart([topic, &2u64.to_be_bytes()[..], &batch(0)[..]], 0)
+        .unwrap();
+    wait("the block after the garbage", || {
+        held(&producer, "pod") == keys(1)
+            && metrics
+                .encode()
+                .contains("llm_d_epp_kv_events_messages_total{pod=\"pod\",outcome=\"garbage\"}")
+    });
+    // One frame, a 3-byte sequence, a payload that is not msgpack, a truncated one.
+    wait("the garbage counted in the status", || {
+        sub.status()["pod"].garbage >= 4
+    });
+    let st = sub.status()["pod"].clone();
+    assert!(
+        st.restarts >= 1,
+        "a sequence going back is a restart: {st:?}"
+    );
 }

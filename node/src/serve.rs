@@ -381,8 +381,13 @@ pub async fn serve(
     // The precise prefix index's feed: a subscription per pod of the pool.
     let kv_events = match &built.scheduler.precise {
         Some(p) => Some(Arc::new(
-            crate::datalayer::kvevents::Subscriber::start(p.clone(), metrics.clone())
-                .map_err(|e| ServeError::Server(format!("kv-event subscriber thread: {e}")))?,
+            crate::datalayer::kvevents::Subscriber::start(
+                p.clone(),
+                p.params.kv_events_config.topic_filter.clone(),
+                p.params.model_name().map(str::to_string),
+                metrics.clone(),
+            )
+            .map_err(|e| ServeError::Server(format!("kv-event subscriber thread: {e}")))?,
         )),
         None => None,
     };

@@ -30,13 +30,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use index::kvevents::{self, Replay};
-use serde::Serialize;
+use index::precise::Applied;
+use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 use super::endpoint::Endpoint;
 use super::store::Datastore;
 use crate::metrics::Metrics;
-use crate::scheduling::precise::{KvEventsParams, PrecisePrefixProducer};
 
 /// Label (or annotation) naming a pod's KV-event PUB endpoint.
 pub const ENDPOINT_LABEL: &str = "llm-d.ai/kv-events-endpoint";
@@ -55,6 +55,91 @@ const REPLAY_COOLDOWN: Duration = Duration::from_secs(5);
 /// SUB receive high-water mark (messages).
 const RCVHWM: i32 = 10_000;
 const POLL_MS: i64 = 20;
+
+/// What the subscriber feeds: the precise index (`scheduling::precise` implements it).
+pub trait KvIndex: Send + Sync {
+    /// Apply one batch of pod `pod`'s events (`model`: the model its topic names).
+    fn apply(&self, pod: &str, model: &str, events: &[index::kvevents::KvEvent]) -> Applied;
+    /// Forget what the pod holds (resync, restart), here and on the replicas mirroring it.
+    fn clear(&self, pod: &str) -> u64;
+    /// Forget what the pod holds here only (a subscription starting over a mirror).
+    fn reset_locally(&self, pod: &str);
+    /// Keep what the pod holds as a mirror (another replica subscribes to it now).
+    fn hand_over(&self, pod: &str);
+    /// Drop the pod (gone from the pool).
+    fn remove(&self, pod: &str);
+    /// Pods in the index.
+    fn pods(&self) -> Vec<String>;
+    /// Blocks the pod holds.
+    fn pod_blocks(&self, pod: &str) -> usize;
+    /// (entries, heap bytes) of the whole index.
+    fn size(&self) -> (usize, usize);
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PodDiscoveryConfig {
+    /// The pods' PUB port (`tcp://<pod IP>:<socketPort>`).
+    #[serde(default = "d_socket_port")]
+    pub socket_port: u16,
+    /// The pods' replay ROUTER port; none = no replay (gaps resync the pod).
+    #[serde(default)]
+    pub replay_port: Option<u16>,
+}
+
+fn d_socket_port() -> u16 {
+    5557
+}
+
+impl Default for PodDiscoveryConfig {
+    fn default() -> Self {
+        PodDiscoveryConfig {
+            socket_port: d_socket_port(),
+            replay_port: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct KvEventsParams {
+    /// Centralized mode's bind address (pods connect to the EPP); see `discoverPods`.
+    #[serde(default)]
+    pub zmq_endpoint: Option<String>,
+    #[serde(default = "d_topic")]
+    pub topic_filter: String,
+    /// llm-d's worker count; one thread here serves every subscription.
+    #[serde(default)]
+    pub concurrency: Option<usize>,
+    /// Subscribe to each pod of the pool (the only mode this build implements).
+    #[serde(default = "d_true")]
+    pub discover_pods: bool,
+    #[serde(default)]
+    pub pod_discovery_config: PodDiscoveryConfig,
+    /// `vllm` or `sglang`: both publish the same frames; the decoder takes either.
+    #[serde(default)]
+    pub engine_type: Option<String>,
+}
+
+fn d_topic() -> String {
+    "kv@".into()
+}
+fn d_true() -> bool {
+    true
+}
+
+impl Default for KvEventsParams {
+    fn default() -> Self {
+        KvEventsParams {
+            zmq_endpoint: None,
+            topic_filter: d_topic(),
+            concurrency: None,
+            discover_pods: true,
+            pod_discovery_config: PodDiscoveryConfig::default(),
+            engine_type: None,
+        }
+    }
+}
 
 /// One pod's stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -132,8 +217,12 @@ impl std::fmt::Debug for Subscriber {
 }
 
 impl Subscriber {
+    /// `topic_filter`: the SUB sockets' subscription prefix; `fallback_model`: the model of
+    /// pods whose topic names none.
     pub fn start(
-        producer: Arc<PrecisePrefixProducer>,
+        index: Arc<dyn KvIndex>,
+        topic_filter: String,
+        fallback_model: Option<String>,
         metrics: Arc<Metrics>,
     ) -> std::io::Result<Subscriber> {
         let (tx, rx) = mpsc::channel();
@@ -147,7 +236,9 @@ impl Subscriber {
                     Thread {
                         ctx: zmq::Context::new(),
                         subs: Vec::new(),
-                        producer,
+                        producer: index,
+                        topic_filter,
+                        fallback_model,
                         metrics,
                         status,
                         rounds: 0,
@@ -191,7 +282,7 @@ impl Drop for Subscriber {
 /// the pool dropped from the index.
 pub async fn follow(
     sub: Arc<Subscriber>,
-    producer: Arc<PrecisePrefixProducer>,
+    producer: Arc<dyn KvIndex>,
     store: Arc<Datastore>,
     params: KvEventsParams,
     stop: CancellationToken,
@@ -248,7 +339,9 @@ struct Sub {
 struct Thread {
     ctx: zmq::Context,
     subs: Vec<Sub>,
-    producer: Arc<PrecisePrefixProducer>,
+    producer: Arc<dyn KvIndex>,
+    topic_filter: String,
+    fallback_model: Option<String>,
     metrics: Arc<Metrics>,
     status: Arc<Mutex<BTreeMap<String, PodStatus>>>,
     /// Status publications so far.
@@ -336,13 +429,7 @@ impl Thread {
         let sub = self.ctx.socket(zmq::SUB)?;
         sub.set_rcvhwm(RCVHWM)?;
         sub.set_linger(0)?;
-        sub.set_subscribe(
-            self.producer
-                .params
-                .kv_events_config
-                .topic_filter
-                .as_bytes(),
-        )?;
+        sub.set_subscribe(self.topic_filter.as_bytes())?;
         sub.connect(&t.endpoint)?;
         let dealer = match &t.replay {
             Some(r) => {
@@ -484,7 +571,9 @@ impl Thread {
         }
         match s.last {
             None if seq == 0 => self.apply(i, seq, &topic, &payload, "applied"),
-            Some(l) if seq == l.wrapping_add(1) => self.apply(i, seq, &topic, &payload, "applied"),
+            Some(l) if seq == l.saturating_add(1) => {
+                self.apply(i, seq, &topic, &payload, "applied")
+            }
             Some(l) if seq <= l => {
                 // Already applied from a replay.
                 self.metrics
@@ -492,7 +581,7 @@ impl Thread {
                     .messages(&s.target.pod, "duplicate", 1);
             }
             _ => {
-                let from = s.last.map_or(0, |l| l + 1);
+                let from = s.last.map_or(0, |l| l.saturating_add(1));
                 self.gap(i, from, seq, topic, payload);
             }
         }
@@ -539,7 +628,7 @@ impl Thread {
         };
         let first = !r.got_any;
         r.got_any = true;
-        let expected = s.last.map_or(0, |l| l + 1);
+        let expected = s.last.map_or(0, |l| l.saturating_add(1));
         if seq < expected {
             self.metrics
                 .kv_events
@@ -568,7 +657,7 @@ impl Thread {
         let mut backlog = r.backlog;
         // Whatever the replay did not cover is gone: take the held stream from its first message.
         if let Some((first, _, _)) = backlog.front()
-            && s.last.is_none_or(|l| *first > l + 1)
+            && s.last.is_none_or(|l| *first > l.saturating_add(1))
         {
             let first = *first;
             self.resync(i);
@@ -626,7 +715,7 @@ impl Thread {
             .map(|t| t.model)
             .filter(|m| !m.is_empty())
             .or_else(|| (!s.status.model.is_empty()).then_some(s.status.model.as_str()))
-            .or(self.producer.params.model_name())
+            .or(self.fallback_model.as_deref())
             .unwrap_or("")
             .to_string();
         let applied = self.producer.apply(&s.target.pod, &model, &batch.events);
@@ -644,22 +733,21 @@ impl Thread {
     fn publish_status(&mut self) {
         let now = Instant::now();
         self.rounds += 1;
-        let ix = self.producer.read();
         let mut out = BTreeMap::new();
         for s in &mut self.subs {
             s.status.last_seq = s.last;
             s.status.replaying = s.replaying.is_some();
-            s.status.blocks = ix.pod_id(&s.target.pod).map_or(0, |id| ix.pod_len(id));
+            s.status.blocks = self.producer.pod_blocks(&s.target.pod);
             s.status.idle_s = s.last_message.map(|t| (now - t).as_secs_f64());
             out.insert(s.target.pod.clone(), s.status.clone());
         }
         // Sizing walks the whole index: every 20th status (5 s).
         if self.rounds % 20 == 1 {
+            let (entries, bytes) = self.producer.size();
             self.metrics
                 .kv_events
-                .set_index(self.subs.len(), ix.len(), ix.approx_heap_bytes());
+                .set_index(self.subs.len(), entries, bytes);
         }
-        drop(ix);
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = out;
     }
 }

@@ -27,6 +27,7 @@ use serde::Deserialize;
 
 use super::{PrefixMatchInfo, Producer, RequestData, SchedRequest};
 use crate::config::{ConfigError, parse_duration};
+use crate::datalayer::kvevents::{KvEventsParams, KvIndex};
 use crate::datalayer::store::Candidate;
 use crate::request::parse::Prompt;
 
@@ -51,71 +52,6 @@ impl Default for TokenProcessorConfig {
         TokenProcessorConfig {
             block_size: d_block(),
             hash_seed: String::new(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct PodDiscoveryConfig {
-    /// The pods' PUB port (`tcp://<pod IP>:<socketPort>`).
-    #[serde(default = "d_socket_port")]
-    pub socket_port: u16,
-    /// The pods' replay ROUTER port; none = no replay (gaps resync the pod).
-    #[serde(default)]
-    pub replay_port: Option<u16>,
-}
-
-fn d_socket_port() -> u16 {
-    5557
-}
-
-impl Default for PodDiscoveryConfig {
-    fn default() -> Self {
-        PodDiscoveryConfig {
-            socket_port: d_socket_port(),
-            replay_port: None,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct KvEventsParams {
-    /// Centralized mode's bind address (pods connect to the EPP); see `discoverPods`.
-    #[serde(default)]
-    pub zmq_endpoint: Option<String>,
-    #[serde(default = "d_topic")]
-    pub topic_filter: String,
-    /// llm-d's worker count; one thread here serves every subscription.
-    #[serde(default)]
-    pub concurrency: Option<usize>,
-    /// Subscribe to each pod of the pool (the only mode this build implements).
-    #[serde(default = "d_true")]
-    pub discover_pods: bool,
-    #[serde(default)]
-    pub pod_discovery_config: PodDiscoveryConfig,
-    /// `vllm` or `sglang`: both publish the same frames; the decoder takes either.
-    #[serde(default)]
-    pub engine_type: Option<String>,
-}
-
-fn d_topic() -> String {
-    "kv@".into()
-}
-fn d_true() -> bool {
-    true
-}
-
-impl Default for KvEventsParams {
-    fn default() -> Self {
-        KvEventsParams {
-            zmq_endpoint: None,
-            topic_filter: d_topic(),
-            concurrency: None,
-            discover_pods: true,
-            pod_discovery_config: PodDiscoveryConfig::default(),
-            engine_type: None,
         }
     }
 }
@@ -406,6 +342,37 @@ impl PrecisePrefixProducer {
             })
             .filter(|b| (1..=index::hashing::MAX_BLOCK_SIZE).contains(b))
             .unwrap_or(self.params.token_processor_config.block_size)
+    }
+}
+
+/// The KV-event subscriber's view of the index (the data layer feeds it, it does not know the
+/// producer).
+impl KvIndex for PrecisePrefixProducer {
+    fn apply(&self, pod: &str, model: &str, events: &[KvEvent]) -> Applied {
+        PrecisePrefixProducer::apply(self, pod, model, events)
+    }
+    fn clear(&self, pod: &str) -> u64 {
+        PrecisePrefixProducer::clear(self, pod)
+    }
+    fn reset_locally(&self, pod: &str) {
+        PrecisePrefixProducer::reset_locally(self, pod);
+    }
+    fn hand_over(&self, pod: &str) {
+        PrecisePrefixProducer::hand_over(self, pod);
+    }
+    fn remove(&self, pod: &str) {
+        PrecisePrefixProducer::remove(self, pod);
+    }
+    fn pods(&self) -> Vec<String> {
+        PrecisePrefixProducer::pods(self)
+    }
+    fn pod_blocks(&self, pod: &str) -> usize {
+        let ix = self.read();
+        ix.pod_id(pod).map_or(0, |id| ix.pod_len(id))
+    }
+    fn size(&self) -> (usize, usize) {
+        let ix = self.read();
+        (ix.len(), ix.approx_heap_bytes())
     }
 }
 
