@@ -61,8 +61,12 @@ impl Run {
 async fn run(c: &LocalCluster) -> Run {
     c.wait_for_pods().await.unwrap();
     let report = loadgen::run(&load(), &c.envoy.url()).await.unwrap();
-    // The observing stream counts each response as it ends; give the last ones a moment.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The observing stream counts each response as it ends, maybe just after the client saw it.
+    let observed = || async {
+        let m = c.epp(0).unwrap().metrics().await.unwrap();
+        counter(&m, "llm_d_epp_prefix_cached_tokens_observed_total") == report.cached_tokens
+    };
+    let _ = chaos::wait::until("every response observed", Duration::from_secs(5), observed).await;
     let m = c.epp(0).unwrap().metrics().await.unwrap();
     Run {
         report,
@@ -94,22 +98,39 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>();
     let renders = counter(&m, "llm_d_epp_token_producer_requests_total");
-    // The EPP's index against the pods' caches, pod by pod (from the simulator itself).
-    let admin = c.epp(0).unwrap().addrs.admin;
-    let view: serde_json::Value = reqwest::get(format!("http://{admin}/debug/kv-events"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let mut mismatched = Vec::new();
-    for (i, pod) in c.sim.pods().iter().enumerate() {
-        let held = view["subscriptions"][pod.addr.to_string()]["blocks"].as_u64();
-        let cached = c.sim.stats(i).cached_blocks;
-        if held != Some(cached) {
-            mismatched.push((pod.addr.to_string(), held, cached));
+    // The EPP's index against the pods' caches, pod by pod (from the simulator itself), once the
+    // engines' last events (published at their last steps) have arrived.
+    let mismatched = || async {
+        let view = c
+            .epp(0)
+            .unwrap()
+            .admin_json("/debug/kv-events")
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        for (i, pod) in c.sim.pods().iter().enumerate() {
+            let held = view["pods"][pod.addr.to_string()]["blocks"]
+                .as_u64()
+                .unwrap_or(0);
+            let cached = c.sim.stats(i).cached_blocks;
+            if held != cached {
+                out.push((pod.addr.to_string(), held, cached));
+            }
         }
-    }
+        out
+    };
+    let t0 = std::time::Instant::now();
+    let equal = chaos::wait::until(
+        "the index equal to the pods' caches",
+        Duration::from_secs(5),
+        || async { mismatched().await.is_empty() },
+    )
+    .await;
+    let mismatched = mismatched().await;
+    eprintln!(
+        "index equal to the pods' caches: {:?} after the traffic",
+        equal.as_ref().map(|_| t0.elapsed())
+    );
     c.shutdown().await;
 
     let approx = {
@@ -156,7 +177,7 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
         precise.error() * 100.0
     );
     assert!(
-        mismatched.is_empty(),
-        "index blocks vs the pods' cached blocks (pod, index, pod): {mismatched:?} in {view}"
+        equal.is_ok(),
+        "index blocks vs the pods' cached blocks (pod, index, pod): {mismatched:?}"
     );
 }

@@ -58,6 +58,19 @@ async fn view(c: &LocalCluster, i: usize) -> serde_json::Value {
         .unwrap()
 }
 
+/// How many of replicas `live` subscribe to each pod.
+async fn subscribers(c: &LocalCluster, live: &[usize]) -> BTreeMap<String, usize> {
+    let mut out: BTreeMap<String, usize> = BTreeMap::new();
+    for &i in live {
+        if let Some(subs) = view(c, i).await["subscriptions"].as_object() {
+            for pod in subs.keys() {
+                *out.entry(pod.clone()).or_default() += 1;
+            }
+        }
+    }
+    out
+}
+
 /// Every pod's cached blocks, from the simulator.
 fn truth(c: &LocalCluster) -> BTreeMap<String, u64> {
     c.sim
@@ -100,19 +113,39 @@ async fn three_replicas_share_one_precise_index_from_sharded_subscriptions() {
     let mut c = LocalCluster::start(spec()).await.unwrap();
     c.wait_for_pods().await.unwrap();
     let url = c.envoy.url();
-    // Ownership settles once the replicas hear each other (fan-out every 50 ms).
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Ownership settles once the replicas hear each other (fan-out every 50 ms): exactly two
+    // subscribers per pod.
+    let settled = chaos::wait::until(
+        "two subscribers per pod",
+        Duration::from_secs(10),
+        || async {
+            let s = subscribers(&c, &[0, 1, 2]).await;
+            s.len() == 8 && s.values().all(|n| *n == 2)
+        },
+    )
+    .await;
+    let before = subscribers(&c, &[0, 1, 2]).await;
+    settled.unwrap_or_else(|e| panic!("{e}: {before:?}"));
     let r = loadgen::run(&load(1, 24), &url).await.unwrap();
     assert_eq!(r.errors, 0, "{r:?}");
-
-    // Exactly two subscribers per pod.
-    let mut subscribers: BTreeMap<String, usize> = BTreeMap::new();
-    for i in 0..3 {
-        let v = view(&c, i).await;
-        for pod in v["subscriptions"].as_object().unwrap().keys() {
-            *subscribers.entry(pod.clone()).or_default() += 1;
+    // Every response observed (the observing stream may end just after the client's).
+    let observed_all = || async {
+        let mut sum = 0;
+        for i in 0..3 {
+            let m = c.epp(i).unwrap().metrics().await.unwrap();
+            sum += counter(&m, "llm_d_epp_prefix_cached_tokens_observed_total");
         }
-    }
+        sum == r.cached_tokens
+    };
+    let _ = chaos::wait::until(
+        "every response observed",
+        Duration::from_secs(5),
+        observed_all,
+    )
+    .await;
+
+    // Still exactly two subscribers per pod.
+    let subscribers_after = subscribers(&c, &[0, 1, 2]).await;
     // Accuracy over the three replicas' routing decisions.
     let (mut predicted, mut observed, mut err, mut routed) = (0, 0, 0, Vec::new());
     let (mut gossip_bytes, mut changes) = (0, 0);
@@ -136,14 +169,17 @@ async fn three_replicas_share_one_precise_index_from_sharded_subscriptions() {
         gossip_bytes as f64 / changes.max(1) as f64
     );
     eprintln!(
-        "subscribers per pod {subscribers:?}; requests per replica {routed:?}; predicted {predicted} \
+        "subscribers per pod {subscribers_after:?}; requests per replica {routed:?}; predicted {predicted} \
          observed {observed} |error| {err} ({:.2}%); cached ratio {:.3}; converged {took:?} after \
          the traffic",
         err as f64 * 100.0 / observed.max(1) as f64,
         r.cached_ratio
     );
-    assert_eq!(subscribers.len(), 8, "{subscribers:?}");
-    assert!(subscribers.values().all(|n| *n == 2), "{subscribers:?}");
+    assert_eq!(subscribers_after.len(), 8, "{subscribers_after:?}");
+    assert!(
+        subscribers_after.values().all(|n| *n == 2),
+        "{subscribers_after:?}"
+    );
     assert!(routed.iter().all(|n| *n > 0), "Envoy spreads: {routed:?}");
     assert_eq!(observed, r.cached_tokens);
     assert!(
@@ -162,17 +198,8 @@ async fn three_replicas_share_one_precise_index_from_sharded_subscriptions() {
     });
     let mut moved = None;
     while t_kill.elapsed() < Duration::from_secs(10) {
-        let mut subscribers: BTreeMap<String, usize> = BTreeMap::new();
-        for i in [0, 2] {
-            for pod in view(&c, i).await["subscriptions"]
-                .as_object()
-                .unwrap()
-                .keys()
-            {
-                *subscribers.entry(pod.clone()).or_default() += 1;
-            }
-        }
-        if subscribers.len() == 8 && subscribers.values().all(|n| *n == 2) {
+        let s = subscribers(&c, &[0, 2]).await;
+        if s.len() == 8 && s.values().all(|n| *n == 2) {
             moved = Some(t_kill.elapsed());
             break;
         }

@@ -55,6 +55,10 @@ const NONE: PodId = PodId::MAX;
 const SPILLED: PodId = PodId::MAX - 1;
 /// Pod ids stay below the markers.
 const MAX_PODS: usize = (PodId::MAX - 1) as usize;
+/// Blocks one pod may hold in the index (16M blocks: 256M tokens at 16 per block, far beyond any
+/// engine's KV cache). An engine or a peer claiming more is not believed: further stores are
+/// skipped (and counted) until removals make room.
+pub const MAX_POD_BLOCKS: usize = 1 << 24;
 /// Speculative entries kept at most (the oldest are dropped first).
 pub const MAX_SPECULATIVE: usize = 1 << 20;
 
@@ -143,6 +147,8 @@ pub struct PreciseIndex {
     /// Speculative entries: key → (pod, expiry), and the same in expiry order for the sweep.
     speculative: IdMap<u64, Vec<(PodId, u64)>>,
     spec_queue: std::collections::VecDeque<(u64, u64, PodId)>,
+    /// Blocks one pod may hold ([`MAX_POD_BLOCKS`]; 0 from `Default` means the same).
+    pod_limit: usize,
     /// (pod, engine block) pairs held.
     entries: usize,
 }
@@ -150,6 +156,23 @@ pub struct PreciseIndex {
 impl PreciseIndex {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An index holding at most `limit` blocks per pod (tests; the default is [`MAX_POD_BLOCKS`]).
+    pub fn with_pod_limit(limit: usize) -> Self {
+        PreciseIndex {
+            pod_limit: limit,
+            ..Self::default()
+        }
+    }
+
+    fn full(&self, id: PodId) -> bool {
+        let limit = if self.pod_limit == 0 {
+            MAX_POD_BLOCKS
+        } else {
+            self.pod_limit
+        };
+        self.pods[id as usize].engine.len() >= limit
     }
 
     /// The slot of pod `name`, created empty if new.
@@ -436,6 +459,10 @@ impl PreciseIndex {
         chain_full_blocks(parent, &s.token_ids, bs, &mut keys);
         self.pods[id as usize].block_size = s.block_size;
         for (eh, key) in s.block_hashes.iter().zip(keys) {
+            if self.full(id) && !self.pods[id as usize].engine.contains_key(eh) {
+                out.skipped += 1;
+                continue;
+            }
             let old = self.pods[id as usize].engine.insert(*eh, key);
             match old {
                 Some(old) if old == key => continue, // stored twice (replay overlap)
@@ -571,6 +598,9 @@ impl PreciseIndex {
             }
         }
         for k in adds {
+            if self.full(id) {
+                break;
+            }
             if self.pods[id as usize].engine.insert(*k, *k).is_none() {
                 self.hold(*k, id);
             }
@@ -669,6 +699,30 @@ mod tests {
         // A removed pod's speculation goes with it.
         ix.remove_pod("b");
         assert!(ix.speculative.is_empty() && ix.spec_queue.is_empty());
+    }
+
+    #[test]
+    fn a_pod_claiming_more_blocks_than_any_cache_is_not_believed() {
+        let mut ix = PreciseIndex::with_pod_limit(2);
+        let a = ix.pod("a");
+        let t = toks(16, 1);
+        let r = ix.apply(a, "m", &[stored(&[1, 2, 3, 4], None, &t)], &root);
+        assert_eq!((r.stored, r.skipped, ix.pod_len(a)), (2, 2, 2));
+        // A removal makes room again; a peer's mirror is bounded alike.
+        ix.apply(
+            a,
+            "m",
+            &[KvEvent::BlockRemoved {
+                block_hashes: vec![1],
+                medium: None,
+                group_idx: None,
+            }],
+            &root,
+        );
+        assert_eq!(ix.pod_len(a), 1);
+        let b = ix.pod("b");
+        ix.mirror(b, 4, &[10, 11, 12], &[]);
+        assert_eq!(ix.pod_len(b), 2);
     }
 
     #[test]
