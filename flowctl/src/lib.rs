@@ -24,6 +24,8 @@
 //!   endpoint snapshots / in-flight counts (also usable as scheduling filters).
 //! * [`machine`] — [`FlowController`]: bands, flows, queues, the in-flight ledger, dispatch,
 //!   expiry, eviction, and read-only views for metrics.
+//! * [`quota`] — tenant quotas: per tenant × model request and token buckets and concurrency,
+//!   pre-debit at admission, settlement on usage, the usage ledger ([`quota::QuotaBook`]).
 //! * [`outcome`] — [`DropReason`] → (HTTP status, dropped-reason header) as llm-d maps them, and the
 //!   legacy admission controller ([`legacy_admission`]) used when the `flowControl` gate is off.
 //!
@@ -49,6 +51,7 @@ pub mod global;
 pub mod machine;
 pub mod outcome;
 pub mod policy;
+pub mod quota;
 pub mod saturation;
 pub mod units;
 

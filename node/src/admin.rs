@@ -147,6 +147,8 @@ pub async fn run(
         .route("/debug/flow", get(flow_view))
         .route("/debug/cost-model", get(cost_model_view))
         .route("/debug/inflight", get(inflight_view))
+        .route("/debug/tenants", get(tenants_view))
+        .route("/debug/usage", get(usage_view))
         .with_state(admin);
     axum::serve(
         listener,
@@ -330,6 +332,79 @@ async fn cluster_probes(State(admin): State<Arc<Admin>>) -> axum::response::Resp
 
 /// `GET /debug/flow`: flow control — cluster-wide (this replica's side and the replicated global
 /// queue, credit and ledger) or this replica's own queue.
+/// Tenant mode's views show who is asking and spending: authorized callers only.
+fn tenant_mode<'a>(
+    admin: &'a Admin,
+    headers: &HeaderMap,
+    peer: SocketAddr,
+) -> Result<&'a crate::request::quota::Quotas, Box<axum::response::Response>> {
+    let Some(q) = &admin.ctx.quotas else {
+        let off = (
+            StatusCode::NOT_FOUND,
+            "tenant mode is off (no --tenants-file)",
+        );
+        return Err(Box::new(off.into_response()));
+    };
+    if !admin.authorizes(headers, peer) {
+        return Err(Box::new(admin.refuse()));
+    }
+    Ok(q)
+}
+
+/// `GET /debug/tenants`: each tenant's grants, limits, what is left and in flight.
+async fn tenants_view(
+    State(admin): State<Arc<Admin>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> axum::response::Response {
+    match tenant_mode(&admin, &headers, peer) {
+        Ok(q) => axum::Json(q.status()).into_response(),
+        Err(r) => *r,
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct UsageQuery {
+    /// Unix seconds; rows of earlier minutes are left out.
+    #[serde(default)]
+    since: u64,
+}
+
+/// `GET /debug/usage?since=<unix s>`: the usage ledger, one row per tenant × model × minute
+/// (`epp usage` prints it).
+async fn usage_view(
+    State(admin): State<Arc<Admin>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    axum::extract::Query(query): axum::extract::Query<UsageQuery>,
+) -> axum::response::Response {
+    let q = match tenant_mode(&admin, &headers, peer) {
+        Ok(q) => q,
+        Err(r) => return *r,
+    };
+    let rows: Vec<_> = q
+        .usage(query.since)
+        .into_iter()
+        .map(|(k, r)| {
+            let rejected = |reason| r.rejected.get(&reason).copied().unwrap_or(0);
+            serde_json::json!({
+                "minute": k.minute * 60,
+                "tenant": k.tenant,
+                "model": k.model,
+                "requests": r.requests,
+                "input": r.input,
+                "output": r.output,
+                "cached": r.cached,
+                "disconnects": r.disconnects,
+                "rejected_rpm": rejected(flowctl::quota::QuotaReason::Rpm),
+                "rejected_tpm": rejected(flowctl::quota::QuotaReason::Tpm),
+                "rejected_concurrency": rejected(flowctl::quota::QuotaReason::Concurrency),
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({ "rows": rows })).into_response()
+}
+
 async fn flow_view(
     State(admin): State<Arc<Admin>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,

@@ -39,6 +39,23 @@ enum Cmd {
         #[command(subcommand)]
         op: ClusterCmd,
     },
+    /// Print the SHA-256 of an API key as a TenantQuota's `apiKeys[].sha256` wants it (the key
+    /// from the argument, else the first line of stdin).
+    HashKey { key: Option<String> },
+    /// The tenants' usage ledger (per tenant × model × minute) from a replica's admin port.
+    Usage {
+        /// Admin URL of the replica, e.g. http://127.0.0.1:9090
+        #[arg(long, default_value = "http://127.0.0.1:9090")]
+        admin: String,
+        /// The replica's admin token (its `--admin-token-file`), sent as a bearer token.
+        #[arg(long)]
+        admin_token_file: Option<PathBuf>,
+        /// How far back (e.g. 1h, 30m).
+        #[arg(long, default_value = "1h", value_parser = duration)]
+        since: Duration,
+        #[arg(long, default_value = "table", value_parser = ["table", "json", "csv"])]
+        format: String,
+    },
     /// Print the CustomResourceDefinitions the EPP reads (YAML; `deploy/crds/crds.yaml`).
     Crds,
     /// Load and validate an EndpointPickerConfig, print the effective configuration and exit.
@@ -113,6 +130,15 @@ struct ServeArgs {
     /// splits), read at start-up.
     #[arg(long)]
     model_rewrites_file: Option<PathBuf>,
+    /// Tenant mode: YAML file of `TenantQuota` resources (API-key hashes, granted fairness id
+    /// and objective, per-model limits; `deploy/examples/tenants.yaml`). Client control headers
+    /// are then ignored and every request needs a tenant's key (or an anonymous tenant).
+    #[arg(long)]
+    tenants_file: Option<PathBuf>,
+    /// Tenant mode: append one JSON line per settled request (tenant, model, tokens) here — the
+    /// billing stream.
+    #[arg(long, requires = "tenants_file")]
+    usage_log: Option<PathBuf>,
     /// File holding the bearer token for mutating admin calls (`POST /debug/cluster/...`) and
     /// unredacted `/debug` views; re-read on every call. Without it only localhost is trusted.
     #[arg(long)]
@@ -381,6 +407,38 @@ fn main() -> anyhow::Result<()> {
             println!("{}", built.summary);
             Ok(())
         }
+        Cmd::HashKey { key } => {
+            let key = match key {
+                Some(k) => k,
+                None => {
+                    let mut line = String::new();
+                    std::io::stdin()
+                        .read_line(&mut line)
+                        .context("reading the key from stdin")?;
+                    line.trim_end_matches(['\r', '\n']).to_string()
+                }
+            };
+            anyhow::ensure!(!key.is_empty(), "an empty key");
+            println!("{}", node::request::tenant::hash_key(&key));
+            Ok(())
+        }
+        Cmd::Usage {
+            admin,
+            admin_token_file,
+            since,
+            format,
+        } => {
+            let token = admin_token_file
+                .as_deref()
+                .map(node::admin::read_token)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!(e))?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the tokio runtime")?;
+            rt.block_on(usage_cmd(&admin, token.as_deref(), since, &format))
+        }
         Cmd::Cluster {
             admin,
             admin_token_file,
@@ -445,6 +503,8 @@ fn main() -> anyhow::Result<()> {
                 cluster: args.cluster.options(args.bind)?,
                 disable_subset_filter: args.disable_endpoint_subset_filter,
                 admin_token_file: args.admin_token_file,
+                tenants_file: args.tenants_file,
+                usage_log: args.usage_log,
             };
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
@@ -497,6 +557,8 @@ fn options_for_validation(
         cluster: None,
         disable_subset_filter: false,
         admin_token_file: None,
+        tenants_file: None,
+        usage_log: None,
     }
 }
 
@@ -567,6 +629,100 @@ async fn cluster_cmd(admin: &str, token: Option<&str>, op: ClusterCmd) -> anyhow
             }
         }
         _ => println!("{text}"),
+    }
+    Ok(())
+}
+
+/// `epp usage`: the ledger rows from `GET /debug/usage`, as a table, JSON lines or CSV.
+async fn usage_cmd(
+    admin: &str,
+    token: Option<&str>,
+    since: Duration,
+    format: &str,
+) -> anyhow::Result<()> {
+    let from = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .saturating_sub(since)
+        .as_secs();
+    let url = format!("{}/debug/usage?since={from}", admin.trim_end_matches('/'));
+    let mut req = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()?
+        .get(&url);
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("contacting {url}"))?;
+    let status = resp.status();
+    let text = resp.text().await?;
+    if !status.is_success() {
+        anyhow::bail!("{url}: {status}: {text}");
+    }
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    let rows = v["rows"].as_array().cloned().unwrap_or_default();
+    const COLUMNS: [&str; 11] = [
+        "minute",
+        "tenant",
+        "model",
+        "requests",
+        "input",
+        "output",
+        "cached",
+        "disconnects",
+        "rejected_rpm",
+        "rejected_tpm",
+        "rejected_concurrency",
+    ];
+    let cell = |r: &serde_json::Value, c: &str| match &r[c] {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => String::new(),
+        other => other.to_string(),
+    };
+    match format {
+        "json" => {
+            for r in &rows {
+                println!("{r}");
+            }
+        }
+        "csv" => {
+            println!("{}", COLUMNS.join(","));
+            for r in &rows {
+                let cells: Vec<String> = COLUMNS
+                    .iter()
+                    .map(|c| {
+                        let s = cell(r, c);
+                        if s.contains([',', '"', '\n']) {
+                            format!("\"{}\"", s.replace('"', "\"\""))
+                        } else {
+                            s
+                        }
+                    })
+                    .collect();
+                println!("{}", cells.join(","));
+            }
+        }
+        _ => {
+            let table: Vec<Vec<String>> = std::iter::once(COLUMNS.map(String::from).to_vec())
+                .chain(
+                    rows.iter()
+                        .map(|r| COLUMNS.iter().map(|c| cell(r, c)).collect()),
+                )
+                .collect();
+            let widths: Vec<usize> = (0..COLUMNS.len())
+                .map(|i| table.iter().map(|r| r[i].len()).max().unwrap_or(0))
+                .collect();
+            for r in &table {
+                let line: Vec<String> = r
+                    .iter()
+                    .zip(&widths)
+                    .map(|(c, w)| format!("{c:<w$}"))
+                    .collect();
+                println!("{}", line.join("  ").trim_end());
+            }
+        }
     }
     Ok(())
 }

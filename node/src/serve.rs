@@ -95,6 +95,10 @@ pub struct ServeOptions {
     /// Bearer token for mutating admin calls and unredacted `/debug` views; `None`: only
     /// callers on localhost are authorized (see `admin`).
     pub admin_token_file: Option<PathBuf>,
+    /// Tenant mode: `TenantQuota` resources (`--tenants-file`).
+    pub tenants_file: Option<PathBuf>,
+    /// Tenant mode: the per-request JSON-lines usage log (`--usage-log`).
+    pub usage_log: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -170,6 +174,30 @@ pub async fn serve(
     });
 
     let metrics = Arc::new(Metrics::new(&opts.pool_name));
+    let quotas = match &opts.tenants_file {
+        Some(path) => {
+            if opts.cluster.is_some() {
+                return Err(ServeError::Config(ConfigError::invalid(
+                    "--tenants-file: tenant quotas are per replica and not replicated yet; \
+                     cluster mode would multiply every limit by the replicas and lose \
+                     settlements observed on another replica — run tenant mode standalone",
+                )));
+            }
+            let tenants = crate::request::tenant::Tenants::from_file(path)?;
+            tracing::info!(
+                tenants = tenants.len(),
+                "tenant mode: client control headers are ignored"
+            );
+            let q = crate::request::quota::Quotas::new(
+                tenants,
+                opts.usage_log.as_deref(),
+                metrics.clone(),
+            )
+            .map_err(|e| ServeError::Server(format!("--usage-log: {e}")))?;
+            Some(Arc::new(q))
+        }
+        None => None,
+    };
     let store = Arc::new(Datastore::new(opts.metrics_staleness_threshold));
     if let Some(tracker) = &built.inflight {
         store.set_ledger(tracker.clone());
@@ -405,6 +433,7 @@ pub async fn serve(
         rewrites,
         relay: relay.as_ref().map(|r| r.sender()),
         renderer,
+        quotas: quotas.clone(),
     });
 
     let (reporter, health_svc) = tonic_health::server::health_reporter();
@@ -494,6 +523,19 @@ pub async fn serve(
     }
     if let Some(gate) = flow_gate {
         tasks.spawn(gate.run(stop.clone()).then_ok());
+    }
+    if let Some(q) = quotas {
+        // Holds whose response was never seen go back after an hour; the ledger keeps a day.
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(60));
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return Ok(()),
+                    _ = tick.tick() => q.sweep(Duration::from_secs(3600)),
+                }
+            }
+        });
     }
     if let (Some(gate), Some(member)) = (&global_gate, cluster.clone()) {
         let (g, s) = (gate.clone(), stop.clone());

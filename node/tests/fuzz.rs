@@ -15,6 +15,7 @@ use node::datalayer::extract::extract;
 use node::dataplane::usage::{RouteInfo, UsageScanner};
 use node::request::meta::Objectives;
 use node::request::rewrite::ModelRewrites;
+use node::request::tenant::Tenants;
 use node::request::{Request, parse_body};
 use proptest::prelude::*;
 use serde_json::Value;
@@ -72,6 +73,8 @@ fn headers() -> impl Strategy<Value = HashMap<String, String>> {
         Just("x-session-id".to_string()),
         Just("x-request-id".to_string()),
         Just("x-slo-ttft-ms".to_string()),
+        Just("authorization".to_string()),
+        Just("x-api-key".to_string()),
         "x-[a-z-]{1,20}",
     ];
     prop::collection::hash_map(name, ".{0,64}", 0..8)
@@ -80,11 +83,19 @@ fn headers() -> impl Strategy<Value = HashMap<String, String>> {
 /// Run one body through the request stage as the data plane does.
 fn request_stage(path: &str, body: &[u8], headers: &HashMap<String, String>) {
     let (objectives, rewrites) = (Objectives::default(), ModelRewrites::default());
+    // Tenant mode too: any header values, an anonymous tenant with an output cap.
+    let tenants = Tenants::from_yaml(
+        "apiVersion: epp.dev/v1alpha1\nkind: TenantQuota\nmetadata: {name: anon}\nspec: {anonymous: true, limits: [{model: '*', maxTokensCap: 8}]}\n",
+    )
+    .unwrap();
+    let tenant = tenants.identify(headers).ok();
     for passthrough in [false, true] {
         if let Ok(parsed) = parse_body(path, Some(body), passthrough) {
-            let req = Request::resolve(parsed, headers, &objectives, &rewrites);
+            let req = Request::resolve(parsed, headers, &objectives, &rewrites, tenant);
             let _ = req.prompt().estimated_tokens();
-            let _ = req.upstream_body(body.to_vec(), true);
+            let cap =
+                tenant.and_then(|t| t.limits_for(&req.model)?.1.output_budget(req.max_output()));
+            let _ = req.upstream_body(body.to_vec(), true, cap);
         }
     }
 }

@@ -131,6 +131,7 @@ pub fn immediate(r: &Rejection) -> ImmediateResponse {
     if let Some(reason) = r.reason {
         set_headers.push(header(DROPPED_REASON_HEADER, reason));
     }
+    set_headers.extend(r.headers.iter().map(|(k, v)| header(k, v)));
     ImmediateResponse {
         status: Some(HttpStatus {
             code: i32::from(r.status),

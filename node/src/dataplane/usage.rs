@@ -28,6 +28,8 @@ pub struct UsageScanner {
     buf: Vec<u8>,
     overflow: bool,
     usage: Option<Usage>,
+    /// SSE data events that carried output (not the usage-only chunk, not `[DONE]`).
+    events: u64,
 }
 
 impl UsageScanner {
@@ -78,6 +80,12 @@ impl UsageScanner {
         }
     }
 
+    /// Streamed events forwarded so far that carried output: what a cut stream generated when
+    /// it reported no usage (one token per event, as engines stream by default).
+    pub fn events(&self) -> u64 {
+        self.events
+    }
+
     /// The body ended: the usage seen, if any.
     pub fn finish(&mut self) -> Option<Usage> {
         if self.sse {
@@ -98,6 +106,10 @@ impl UsageScanner {
         let Some(data) = line.strip_prefix(b"data:") else {
             return;
         };
+        let d = data.trim_ascii();
+        if !d.is_empty() && d != b"[DONE]" && !contains(d, b"\"choices\":[]") {
+            self.events += 1;
+        }
         if !contains(data, b"\"usage\"") {
             return;
         }

@@ -18,10 +18,12 @@ use prometheus_client::registry::Registry;
 mod cluster;
 mod discovery;
 mod kvevents;
+mod tenants;
 
 pub use cluster::{ClusterMetrics, DirectionLabels, GossipMetrics, PathLabels, ResultLabels};
 pub use discovery::DiscoveryMetrics;
 pub use kvevents::KvEventMetrics;
+pub use tenants::{TenantMetrics, TenantModel, TenantOutcome, TenantTokens, UnauthorizedLabels};
 
 pub const PREFIX: &str = "llm_d_epp";
 const MAX_LABEL_VALUES: usize = 1000;
@@ -218,6 +220,7 @@ pub struct Metrics {
     pub gossip: GossipMetrics,
     pub discovery: DiscoveryMetrics,
     pub kv_events: KvEventMetrics,
+    pub tenants: TenantMetrics,
 }
 
 /// Flow-control metrics (llm-d's `flow_control_*`), updated by [`crate::request::admission::local::FlowGate`].
@@ -449,6 +452,7 @@ impl Metrics {
         let gossip = GossipMetrics::register(&mut registry);
         let discovery = DiscoveryMetrics::register(&mut registry);
         let kv_events = KvEventMetrics::register(&mut registry);
+        let tenants = TenantMetrics::register(&mut registry);
         Metrics {
             registry,
             pool_name: pool_name.to_string(),
@@ -473,6 +477,7 @@ impl Metrics {
             gossip,
             discovery,
             kv_events,
+            tenants,
             disagg_decisions,
             model_rewrites,
             served_by_fallback,

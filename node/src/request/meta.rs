@@ -150,6 +150,16 @@ fn first_header<'a>(headers: &'a HashMap<String, String>, names: &[&str]) -> Opt
 }
 
 impl RequestMeta {
+    /// A tenant's grants as the request's metadata (tenant mode: no header counts).
+    pub fn granted(fairness_id: &str, objective: Option<&str>, objectives: &Objectives) -> Self {
+        RequestMeta {
+            fairness_id: fairness_id.to_string(),
+            objective: objective.map(str::to_string),
+            priority: objective.and_then(|o| objectives.priority(o)).unwrap_or(0),
+            slo_ttft_ms: None,
+        }
+    }
+
     pub fn from_headers(headers: &HashMap<String, String>, objectives: &Objectives) -> Self {
         let fairness_id = first_header(headers, &[FAIRNESS_ID_HEADER, FAIRNESS_ID_ALIAS])
             .or_else(|| first_header(headers, &AGENT_SESSION_HEADERS))

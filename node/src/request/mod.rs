@@ -9,6 +9,8 @@
 //! - [`meta`]: [`meta::RequestMeta`] from headers and `InferenceObjective`s;
 //! - [`admission`]: the [`admission::Gate`] trait — legacy controller, flow control on this
 //!   replica; the cluster room implements it cluster-wide;
+//! - [`tenant`], [`quota`]: tenant mode — the API key's tenant, its grants (fairness id,
+//!   objective) instead of the client's control headers, and its quota (before admission);
 //! - [`reject`]: every refusal as one HTTP status, error code and drop reason;
 //! - [`Live`]: objectives and rewrites as the streams read them, replaced whole when their
 //!   source (the Kubernetes watch) changes.
@@ -19,8 +21,10 @@
 pub mod admission;
 pub mod meta;
 pub mod parse;
+pub mod quota;
 pub mod reject;
 pub mod rewrite;
+pub mod tenant;
 pub mod tokens;
 
 use std::collections::HashMap;
@@ -96,18 +100,21 @@ pub struct Request {
 
 impl Request {
     /// Resolve the target model (a rule for the model, else the rewrite header, else unchanged)
-    /// and the request's metadata.
+    /// and the request's metadata. With a `tenant` (tenant mode) the client's control headers
+    /// count for nothing: the metadata is what the tenant is granted.
     pub fn resolve(
         parsed: Option<ParsedRequest>,
         headers: &HashMap<String, String>,
         objectives: &Objectives,
         rewrites: &ModelRewrites,
+        tenant: Option<&tenant::Tenant>,
     ) -> Request {
         let model = parsed.as_ref().map_or("", |p| p.model.as_str());
         let rewrite_header = headers
             .get(REWRITE_HEADER)
             .or_else(|| headers.get(REWRITE_ALIAS))
-            .map(String::as_str);
+            .map(String::as_str)
+            .filter(|_| tenant.is_none());
         let target = if parsed.is_some() && !model.is_empty() {
             rewrites.target(model, rewrite_header, &mut rand::rng())
         } else {
@@ -116,7 +123,10 @@ impl Request {
         Request {
             model: model.to_string(),
             target_model: target.to_string(),
-            meta: RequestMeta::from_headers(headers, objectives),
+            meta: match tenant {
+                Some(t) => RequestMeta::granted(&t.fairness_id, t.objective.as_deref(), objectives),
+                None => RequestMeta::from_headers(headers, objectives),
+            },
             parsed,
         }
     }
@@ -136,12 +146,30 @@ impl Request {
         self.parsed.as_ref().and_then(|p| p.cache_salt.as_deref())
     }
 
-    /// The body as the model server must receive it: the target model, and — for a streaming
-    /// OpenAI request whose body is streamed back by the data plane — usage reporting asked
-    /// for, so token metrics and flow control's token accounting see real counts.
-    pub fn upstream_body(&self, mut body: Vec<u8>, editable_usage: bool) -> Vec<u8> {
+    /// The most output tokens the request asks for.
+    pub fn max_output(&self) -> Option<u64> {
+        self.parsed.as_ref().and_then(|p| p.max_output)
+    }
+
+    /// The body as the model server must receive it: the target model, the output maximum a
+    /// tenant's quota allows (`max_output`, written when the client asked more or nothing), and —
+    /// for a streaming OpenAI request whose body is streamed back by the data plane — usage
+    /// reporting asked for, so token metrics, quotas and flow control see real counts.
+    pub fn upstream_body(
+        &self,
+        mut body: Vec<u8>,
+        editable_usage: bool,
+        max_output: Option<u64>,
+    ) -> Vec<u8> {
         if self.rewritten()
             && let Some(edited) = parse::with_model(&body, &self.target_model)
+        {
+            body = edited;
+        }
+        if let Some(n) = max_output
+            && self.parsed.is_some()
+            && self.max_output() != Some(n)
+            && let Some(edited) = parse::with_max_output(&body, n)
         {
             body = edited;
         }

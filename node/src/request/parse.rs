@@ -81,6 +81,9 @@ pub struct ParsedRequest {
     /// A streaming OpenAI request that did not ask for usage: how to add
     /// `stream_options.include_usage: true` so the response reports token counts.
     pub usage_edit: Option<UsageEdit>,
+    /// The most output tokens the request asks for (`max_completion_tokens`, else `max_tokens`;
+    /// 0 for embeddings, which generate nothing).
+    pub max_output: Option<u64>,
 }
 
 /// How to turn on `stream_options.include_usage` in a request body.
@@ -97,6 +100,20 @@ pub fn with_model(body: &[u8], model: &str) -> Option<Vec<u8>> {
     let mut v: Value = serde_json::from_slice(body).ok()?;
     v.as_object_mut()?
         .insert("model".into(), Value::String(model.to_string()));
+    serde_json::to_vec(&v).ok()
+}
+
+/// The body with its output maximum set to `n` (the field the client used, else `max_tokens`);
+/// `None` if it is not a JSON object.
+pub fn with_max_output(body: &[u8], n: u64) -> Option<Vec<u8>> {
+    let mut v: Value = serde_json::from_slice(body).ok()?;
+    let obj = v.as_object_mut()?;
+    let field = if obj.contains_key("max_completion_tokens") {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    obj.insert(field.into(), Value::from(n));
     serde_json::to_vec(&v).ok()
 }
 
@@ -223,6 +240,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             prompt: Prompt::None,
             cache_salt: None,
             usage_edit: None,
+            max_output: None,
         });
     }
     let v: Value = serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
@@ -313,6 +331,12 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         }
         _ => None,
     };
+    let max_output = match kind {
+        ApiKind::Embeddings => Some(0),
+        _ => ["max_completion_tokens", "max_tokens"]
+            .iter()
+            .find_map(|f| obj.get(*f).and_then(Value::as_u64)),
+    };
     Ok(ParsedRequest {
         kind,
         model,
@@ -320,6 +344,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         prompt,
         cache_salt,
         usage_edit,
+        max_output,
     })
 }
 
@@ -339,6 +364,33 @@ mod tests {
         );
         assert_eq!(kind_for_path("/v1/nope", false), None);
         assert_eq!(kind_for_path("/v1/nope", true), Some(ApiKind::Passthrough));
+    }
+
+    #[test]
+    fn output_maxima_are_read_and_rewritten_in_the_field_the_client_used() {
+        let p = |kind, b: &str| parse(kind, b.as_bytes()).unwrap().max_output;
+        let chat = r#"{"messages":[{"role":"user","content":"x"}]}"#;
+        assert_eq!(p(ApiKind::ChatCompletions, chat), None);
+        let both = r#"{"max_completion_tokens":7,"max_tokens":9,"messages":[{"role":"user","content":"x"}]}"#;
+        assert_eq!(p(ApiKind::ChatCompletions, both), Some(7));
+        assert_eq!(
+            p(ApiKind::Completions, r#"{"prompt":"x","max_tokens":3}"#),
+            Some(3)
+        );
+        assert_eq!(p(ApiKind::Embeddings, r#"{"input":"x"}"#), Some(0));
+        let edited: Value =
+            serde_json::from_slice(&with_max_output(both.as_bytes(), 4).unwrap()).unwrap();
+        assert_eq!(
+            (
+                edited["max_completion_tokens"].as_u64(),
+                edited["max_tokens"].as_u64()
+            ),
+            (Some(4), Some(9))
+        );
+        let edited: Value =
+            serde_json::from_slice(&with_max_output(chat.as_bytes(), 5).unwrap()).unwrap();
+        assert_eq!(edited["max_tokens"], 5);
+        assert!(with_max_output(b"[1]", 5).is_none());
     }
 
     #[test]

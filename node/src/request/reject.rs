@@ -10,6 +10,8 @@ pub struct Rejection {
     pub code: &'static str,
     pub reason: Option<&'static str>,
     pub message: String,
+    /// Further response headers (`Retry-After`, rate-limit state, `WWW-Authenticate`).
+    pub headers: Vec<(String, String)>,
 }
 
 impl Rejection {
@@ -19,6 +21,7 @@ impl Rejection {
             code: "BadRequest",
             reason: None,
             message: message.into(),
+            headers: Vec::new(),
         }
     }
 
@@ -28,6 +31,7 @@ impl Rejection {
             code: "NotFound",
             reason: None,
             message: message.into(),
+            headers: Vec::new(),
         }
     }
 
@@ -37,6 +41,7 @@ impl Rejection {
             code: "PayloadTooLarge",
             reason: None,
             message: format!("request body exceeds the {limit}-byte limit"),
+            headers: Vec::new(),
         }
     }
 
@@ -46,6 +51,7 @@ impl Rejection {
             code: "ResourceExhausted",
             reason: Some("rejected-saturated"),
             message: message.into(),
+            headers: Vec::new(),
         }
     }
 
@@ -55,6 +61,7 @@ impl Rejection {
             code: "ServiceUnavailable",
             reason: Some("rejected-no-endpoints"),
             message: "no ready endpoints in the pool".into(),
+            headers: Vec::new(),
         }
     }
 
@@ -70,6 +77,7 @@ impl Rejection {
             },
             reason: h.dropped_reason,
             message: h.message.into(),
+            headers: Vec::new(),
         }
     }
 
@@ -81,6 +89,33 @@ impl Rejection {
             code: "ResourceExhausted",
             reason: h.and_then(|h| h.dropped_reason),
             message: h.map_or("system saturated", |h| h.message).into(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// 401: the request carries no valid API key (tenant mode).
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Rejection {
+            status: 401,
+            code: "Unauthorized",
+            reason: None,
+            message: message.into(),
+            headers: vec![("www-authenticate".into(), "Bearer".into())],
+        }
+    }
+
+    /// 429: over a tenant quota (`rejected-quota-*`), with `Retry-After` and the rate-limit state.
+    pub fn over_quota(
+        reason: &'static str,
+        message: String,
+        headers: Vec<(String, String)>,
+    ) -> Self {
+        Rejection {
+            status: 429,
+            code: "ResourceExhausted",
+            reason: Some(reason),
+            message,
+            headers,
         }
     }
 

@@ -16,6 +16,7 @@ use crate::dataplane::reply::{
     DESTINATION_HEADER, ENVOY_LB_NAMESPACE, header_value, streamed_body,
 };
 use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo, Usage, UsageScanner};
+use crate::request::quota::Consumed;
 use crate::scheduling::Observation;
 
 /// The endpoint that served the request, as the proxy reports it in `envoy.lb` metadata.
@@ -170,6 +171,7 @@ impl StreamState {
         if self.settles {
             self.settles = false;
             let streamed = self.usage.as_ref().is_some_and(UsageScanner::is_sse);
+            let events = self.usage.as_ref().map_or(0, UsageScanner::events);
             let usage = self.usage.take().and_then(|mut u| u.finish());
             if ended {
                 self.observed(usage, streamed);
@@ -185,6 +187,18 @@ impl StreamState {
             }
             if self.key.is_empty() {
                 return; // nothing of ours to settle
+            }
+            if let Some(q) = &self.ctx.quotas {
+                q.settle(
+                    &self.key,
+                    Consumed {
+                        input: usage.map(|u| u.input),
+                        output: usage.map(|u| u.output),
+                        cached: usage.map_or(0, |u| u.cached),
+                        events,
+                        ended,
+                    },
+                );
             }
             let tokens = usage.map(|u| u.input + u.output);
             let held = self

@@ -2,10 +2,10 @@
 //! call into the room that owns it, handing a typed value to the next:
 //!
 //! ```text
-//! parse_body ──► Request::resolve ──► admit ──────► candidates ────► schedule ──► record ─────► answer
-//! (request)      (request: rewrite,   (request:      (datalayer       (scheduling) (scheduling   (reply)
-//!  Option<        metadata) Request    Gate) ticket   snapshot ∩       Decision     producers)
-//!  ParsedRequest>                                     subset hint)
+//! parse_body ─► [identify] ─► Request::resolve ─► [quota] ─► admit ─► candidates ─► schedule ─► record ─► answer
+//! (request)     (request:     (request: rewrite,   (request:  (request: (datalayer    (scheduling) (scheduling (reply)
+//!  Option<       tenant mode:  metadata — the       Quotas:    Gate)     snapshot ∩    Decision     producers)
+//!  ParsedRequest> API key)     tenant's grants)     pre-debit) ticket    subset hint)
 //! ```
 //! Any stage may refuse: its [`Rejection`] becomes an immediate response and the journey ends.
 
@@ -20,6 +20,7 @@ use crate::dataplane::response::{EVICT, RESPONSE_FILTER_HEADER, Restore};
 use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo, new_request_key};
 use crate::request::admission::{Admit, AdmitRequest, Ticket, Verdict};
 use crate::request::meta::CONTROL_HEADERS;
+use crate::request::quota::Admitted;
 use crate::request::reject::Rejection;
 use crate::request::{self, Request};
 use crate::scheduling::scheduler::{Decision, Handler};
@@ -44,17 +45,43 @@ impl StreamState {
             Ok(p) => p,
             Err(r) => return self.reject(r).await,
         };
+        let tenant = match &ctx.quotas {
+            Some(q) => match q.identify(&self.headers) {
+                Ok(t) => Some(t),
+                Err(r) => return self.reject(r).await,
+            },
+            None => None,
+        };
         let req = Request::resolve(
             parsed,
             &self.headers,
             &ctx.objectives.get(),
             &ctx.rewrites.get(),
+            tenant,
         );
         self.received(&req);
         self.key = new_request_key();
-        let ticket = match self.admit(&req).await? {
-            Ok(t) => t,
-            Err(r) => return self.reject(r).await,
+        // A tenant's quota comes before flow control and scheduling: its 429 costs no GPU.
+        let quota = match (&ctx.quotas, tenant) {
+            (Some(q), Some(t)) => {
+                let input = req.prompt().estimated_tokens();
+                match q.admit(&self.key, t, &req.model, input, req.max_output()) {
+                    Ok(a) => Some(a),
+                    Err(r) => return self.reject(r).await,
+                }
+            }
+            _ => None,
+        };
+        let ticket = match self.admit(&req).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(r)) => {
+                self.release_quota();
+                return self.reject(r).await;
+            }
+            Err(()) => {
+                self.release_quota();
+                return Err(());
+            }
         };
         let t0 = Instant::now();
         let candidates = self.candidates(t0);
@@ -74,9 +101,12 @@ impl StreamState {
         };
         let decision = match self.schedule(&sched, &candidates, ticket, t0) {
             Ok(d) => d,
-            Err(r) => return self.reject(r).await,
+            Err(r) => {
+                self.release_quota();
+                return self.reject(r).await;
+            }
         };
-        let answer = self.answer(&req, ticket, &decision, &candidates);
+        let answer = self.answer(&req, ticket, &decision, &candidates, quota.as_ref());
         self.route_info = Some(answer.info);
         self.primary = answer.primary;
         self.phase = Phase::Routed;
@@ -86,7 +116,9 @@ impl StreamState {
         // piled onto the same pods).
         ctx.scheduler.pre_request(&sched, &decision, &candidates);
         let body = std::mem::take(&mut self.body);
-        let body = req.upstream_body(body, self.request_body_mode == FULL_DUPLEX);
+        let editable = self.request_body_mode == FULL_DUPLEX;
+        let max_output = quota.and_then(|q| q.output_budget).filter(|_| editable);
+        let body = req.upstream_body(body, editable, max_output);
         let mut sent = self.send_full(answer.response).await;
         if sent.is_ok() && answer.on_headers && self.body_started {
             sent = self.stream_body_back(body).await;
@@ -96,8 +128,16 @@ impl StreamState {
             if let Some(t) = &ctx.inflight {
                 t.finish(&self.key);
             }
+            self.release_quota();
         }
         sent
+    }
+
+    /// An admitted request goes nowhere: its tenant's quota gets it back.
+    fn release_quota(&self) {
+        if let Some(q) = &self.ctx.quotas {
+            q.release(&self.key);
+        }
     }
 
     /// The request counts from here: its labels, received and running.
@@ -203,6 +243,7 @@ impl StreamState {
         ticket: Option<Ticket>,
         decision: &Decision,
         candidates: &[Candidate],
+        quota: Option<&Admitted>,
     ) -> Answer {
         let ctx = &self.ctx;
         let destination = decision
@@ -274,7 +315,11 @@ impl StreamState {
             .collect();
         // Session tokens (session affinity, encoded strategy) ride in the same namespace; the
         // route writes them on the response (`response_headers_to_add` from this metadata).
-        let tokens = ctx.scheduler.session_tokens(decision, candidates);
+        let mut tokens = ctx.scheduler.session_tokens(decision, candidates);
+        // The tenant's rate-limit state, which the route writes on the response the same way.
+        if let Some(q) = quota {
+            tokens.extend(q.headers.iter().cloned());
+        }
         // In FULL_DUPLEX_STREAMED mode (and for body-less requests) the destination rides on the
         // request-headers answer and the body follows; in BUFFERED/STREAMED mode Envoy already
         // had its header answer, so the destination rides on the body answer.

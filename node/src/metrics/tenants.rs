@@ -1,0 +1,79 @@
+//! Tenant-mode metrics (`llm_d_epp_tenant_*`): admissions and quota refusals, tokens billed, what
+//! is in flight, unauthorized requests. Tenants are configured and the `model` label is the
+//! limits' key (a configured model name or `*`), so cardinality follows the configuration.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantOutcome {
+    pub tenant: String,
+    pub model: String,
+    /// `admitted`, `rejected-quota-rpm`, `rejected-quota-tpm`, `rejected-quota-concurrency`.
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantTokens {
+    pub tenant: String,
+    pub model: String,
+    /// `input`, `output`, `cached`.
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantModel {
+    pub tenant: String,
+    pub model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UnauthorizedLabels {
+    /// `missing` (no key, no anonymous tenant) or `unknown` (a key no tenant has).
+    pub reason: &'static str,
+}
+
+#[derive(Debug, Default)]
+pub struct TenantMetrics {
+    pub requests: Family<TenantOutcome, Counter>,
+    pub tokens: Family<TenantTokens, Counter>,
+    pub in_flight: Family<TenantModel, Gauge>,
+    pub disconnects: Family<TenantModel, Counter>,
+    pub unauthorized: Family<UnauthorizedLabels, Counter>,
+}
+
+impl TenantMetrics {
+    pub(super) fn register(registry: &mut Registry) -> TenantMetrics {
+        let m = TenantMetrics::default();
+        registry.register(
+            "tenant_requests",
+            "Requests of each tenant by quota outcome (admitted, or the rejected-quota-* reason)",
+            m.requests.clone(),
+        );
+        registry.register(
+            "tenant_tokens",
+            "Tokens billed to each tenant (input, output; cached: the part of input the engine \
+             had cached), as settled from the responses' usage",
+            m.tokens.clone(),
+        );
+        registry.register(
+            "tenant_in_flight_requests",
+            "Requests of each tenant admitted by its quota and not yet settled",
+            m.in_flight.clone(),
+        );
+        registry.register(
+            "tenant_disconnects",
+            "Responses whose client went away before the end (billed what was generated)",
+            m.disconnects.clone(),
+        );
+        registry.register(
+            "tenant_unauthorized_requests",
+            "Requests refused with 401 in tenant mode, by reason",
+            m.unauthorized.clone(),
+        );
+        m
+    }
+}
