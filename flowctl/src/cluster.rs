@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ControllerConfig;
 use crate::global::{BatchResult, FlowCmd, GlobalFlow, GlobalParams};
+use crate::quota::shared::{QuotaCmd, SharedQuota};
 use crate::saturation::EndpointSnapshot;
 
 pub use crate::global::MemberId;
@@ -67,6 +68,15 @@ pub enum ClusterCommand {
         #[serde(default)]
         observed: Vec<(String, u64)>,
     },
+    /// A member's batch of tenant-quota commands ([`crate::quota::shared`]); `lease_ms` is the
+    /// members' lease (the same flag everywhere), which ends a silent member's slices.
+    Quota {
+        node: MemberId,
+        incarnation: u64,
+        now_us: u64,
+        lease_ms: u64,
+        cmds: Vec<QuotaCmd>,
+    },
     /// A no-op write through the log (`epp cluster probe`): proves the cluster commits and lets
     /// operators and tests compare the order in which every replica applied them.
     Probe { node: MemberId, seq: u64 },
@@ -97,6 +107,8 @@ pub enum ClusterOutput {
     NoFlow,
     /// `Probe`: how many probes the cluster has applied, this one included.
     Probed(u64),
+    /// `Quota`: applied.
+    Quota,
 }
 
 /// Replicated membership with liveness leases, and the global flow state when configured.
@@ -115,6 +127,12 @@ pub struct ClusterState {
     flow: Option<GlobalFlow>,
     #[serde(default)]
     probes: ProbeLog,
+    /// Tenant quotas, once a member proposed any quota command.
+    #[serde(default)]
+    quota: SharedQuota,
+    /// The members' lease for quotas (from their `Quota` batches; 0: none seen).
+    #[serde(default)]
+    quota_lease_ms: u64,
 }
 
 impl ClusterState {
@@ -141,6 +159,11 @@ impl ClusterState {
         };
         self.compensate_stall(&cmd);
         let out = self.apply_inner(cmd);
+        if self.quota_lease_ms > 0 {
+            let live = self.live_set_with(self.quota_lease_ms);
+            let now = self.now_ms.saturating_mul(1_000_000);
+            self.quota.advance(now, &live);
+        }
         if let Some(lease) = self.flow.as_ref().map(|f| f.params().lease_ms) {
             let live = self.live_set_with(lease);
             let now_us = self.now_ms.saturating_mul(1000);
@@ -161,14 +184,16 @@ impl ClusterState {
     /// the stall, so an election does not expire the survivors (and reclaim their requests) the
     /// moment the log resumes. A dead member still expires one lease after the log resumes.
     fn compensate_stall(&mut self, cmd: &ClusterCommand) {
-        let Some(lease) = self.flow.as_ref().map(|f| f.params().lease_ms) else {
-            return;
+        let lease = match self.flow.as_ref().map(|f| f.params().lease_ms) {
+            Some(l) => l,
+            None if self.quota_lease_ms > 0 => self.quota_lease_ms,
+            None => return,
         };
         let now = match cmd {
             ClusterCommand::Heartbeat { now_ms, .. } => self.time_us(now_ms.saturating_mul(1000)),
-            ClusterCommand::Flow { now_us, .. } | ClusterCommand::ObservePool { now_us, .. } => {
-                self.time_us(*now_us)
-            }
+            ClusterCommand::Flow { now_us, .. }
+            | ClusterCommand::ObservePool { now_us, .. }
+            | ClusterCommand::Quota { now_us, .. } => self.time_us(*now_us),
             _ => return,
         } / 1000;
         let period = lease / 3;
@@ -293,6 +318,24 @@ impl ClusterState {
                     }
                 }
             }
+            ClusterCommand::Quota {
+                node,
+                incarnation,
+                now_us,
+                lease_ms,
+                cmds,
+            } => {
+                let now_us = self.time_us(now_us);
+                self.now_ms = self.now_ms.max(now_us / 1000);
+                self.quota_lease_ms = lease_ms;
+                self.quota.apply(
+                    self.now_ms.saturating_mul(1_000_000),
+                    node,
+                    incarnation,
+                    cmds,
+                );
+                ClusterOutput::Quota
+            }
             ClusterCommand::Probe { node, seq } => {
                 let p = &mut self.probes;
                 p.applied += 1;
@@ -307,6 +350,16 @@ impl ClusterState {
                 None => ClusterOutput::UnknownMember,
             },
         }
+    }
+
+    /// Tenant quotas (cluster mode with `--tenants-file`).
+    pub fn quota(&self) -> &SharedQuota {
+        &self.quota
+    }
+
+    /// Tenant quotas, for views that refill buckets to the log clock.
+    pub fn quota_mut(&mut self) -> &mut SharedQuota {
+        &mut self.quota
     }
 
     /// The probes applied so far (`epp cluster probe`).
@@ -453,6 +506,54 @@ mod tests {
         );
         assert_eq!(a.probes().applied, 2);
         assert_eq!(a.probes().recent, VecDeque::from(vec![(3, 1), (1, 7)]));
+    }
+
+    #[test]
+    fn a_silent_members_quota_slices_return_at_lease_end() {
+        use crate::quota::Limits;
+        let mut s = ClusterState::default();
+        let limits = Limits {
+            tokens_per_minute: Some(1000),
+            concurrency: Some(4),
+            ..Limits::default()
+        };
+        let want = |node| ClusterCommand::Quota {
+            node,
+            incarnation: 7,
+            now_us: 1_000_000,
+            lease_ms: 1500,
+            cmds: vec![QuotaCmd::Want {
+                tenant: "t".into(),
+                limit_key: "*".into(),
+                limits: limits.clone(),
+                tokens: 400,
+                requests: 0,
+                slots: 3,
+            }],
+        };
+        s.apply(hb(1, 1000, 7));
+        s.apply(hb(2, 1000, 7));
+        s.apply(want(1));
+        s.apply(want(2));
+        let q = s.quota();
+        assert_eq!(
+            (q.slice(1, "t", "*").tokens, q.slice(1, "t", "*").slots),
+            (400, 3)
+        );
+        assert_eq!(
+            (q.slice(2, "t", "*").tokens, q.slice(2, "t", "*").slots),
+            (400, 1)
+        );
+        assert_eq!(q.book().tokens_left("t", "*"), Some(200));
+        // Member 2 goes on heartbeating; member 1 falls silent past its lease.
+        for t in [1400, 1800, 2200, 2600] {
+            s.apply(hb(2, t, 7));
+        }
+        let q = s.quota();
+        assert_eq!(q.slice(1, "t", "*"), crate::quota::shared::Slice::default());
+        assert_eq!(q.sliced_slots("t", "*"), 1);
+        // 200 + member 1's 400 back + 1.6 s of refill at 1000 a minute.
+        assert_eq!(q.book().tokens_left("t", "*"), Some(626));
     }
 
     #[test]

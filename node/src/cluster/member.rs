@@ -43,6 +43,7 @@ impl StateMachine for Replicated {
             ClusterCommand::Heartbeat { node, .. }
             | ClusterCommand::Leave { node }
             | ClusterCommand::Flow { node, .. }
+            | ClusterCommand::Quota { node, .. }
             | ClusterCommand::Probe { node, .. } => Some(*node),
             ClusterCommand::ConfigureFlow { .. } | ClusterCommand::ObservePool { .. } => None,
         }

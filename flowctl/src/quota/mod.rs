@@ -24,6 +24,9 @@
 //!   429 or 503, the client gone while queued): the request and its tokens go back; nothing is
 //!   billed.
 //!
+//! [`shared`] is the cluster-wide version: the same book in the replicated state, with each
+//! replica admitting within slices of the buckets granted to it.
+//!
 //! Refused requests are counted in the ledger by reason. The ledger keeps [`USAGE_MINUTES`]
 //! minutes, and at most [`MAX_MODELS_PER_TENANT`] distinct model names per tenant and minute (the
 //! rest are recorded as [`OTHER_MODEL`]): model names come from clients.
@@ -33,6 +36,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::units::{NANOS_PER_SEC, Nanos};
+
+pub mod shared;
 
 /// Nanoseconds in the window every per-minute limit refers to.
 pub const MINUTE: Nanos = 60 * NANOS_PER_SEC;
@@ -154,6 +159,13 @@ impl Bucket {
 
     fn take(&mut self, n: u64) {
         self.level -= i128::from(n) * UNIT;
+    }
+
+    /// Take up to `n` whole tokens of what is available (never below zero); how many were taken.
+    fn take_up_to(&mut self, n: u64) -> u64 {
+        let got = self.tokens().max(0).unsigned_abs().min(n);
+        self.take(got);
+        got
     }
 
     /// Give back `n` tokens (a refund never fills past the cap).
@@ -432,6 +444,113 @@ impl QuotaBook {
             }
         }
         Some(hold)
+    }
+
+    /// Take up to `tokens` and `requests` of what `tenant`'s buckets hold now (for a replica's
+    /// slice, [`shared`]); without a limit, all that is asked. Returns what was taken.
+    pub fn take_up_to(
+        &mut self,
+        now: Nanos,
+        tenant: &str,
+        limit_key: &str,
+        limits: &Limits,
+        tokens: u64,
+        requests: u64,
+    ) -> (u64, u64) {
+        let account = self.account(now, tenant, limit_key, limits);
+        let t = account
+            .tokens
+            .as_mut()
+            .map_or(tokens, |b| b.take_up_to(tokens));
+        let r = account
+            .requests
+            .as_mut()
+            .map_or(requests, |b| b.take_up_to(requests));
+        (t, r)
+    }
+
+    /// Charge `tokens` and `requests` to `tenant`'s buckets even beyond what they hold (debt).
+    pub fn charge(
+        &mut self,
+        now: Nanos,
+        tenant: &str,
+        limit_key: &str,
+        limits: &Limits,
+        tokens: u64,
+        requests: u64,
+    ) {
+        let account = self.account(now, tenant, limit_key, limits);
+        if let Some(b) = &mut account.tokens {
+            b.take(tokens);
+        }
+        if let Some(b) = &mut account.requests {
+            b.take(requests);
+        }
+    }
+
+    /// Give `tokens` and `requests` back to `tenant`'s buckets (never past the limit).
+    pub fn give_back(
+        &mut self,
+        now: Nanos,
+        tenant: &str,
+        limit_key: &str,
+        limits: &Limits,
+        tokens: u64,
+        requests: u64,
+    ) {
+        let account = self.account(now, tenant, limit_key, limits);
+        if let (Some(b), Some(l)) = (&mut account.tokens, limits.tokens_per_minute) {
+            b.give(i128::from(tokens), l);
+        }
+        if let (Some(b), Some(l)) = (&mut account.requests, limits.requests_per_minute) {
+            b.give(i128::from(requests), l);
+        }
+    }
+
+    /// Record request `key` admitted on tokens and a request already taken from the buckets (a
+    /// replica's slice): a hold, one more in flight. `false` if `key` is already held.
+    pub fn hold_taken(&mut self, now: Nanos, ask: Ask<'_>, debit: u64) -> bool {
+        if self.holds.contains_key(ask.key) {
+            return false;
+        }
+        self.account(now, ask.tenant, ask.limit_key, ask.limits)
+            .in_flight += 1;
+        self.holds.insert(
+            ask.key.to_string(),
+            Hold {
+                tenant: ask.tenant.to_string(),
+                limit_key: ask.limit_key.to_string(),
+                model: ask.model.to_string(),
+                debit,
+                input_estimate: ask.input_tokens,
+                at: now,
+            },
+        );
+        true
+    }
+
+    /// Count a refusal in the ledger (a replica refused it from its slice).
+    pub fn count_refusal(&mut self, now: Nanos, tenant: &str, model: &str, reason: QuotaReason) {
+        *self
+            .row(now, tenant, model)
+            .rejected
+            .entry(reason)
+            .or_default() += 1;
+    }
+
+    fn account(
+        &mut self,
+        now: Nanos,
+        tenant: &str,
+        limit_key: &str,
+        limits: &Limits,
+    ) -> &mut Account {
+        let account = self
+            .accounts
+            .entry((tenant.to_string(), limit_key.to_string()))
+            .or_default();
+        account.refill(limits, now);
+        account
     }
 
     /// What a tenant has left under `limits` now.
