@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ControllerConfig;
 use crate::global::{BatchResult, FlowCmd, GlobalFlow, GlobalParams};
-use crate::quota::shared::{QuotaCmd, SharedQuota};
+use crate::quota::shared::{Billed, QuotaCmd, SharedQuota};
 use crate::saturation::EndpointSnapshot;
 
 pub use crate::global::MemberId;
@@ -73,6 +73,8 @@ pub enum ClusterCommand {
     Quota {
         node: MemberId,
         incarnation: u64,
+        /// The member's batch number (a retried proposal is applied once).
+        seq: u64,
         now_us: u64,
         lease_ms: u64,
         cmds: Vec<QuotaCmd>,
@@ -107,8 +109,8 @@ pub enum ClusterOutput {
     NoFlow,
     /// `Probe`: how many probes the cluster has applied, this one included.
     Probed(u64),
-    /// `Quota`: applied.
-    Quota,
+    /// `Quota`: the requests it settled.
+    Quota(Vec<Billed>),
 }
 
 /// Replicated membership with liveness leases, and the global flow state when configured.
@@ -321,6 +323,7 @@ impl ClusterState {
             ClusterCommand::Quota {
                 node,
                 incarnation,
+                seq,
                 now_us,
                 lease_ms,
                 cmds,
@@ -328,13 +331,8 @@ impl ClusterState {
                 let now_us = self.time_us(now_us);
                 self.now_ms = self.now_ms.max(now_us / 1000);
                 self.quota_lease_ms = lease_ms;
-                self.quota.apply(
-                    self.now_ms.saturating_mul(1_000_000),
-                    node,
-                    incarnation,
-                    cmds,
-                );
-                ClusterOutput::Quota
+                let now = self.now_ms.saturating_mul(1_000_000);
+                ClusterOutput::Quota(self.quota.apply(now, node, incarnation, seq, cmds))
             }
             ClusterCommand::Probe { node, seq } => {
                 let p = &mut self.probes;
@@ -520,6 +518,7 @@ mod tests {
         let want = |node| ClusterCommand::Quota {
             node,
             incarnation: 7,
+            seq: 1,
             now_us: 1_000_000,
             lease_ms: 1500,
             cmds: vec![QuotaCmd::Want {

@@ -11,7 +11,7 @@
 use std::collections::BTreeSet;
 
 use flowctl::quota::shared::{QuotaCmd, SharedQuota, Slice};
-use flowctl::quota::{Limits, Spent};
+use flowctl::quota::{Limits, Reported};
 use proptest::prelude::*;
 
 const LIMIT: u64 = 5_000;
@@ -87,6 +87,7 @@ proptest! {
         // Every admitted request: key, debit.
         let mut admitted: Vec<(String, u64)> = Vec::new();
         let mut slack = Slice::default();
+        let mut seq = 0u64;
         let now = 0;
         for op in ops {
             match op {
@@ -119,7 +120,15 @@ proptest! {
                         continue;
                     }
                     let cmds = std::mem::take(&mut members[m].outbox);
-                    q.apply(now, m as u64, 1, cmds);
+                    let last = cmds.clone();
+                    seq += 1;
+                    q.apply(now, m as u64, 1, seq, cmds);
+                    if seq.is_multiple_of(5) {
+                        // A retried proposal: applied once.
+                        let before = q.clone();
+                        q.apply(now, m as u64, 1, seq, last.clone());
+                        prop_assert_eq!(&before, &q);
+                    }
                     members[m].pending = Slice::default();
                     let live: BTreeSet<u64> = (0..3).filter(|i| !members[*i as usize].down).collect();
                     q.advance(now, &live);
@@ -127,8 +136,8 @@ proptest! {
                 Op::Settle(m, n, used) => {
                     if let Some((key, debit)) = admitted.get(n).cloned() {
                         let charge = debit * u64::from(used) / 100;
-                        let spent = Spent { input: charge / 2, output: charge - charge / 2, cached: 0, disconnected: false };
-                        members[m].outbox.push(QuotaCmd::Settle { key, spent });
+                        let reported = Reported { input: Some(charge / 2), output: Some(charge - charge / 2), cached: 0, events: 0, ended: true };
+                        members[m].outbox.push(QuotaCmd::Settle { key, reported });
                     }
                 }
                 Op::Release(m, n) => {

@@ -4,12 +4,13 @@
 //! on its own, so the report is a latency distribution (p50 / p99 / max), not criterion's mean.
 //!
 //! `cargo bench -p node --bench quota` (goal: admit p99 ≤ 5 µs).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use node::metrics::Metrics;
-use node::request::quota::{Consumed, Quotas};
+use node::request::quota::{Quotas, Reported};
 use node::request::tenant::{Tenants, hash_key};
 
 const TENANTS: usize = 1000;
@@ -35,7 +36,7 @@ fn main() {
     // `cargo bench` passes --bench; `cargo test --benches` runs this once, short.
     let quick = !std::env::args().any(|a| a == "--bench");
     let rounds = if quick { 2_000 } else { ROUNDS };
-    let q = Quotas::new(tenants(), None, Arc::new(Metrics::new("bench"))).expect("quotas");
+    let q = Quotas::standalone(tenants(), None, Arc::new(Metrics::new("bench"))).expect("quotas");
     let all: Vec<_> = q.tenants().iter().cloned().collect();
     let mut keys: std::collections::VecDeque<String> = std::collections::VecDeque::new();
     let (mut admit, mut settle) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
@@ -43,13 +44,13 @@ fn main() {
         let t = &all[i.wrapping_mul(7919) % TENANTS];
         let key = format!("{:032x}", i);
         let t0 = Instant::now();
-        let r = q.admit(&key, t, "model-a", 4096, Some(256));
+        let r = futures::executor::block_on(q.admit(&key, t, "model-a", 4096, Some(256)));
         admit.push(t0.elapsed().as_nanos() as u64);
         assert!(r.is_ok());
         keys.push_back(key);
         if keys.len() > IN_FLIGHT * 8 {
             let k = keys.pop_front().expect("a key");
-            let c = Consumed {
+            let c = Reported {
                 input: Some(4096),
                 output: Some(100),
                 cached: 2048,
@@ -57,7 +58,7 @@ fn main() {
                 ended: true,
             };
             let t0 = Instant::now();
-            assert!(q.settle(&k, c));
+            q.settle(&k, c);
             settle.push(t0.elapsed().as_nanos() as u64);
         }
     }

@@ -358,7 +358,7 @@ async fn tenants_view(
     headers: HeaderMap,
 ) -> axum::response::Response {
     match tenant_mode(&admin, &headers, peer) {
-        Ok(q) => axum::Json(q.status()).into_response(),
+        Ok(q) => axum::Json(q.status().await).into_response(),
         Err(r) => *r,
     }
 }
@@ -384,6 +384,7 @@ async fn usage_view(
     };
     let rows: Vec<_> = q
         .usage(query.since)
+        .await
         .into_iter()
         .map(|(k, r)| {
             let rejected = |reason| r.rejected.get(&reason).copied().unwrap_or(0);

@@ -174,27 +174,38 @@ pub async fn serve(
     });
 
     let metrics = Arc::new(Metrics::new(&opts.pool_name));
+    // Tenant mode: this replica's own book standalone; the cluster's in cluster mode (its
+    // writer and watcher start with the cluster member, below).
+    let mut cluster_quota = None;
     let quotas = match &opts.tenants_file {
         Some(path) => {
-            if opts.cluster.is_some() {
-                return Err(ServeError::Config(ConfigError::invalid(
-                    "--tenants-file: tenant quotas are per replica and not replicated yet; \
-                     cluster mode would multiply every limit by the replicas and lose \
-                     settlements observed on another replica — run tenant mode standalone",
-                )));
-            }
-            let tenants = crate::request::tenant::Tenants::from_file(path)?;
+            let tenants = Arc::new(crate::request::tenant::Tenants::from_file(path)?);
             tracing::info!(
                 tenants = tenants.len(),
+                cluster = opts.cluster.is_some(),
                 "tenant mode: client control headers are ignored"
             );
-            let q = crate::request::quota::Quotas::new(
+            let billing = Arc::new(
+                crate::request::quota::Billing::new(metrics.clone(), opts.usage_log.as_deref())
+                    .map_err(|e| ServeError::Server(format!("--usage-log: {e}")))?,
+            );
+            let ledger: Arc<dyn crate::request::quota::QuotaLedger> = match &opts.cluster {
+                Some(c) => {
+                    let q = crate::cluster::quota::ClusterQuota::new(c.node_id, billing.clone());
+                    cluster_quota = Some(q.clone());
+                    q
+                }
+                None => Arc::new(crate::request::quota::LocalLedger::new(
+                    tenants.clone(),
+                    billing.clone(),
+                )),
+            };
+            Some(Arc::new(crate::request::quota::Quotas::new(
                 tenants,
-                opts.usage_log.as_deref(),
+                ledger,
+                billing,
                 metrics.clone(),
-            )
-            .map_err(|e| ServeError::Server(format!("--usage-log: {e}")))?;
-            Some(Arc::new(q))
+            )))
         }
         None => None,
     };
@@ -523,6 +534,13 @@ pub async fn serve(
     }
     if let Some(gate) = flow_gate {
         tasks.spawn(gate.run(stop.clone()).then_ok());
+    }
+    if let (Some(q), Some(member)) = (cluster_quota, cluster.clone()) {
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            q.run(member, stop).await;
+            Ok(())
+        });
     }
     if let Some(q) = quotas {
         // Holds whose response was never seen go back after an hour; the ledger keeps a day.

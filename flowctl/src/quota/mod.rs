@@ -273,6 +273,31 @@ pub struct Spent {
     pub disconnected: bool,
 }
 
+/// What a response showed: the usage it reported (the last seen, when it was cut), else what was
+/// forwarded of it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reported {
+    pub input: Option<u64>,
+    pub output: Option<u64>,
+    pub cached: u64,
+    /// Streamed events forwarded (one token each, when no usage was seen).
+    pub events: u64,
+    /// The response reached its end (else the client or the stream went away).
+    pub ended: bool,
+}
+
+impl Reported {
+    /// What to bill `hold` for: the usage, else its input estimate and the events as output.
+    pub fn spent(&self, hold: &Hold) -> Spent {
+        Spent {
+            input: self.input.unwrap_or(hold.input_estimate),
+            output: self.output.unwrap_or(self.events),
+            cached: self.cached,
+            disconnected: !self.ended,
+        }
+    }
+}
+
 /// An admitted request not yet settled.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hold {
@@ -559,6 +584,17 @@ impl QuotaBook {
             .accounts
             .entry((tenant.to_string(), limit_key.to_string()))
             .or_default();
+        account.refill(limits, now);
+        account.view(limits)
+    }
+
+    /// What a tenant has left at `now`, without changing anything (a read-only view).
+    pub fn peek(&self, now: Nanos, tenant: &str, limit_key: &str, limits: &Limits) -> RateView {
+        let mut account = self
+            .accounts
+            .get(&(tenant.to_string(), limit_key.to_string()))
+            .cloned()
+            .unwrap_or_default();
         account.refill(limits, now);
         account.view(limits)
     }

@@ -11,7 +11,8 @@
 //!   covers the request, and reports each admission ([`QuotaCmd::Admitted`], batched): the state
 //!   consumes it from the slice and records the hold — in flight, owned by that replica.
 //! * Whichever replica observes the response settles it ([`QuotaCmd::Settle`]): refund or extra
-//!   charge to the bucket, the slot back to the pool, the usage in the replicated ledger — the
+//!   charge to the bucket, the slot back to the admitting replica's slice (so a replica keeps
+//!   its share of the concurrency across requests), the usage in the replicated ledger — the
 //!   bill is in the Raft state, durable and identical on every replica. A settlement that arrives
 //!   before its admission is kept ([`EARLY_TTL`], at most [`EARLY_MAX`]) and applied with it.
 //! * Idle slices go back ([`QuotaCmd::Return`]); a replica whose lease ends (dead, partitioned,
@@ -35,7 +36,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Ask, Limits, QuotaBook, QuotaReason, RateView, Settled, Spent};
+use super::{Ask, Hold, Limits, QuotaBook, QuotaReason, RateView, Reported, Settled, Spent};
 use crate::global::MemberId;
 use crate::units::{NANOS_PER_SEC, Nanos};
 
@@ -43,6 +44,9 @@ use crate::units::{NANOS_PER_SEC, Nanos};
 pub const EARLY_TTL: Nanos = 60 * NANOS_PER_SEC;
 /// Most settlements kept waiting for their admission.
 pub const EARLY_MAX: usize = 65_536;
+/// A request whose response is never observed is billed as reserved after this long.
+pub const MAX_HOLD: Nanos = 3600 * NANOS_PER_SEC;
+const MINUTE_NS: Nanos = 60 * NANOS_PER_SEC;
 
 /// A replica's slice of one account.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,7 +80,7 @@ pub enum QuotaCmd {
         input_estimate: u64,
     },
     /// The response of `key` (any replica's request) ended or was cut.
-    Settle { key: String, spent: Spent },
+    Settle { key: String, reported: Reported },
     /// The admitted request `key` never reached a model server.
     Release { key: String },
     /// Give back (part of) the replica's slice.
@@ -93,6 +97,18 @@ pub enum QuotaCmd {
     },
 }
 
+/// A settled request, for the replica that proposed its settlement (metrics, the usage log).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Billed {
+    pub key: String,
+    pub tenant: String,
+    pub limit_key: String,
+    /// The model name the ledger filed it under.
+    pub model: String,
+    pub debit: u64,
+    pub spent: Spent,
+}
+
 /// The replicated quota state.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SharedQuota {
@@ -106,33 +122,60 @@ pub struct SharedQuota {
     owners: BTreeMap<String, MemberId>,
     /// Replicas with slices or holds, and their incarnation.
     incarnations: BTreeMap<MemberId, u64>,
-    early: BTreeMap<String, (Spent, Nanos)>,
+    early: BTreeMap<String, (Reported, Nanos)>,
+    /// The last batch applied per replica (retried proposals are applied once).
+    seqs: BTreeMap<MemberId, u64>,
     early_order: VecDeque<(Nanos, String)>,
     /// Tokens, requests and slots admitted beyond a slice (late reports of a replica whose
     /// lease ended): the overshoot, charged to the buckets.
     overdrawn: Slice,
-    /// Requests billed as reserved because their replica's lease ended.
+    /// Requests billed as reserved because their replica's lease ended (or their response was
+    /// never observed within [`MAX_HOLD`]).
     orphaned: u64,
+    /// The minute of the last stale-hold sweep.
+    swept: u64,
 }
 
 impl SharedQuota {
-    /// Apply a replica's batch at `now` (the log clock). Commands of an older incarnation than
-    /// the replica's latest are ignored; a newer one ends the older's lease first.
-    pub fn apply(&mut self, now: Nanos, member: MemberId, incarnation: u64, cmds: Vec<QuotaCmd>) {
+    /// Apply a replica's batch number `seq` at `now` (the log clock): what it settled. Batches
+    /// of an older incarnation than the replica's latest, or already applied, are ignored; a
+    /// newer incarnation ends the older's lease first.
+    pub fn apply(
+        &mut self,
+        now: Nanos,
+        member: MemberId,
+        incarnation: u64,
+        seq: u64,
+        cmds: Vec<QuotaCmd>,
+    ) -> Vec<Billed> {
         match self.incarnations.get(&member) {
-            Some(&i) if incarnation < i => return,
-            Some(&i) if incarnation > i => self.member_gone(now, member),
+            Some(&i) if incarnation < i => return Vec::new(),
+            Some(&i) if incarnation > i => {
+                self.member_gone(now, member);
+                self.seqs.remove(&member);
+            }
             _ => {}
         }
+        if self.seqs.get(&member).is_some_and(|s| seq <= *s) {
+            return Vec::new();
+        }
+        self.seqs.insert(member, seq);
         self.incarnations.insert(member, incarnation);
+        let mut billed = Vec::new();
         for cmd in cmds {
-            self.apply_one(now, member, cmd);
+            self.apply_one(now, member, cmd, &mut billed);
         }
         self.prune_early(now);
         self.book.trim(now);
+        billed
     }
 
-    fn apply_one(&mut self, now: Nanos, member: MemberId, cmd: QuotaCmd) {
+    /// The last batch of `member` applied.
+    pub fn applied_seq(&self, member: MemberId) -> u64 {
+        self.seqs.get(&member).copied().unwrap_or(0)
+    }
+
+    fn apply_one(&mut self, now: Nanos, member: MemberId, cmd: QuotaCmd, billed: &mut Vec<Billed>) {
         match cmd {
             QuotaCmd::Want {
                 tenant,
@@ -179,15 +222,42 @@ impl SharedQuota {
                     .slices
                     .entry((member, tenant.clone(), limit_key.clone()))
                     .or_default();
+                // Only limited dimensions come from a slice.
                 let from_slice = Slice {
-                    tokens: slice.tokens.min(debit),
-                    requests: slice.requests.min(1),
-                    slots: slice.slots.min(1),
+                    tokens: match limits.tokens_per_minute {
+                        Some(_) => slice.tokens.min(debit),
+                        None => debit,
+                    },
+                    requests: match limits.requests_per_minute {
+                        Some(_) => slice.requests.min(1),
+                        None => 1,
+                    },
+                    slots: match limits.concurrency {
+                        Some(_) => slice.slots.min(1),
+                        None => 1,
+                    },
                 };
-                slice.tokens -= from_slice.tokens;
-                slice.requests -= from_slice.requests;
-                slice.slots -= from_slice.slots;
-                if from_slice.slots == 1
+                let taken = Slice {
+                    tokens: if limits.tokens_per_minute.is_some() {
+                        from_slice.tokens
+                    } else {
+                        0
+                    },
+                    requests: if limits.requests_per_minute.is_some() {
+                        from_slice.requests
+                    } else {
+                        0
+                    },
+                    slots: if limits.concurrency.is_some() {
+                        from_slice.slots
+                    } else {
+                        0
+                    },
+                };
+                slice.tokens -= taken.tokens;
+                slice.requests -= taken.requests;
+                slice.slots -= taken.slots;
+                if taken.slots == 1
                     && let Some(n) = self.sliced.get_mut(&(tenant.clone(), limit_key.clone()))
                 {
                     *n = n.saturating_sub(1);
@@ -223,19 +293,19 @@ impl SharedQuota {
                 };
                 self.book.hold_taken(now, ask, debit);
                 self.owners.insert(key.clone(), member);
-                if let Some((spent, _)) = self.early.remove(&key) {
-                    self.settle(now, &key, spent);
+                if let Some((reported, _)) = self.early.remove(&key) {
+                    billed.extend(self.settle(now, &key, reported));
                 }
             }
-            QuotaCmd::Settle { key, spent } => {
-                if self.settle(now, &key, spent).is_none()
-                    && !self.early.contains_key(&key)
-                    && self.early.len() < EARLY_MAX
-                {
-                    self.early.insert(key.clone(), (spent, now));
-                    self.early_order.push_back((now, key));
+            QuotaCmd::Settle { key, reported } => match self.settle(now, &key, reported) {
+                Some(b) => billed.push(b),
+                None => {
+                    if !self.early.contains_key(&key) && self.early.len() < EARLY_MAX {
+                        self.early.insert(key.clone(), (reported, now));
+                        self.early_order.push_back((now, key));
+                    }
                 }
-            }
+            },
             QuotaCmd::Release { key } => {
                 let Some(hold) = self.book.hold(&key).cloned() else {
                     self.early.remove(&key);
@@ -243,7 +313,7 @@ impl SharedQuota {
                 };
                 let limits = self.limits_of(&hold.tenant, &hold.limit_key);
                 self.book.release(now, &key, &limits);
-                self.owners.remove(&key);
+                self.slot_home(&key, &hold);
             }
             QuotaCmd::Return {
                 tenant,
@@ -293,16 +363,67 @@ impl SharedQuota {
         }
     }
 
-    fn settle(&mut self, now: Nanos, key: &str, spent: Spent) -> Option<Settled> {
+    fn settle(&mut self, now: Nanos, key: &str, reported: Reported) -> Option<Billed> {
         let hold = self.book.hold(key)?.clone();
+        let spent = reported.spent(&hold);
+        self.bill(now, key, &hold, spent)
+    }
+
+    fn bill(&mut self, now: Nanos, key: &str, hold: &Hold, spent: Spent) -> Option<Billed> {
         let limits = self.limits_of(&hold.tenant, &hold.limit_key);
-        self.owners.remove(key);
-        self.book.settle(now, key, spent, &limits)
+        let Settled { model, .. } = self.book.settle(now, key, spent, &limits)?;
+        self.slot_home(key, hold);
+        Some(Billed {
+            key: key.to_string(),
+            tenant: hold.tenant.clone(),
+            limit_key: hold.limit_key.clone(),
+            model,
+            debit: hold.debit,
+            spent,
+        })
+    }
+
+    /// A request ended: its slot goes back to the slice of the replica that admitted it (if
+    /// that replica still holds its lease), else to the pool.
+    fn slot_home(&mut self, key: &str, hold: &Hold) {
+        let Some(owner) = self.owners.remove(key) else {
+            return;
+        };
+        let limits = self.limits_of(&hold.tenant, &hold.limit_key);
+        if limits.concurrency.is_none() || !self.incarnations.contains_key(&owner) {
+            return;
+        }
+        self.slices
+            .entry((owner, hold.tenant.clone(), hold.limit_key.clone()))
+            .or_default()
+            .slots += 1;
+        *self
+            .sliced
+            .entry((hold.tenant.clone(), hold.limit_key.clone()))
+            .or_default() += 1;
     }
 
     /// Members whose lease ended (not in `live`): their slices go back, their requests in
     /// flight are billed as reserved. Called on every applied entry.
     pub fn advance(&mut self, now: Nanos, live: &BTreeSet<MemberId>) {
+        // Once a minute: requests whose response was never observed anywhere for an hour are
+        // billed as reserved (their slots would otherwise stay taken).
+        if now / MINUTE_NS > self.swept {
+            self.swept = now / MINUTE_NS;
+            let stale = self.book.stale(now.saturating_sub(MAX_HOLD));
+            for key in stale {
+                if let Some(hold) = self.book.hold(&key).cloned() {
+                    let spent = Spent {
+                        input: hold.input_estimate,
+                        output: hold.debit.saturating_sub(hold.input_estimate),
+                        cached: 0,
+                        disconnected: false,
+                    };
+                    self.bill(now, &key, &hold, spent);
+                    self.orphaned += 1;
+                }
+            }
+        }
         let gone: Vec<MemberId> = self
             .incarnations
             .keys()
@@ -311,7 +432,6 @@ impl SharedQuota {
             .collect();
         for m in gone {
             self.member_gone(now, m);
-            self.incarnations.remove(&m);
         }
     }
 
@@ -332,6 +452,8 @@ impl SharedQuota {
             .filter(|(_, m)| **m == member)
             .map(|(k, _)| k.clone())
             .collect();
+        // Its slots go to the pool, not back to it.
+        self.incarnations.remove(&member);
         for key in held {
             let Some(hold) = self.book.hold(&key).cloned() else {
                 continue;
@@ -342,7 +464,7 @@ impl SharedQuota {
                 cached: 0,
                 disconnected: false,
             };
-            self.settle(now, &key, spent);
+            self.bill(now, &key, &hold, spent);
             self.orphaned += 1;
         }
     }
@@ -378,6 +500,26 @@ impl SharedQuota {
     /// What the account's buckets hold beyond the slices, at `now`.
     pub fn view(&mut self, now: Nanos, tenant: &str, limit_key: &str, limits: &Limits) -> RateView {
         self.book.view(now, tenant, limit_key, limits)
+    }
+
+    /// What the cluster has left of an account at `now` — the buckets plus every replica's
+    /// unused slice (read-only).
+    pub fn peek(&self, now: Nanos, tenant: &str, limit_key: &str, limits: &Limits) -> RateView {
+        let mut view = self.book.peek(now, tenant, limit_key, limits);
+        let (mut t, mut r) = (0, 0);
+        for ((_, st, sk), s) in &self.slices {
+            if st == tenant && sk == limit_key {
+                t += s.tokens;
+                r += s.requests;
+            }
+        }
+        if let Some(side) = &mut view.tokens {
+            side.remaining = (side.remaining + t).min(side.limit);
+        }
+        if let Some(side) = &mut view.requests {
+            side.remaining = (side.remaining + r).min(side.limit);
+        }
+        view
     }
 
     /// Concurrency slots neither in flight nor sliced out.

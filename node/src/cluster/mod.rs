@@ -8,6 +8,9 @@
 //! - [`gossip`]: the peer exchange — prefix-index deltas and anti-entropy (the prefix producer
 //!   hands its deltas to the gossip outbox through [`crate::scheduling::prefix::DeltaSink`]),
 //!   and the scrape fan-out of sharded collection;
+//! - [`quota`]: tenant quotas for the whole cluster — the request stage's
+//!   [`crate::request::quota::QuotaLedger`] over the replicated quota book, admitting within
+//!   this replica's slices of the buckets;
 //! - [`settle`]: settlements of requests observed here but routed (and charged) elsewhere,
 //!   relayed to the peers when flow control is not cluster-wide;
 //! - [`options`]: the flags of cluster mode.
@@ -19,6 +22,7 @@ pub mod gate;
 pub mod gossip;
 pub mod member;
 pub mod options;
+pub mod quota;
 pub mod settle;
 
 pub use member::ClusterMember;

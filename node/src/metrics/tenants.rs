@@ -43,6 +43,9 @@ pub struct TenantMetrics {
     pub in_flight: Family<TenantModel, Gauge>,
     pub disconnects: Family<TenantModel, Counter>,
     pub unauthorized: Family<UnauthorizedLabels, Counter>,
+    /// Cluster mode: quota batches proposed (log entries) and the commands in them.
+    pub proposals: Counter,
+    pub commands: Counter,
 }
 
 impl TenantMetrics {
@@ -73,6 +76,17 @@ impl TenantMetrics {
             "tenant_unauthorized_requests",
             "Requests refused with 401 in tenant mode, by reason",
             m.unauthorized.clone(),
+        );
+        registry.register(
+            "tenant_quota_proposals",
+            "Cluster mode: log entries this replica proposed for quotas (batches of admissions, \
+             settlements, slice requests and returns)",
+            m.proposals.clone(),
+        );
+        registry.register(
+            "tenant_quota_commands",
+            "Cluster mode: quota commands in those entries",
+            m.commands.clone(),
         );
         m
     }

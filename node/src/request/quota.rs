@@ -1,6 +1,5 @@
-//! Tenant mode on this replica: identify the tenant, admit the request under its quota (before
-//! flow control and scheduling: a quota 429 costs no GPU), and settle what the response used —
-//! the shell around `flowctl::quota`'s pure [`QuotaBook`].
+//! Tenant mode: identify the tenant, admit the request under its quota (before flow control and
+//! scheduling: a quota 429 costs no GPU), and settle what the response used.
 //!
 //! ```text
 //! headers ─► identify (API key hash → tenant, else anonymous, else 401)
@@ -10,8 +9,11 @@
 //!   never reached a pod (later 429/503, client gone while queued) ─► release
 //! ```
 //!
-//! Time is the wall clock (the usage ledger's minutes are real minutes). Quotas here are this
-//! replica's: cluster mode refuses tenant mode until the quota book is replicated.
+//! [`Quotas`] is the front every stream calls: identity, metrics, the 429s. The book behind it is
+//! a [`QuotaLedger`]: [`LocalLedger`] — this replica's own [`QuotaBook`] (standalone) — or the
+//! cluster's replicated one (`crate::cluster::quota`, cluster mode), which admits within slices
+//! of the buckets granted to this replica. [`Billing`] records what was billed (metrics and
+//! the `--usage-log` stream) on the replica that settled it.
 
 use std::fs::File;
 use std::io::{LineWriter, Write};
@@ -20,23 +22,275 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use flowctl::Nanos;
-use flowctl::quota::{Ask, Hold, Limits, QuotaBook, RateSide, RateView, Spent, UsageKey, UsageRow};
+use flowctl::quota::shared::Billed;
+use flowctl::quota::{
+    Ask, Granted, Limits, QuotaBook, QuotaReason, RateSide, RateView, Refusal, UsageKey, UsageRow,
+};
+use futures::FutureExt;
+use futures::future::BoxFuture;
 
 use super::reject::Rejection;
 use super::tenant::{ANY_MODEL, Tenant, Tenants};
 use crate::metrics::{Metrics, TenantModel, TenantOutcome, TenantTokens, UnauthorizedLabels};
 
-/// What the response of an admitted request showed, for its settlement.
+pub use flowctl::quota::Reported;
+
+/// Why a ledger did not admit a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotAdmitted {
+    /// Over the tenant's quota.
+    Quota(Refusal),
+    /// The ledger cannot decide (cluster mode without quorum): 503, retryable.
+    Unavailable,
+}
+
+/// Each account's state now, for `/debug/tenants`.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Consumed {
-    /// The usage the response reported (the last seen, when it was cut).
-    pub input: Option<u64>,
-    pub output: Option<u64>,
-    pub cached: u64,
-    /// Streamed events forwarded (a stand-in for output tokens when no usage was seen).
-    pub events: u64,
-    /// The response reached its end (else the client or the stream went away).
-    pub ended: bool,
+pub struct AccountView {
+    pub view: RateView,
+    pub in_flight: u32,
+}
+
+/// Where quota decisions are made and the usage ledger lives.
+pub trait QuotaLedger: Send + Sync + std::fmt::Debug {
+    /// Admit `ask` (pre-debit) or refuse it; may wait (the cluster's ledger may need to top up
+    /// this replica's slice).
+    fn admit<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Granted, NotAdmitted>>;
+    /// The response of `key` ended or was cut (whichever replica admitted it). Returns what was
+    /// billed when that is known at once; a ledger that bills later reports through [`Billing`].
+    fn settle(&self, key: &str, reported: Reported) -> Option<Billed>;
+    /// `key` was admitted but will never reach a model server.
+    fn release(&self, key: &str);
+    /// Release holds older than `max_age` (responses never seen) and trim the ledger.
+    fn sweep(&self, _max_age: Duration) {}
+    /// The usage ledger from minute `first` on.
+    fn usage(&self, first: u64) -> BoxFuture<'_, Vec<(UsageKey, UsageRow)>>;
+    /// An account's state now.
+    fn account<'a>(
+        &'a self,
+        tenant: &'a str,
+        limit_key: &'a str,
+        limits: &'a Limits,
+    ) -> BoxFuture<'a, AccountView>;
+}
+
+/// What was billed, recorded where the settlement was made: the tenant metrics and the usage log.
+#[derive(Debug)]
+pub struct Billing {
+    metrics: Arc<Metrics>,
+    /// `--usage-log`: one JSON line per settled request.
+    log: Option<Mutex<LineWriter<File>>>,
+}
+
+impl Billing {
+    pub fn new(metrics: Arc<Metrics>, usage_log: Option<&Path>) -> std::io::Result<Billing> {
+        let log = match usage_log {
+            Some(p) => Some(Mutex::new(LineWriter::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)?,
+            ))),
+            None => None,
+        };
+        Ok(Billing { metrics, log })
+    }
+
+    /// A request was settled.
+    pub fn billed(&self, b: &Billed) {
+        let m = &self.metrics.tenants;
+        if b.spent.disconnected {
+            m.disconnects
+                .get_or_create(&model_labels(&b.tenant, &b.limit_key))
+                .inc();
+        }
+        for (kind, n) in [
+            ("input", b.spent.input),
+            ("output", b.spent.output),
+            ("cached", b.spent.cached),
+        ] {
+            m.tokens
+                .get_or_create(&TenantTokens {
+                    tenant: b.tenant.clone(),
+                    model: b.limit_key.clone(),
+                    kind,
+                })
+                .inc_by(n);
+        }
+        let Some(log) = &self.log else { return };
+        let line = serde_json::json!({
+            "ts": now() / 1_000_000,
+            "key": b.key,
+            "tenant": b.tenant,
+            "model": b.model,
+            "debit": b.debit,
+            "input": b.spent.input,
+            "output": b.spent.output,
+            "cached": b.spent.cached,
+            "disconnected": b.spent.disconnected,
+        });
+        let mut w = log.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Err(e) = writeln!(w, "{line}") {
+            tracing::warn!(error = %e, "writing the usage log");
+        }
+    }
+
+    /// Cluster mode: a batch of `commands` quota commands was committed.
+    pub fn proposed(&self, commands: usize) {
+        let m = &self.metrics.tenants;
+        m.proposals.inc();
+        m.commands.inc_by(commands as u64);
+    }
+
+    /// Requests of an account admitted and not yet settled.
+    pub fn in_flight(&self, tenant: &str, limit_key: &str, n: u32) {
+        self.metrics
+            .tenants
+            .in_flight
+            .get_or_create(&model_labels(tenant, limit_key))
+            .set(i64::from(n));
+    }
+}
+
+fn model_labels(tenant: &str, limit_key: &str) -> TenantModel {
+    TenantModel {
+        tenant: tenant.to_string(),
+        model: limit_key.to_string(),
+    }
+}
+
+/// Unix time in nanoseconds.
+pub fn now() -> Nanos {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as Nanos)
+}
+
+/// No limit at all (a model without an entry and no `*`).
+pub const NO_LIMITS: Limits = Limits {
+    requests_per_minute: None,
+    tokens_per_minute: None,
+    concurrency: None,
+    default_max_tokens: None,
+    max_tokens_cap: None,
+};
+
+/// This replica's own book (standalone).
+#[derive(Debug)]
+pub struct LocalLedger {
+    tenants: Arc<Tenants>,
+    book: Mutex<QuotaBook>,
+    billing: Arc<Billing>,
+}
+
+impl LocalLedger {
+    pub fn new(tenants: Arc<Tenants>, billing: Arc<Billing>) -> Self {
+        LocalLedger {
+            tenants,
+            book: Mutex::new(QuotaBook::new()),
+            billing,
+        }
+    }
+
+    fn book(&self) -> MutexGuard<'_, QuotaBook> {
+        self.book.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn limits_of(&self, tenant: &str, model: &str) -> Limits {
+        self.tenants
+            .get(tenant)
+            .map_or(NO_LIMITS, |t| limits_for(t, model).1.clone())
+    }
+}
+
+impl QuotaLedger for LocalLedger {
+    fn admit<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Granted, NotAdmitted>> {
+        let mut book = self.book();
+        let r = book.admit(now(), ask).map_err(NotAdmitted::Quota);
+        if r.is_ok() {
+            let n = book.in_flight(ask.tenant, ask.limit_key);
+            self.billing.in_flight(ask.tenant, ask.limit_key, n);
+        }
+        futures::future::ready(r).boxed()
+    }
+
+    fn settle(&self, key: &str, reported: Reported) -> Option<Billed> {
+        let mut book = self.book();
+        let hold = book.hold(key)?.clone();
+        let spent = reported.spent(&hold);
+        let limits = self.limits_of(&hold.tenant, &hold.model);
+        let settled = book.settle(now(), key, spent, &limits)?;
+        let n = book.in_flight(&hold.tenant, &hold.limit_key);
+        drop(book);
+        self.billing.in_flight(&hold.tenant, &hold.limit_key, n);
+        Some(Billed {
+            key: key.to_string(),
+            tenant: hold.tenant,
+            limit_key: hold.limit_key,
+            model: settled.model,
+            debit: hold.debit,
+            spent,
+        })
+    }
+
+    fn release(&self, key: &str) {
+        let mut book = self.book();
+        let Some(hold) = book.hold(key).cloned() else {
+            return;
+        };
+        let limits = self.limits_of(&hold.tenant, &hold.model);
+        book.release(now(), key, &limits);
+        let n = book.in_flight(&hold.tenant, &hold.limit_key);
+        drop(book);
+        self.billing.in_flight(&hold.tenant, &hold.limit_key, n);
+    }
+
+    fn sweep(&self, max_age: Duration) {
+        let now = now();
+        let stale = {
+            let mut book = self.book();
+            book.trim(now);
+            book.stale(now.saturating_sub(max_age.as_nanos() as Nanos))
+        };
+        if !stale.is_empty() {
+            tracing::warn!(
+                count = stale.len(),
+                "quota holds without a response released"
+            );
+        }
+        for key in stale {
+            self.release(&key);
+        }
+    }
+
+    fn usage(&self, first: u64) -> BoxFuture<'_, Vec<(UsageKey, UsageRow)>> {
+        let rows = self
+            .book()
+            .usage()
+            .filter(|(k, _)| k.minute >= first)
+            .map(|(k, r)| (k.clone(), r.clone()))
+            .collect();
+        futures::future::ready(rows).boxed()
+    }
+
+    fn account<'a>(
+        &'a self,
+        tenant: &'a str,
+        limit_key: &'a str,
+        limits: &'a Limits,
+    ) -> BoxFuture<'a, AccountView> {
+        let mut book = self.book();
+        let v = AccountView {
+            view: book.view(now(), tenant, limit_key, limits),
+            in_flight: book.in_flight(tenant, limit_key),
+        };
+        futures::future::ready(v).boxed()
+    }
+}
+
+/// The limits for the client's `model` and their key (`"*"` and none when unlimited).
+pub fn limits_for<'a>(tenant: &'a Tenant, model: &str) -> (&'a str, &'a Limits) {
+    tenant.limits_for(model).unwrap_or((ANY_MODEL, &NO_LIMITS))
 }
 
 /// A request admitted under its tenant's quota.
@@ -49,55 +303,40 @@ pub struct Admitted {
     pub headers: Vec<(String, String)>,
 }
 
+/// Tenant mode's front: identity, the ledger, the 429s and their metrics.
 #[derive(Debug)]
 pub struct Quotas {
-    tenants: Tenants,
-    book: Mutex<QuotaBook>,
+    tenants: Arc<Tenants>,
+    ledger: Arc<dyn QuotaLedger>,
+    billing: Arc<Billing>,
     metrics: Arc<Metrics>,
-    /// `--usage-log`: one JSON line per settled request.
-    log: Option<Mutex<LineWriter<File>>>,
-}
-
-const NO_LIMITS: Limits = Limits {
-    requests_per_minute: None,
-    tokens_per_minute: None,
-    concurrency: None,
-    default_max_tokens: None,
-    max_tokens_cap: None,
-};
-
-/// Unix time in nanoseconds.
-fn now() -> Nanos {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as Nanos)
 }
 
 impl Quotas {
     pub fn new(
+        tenants: Arc<Tenants>,
+        ledger: Arc<dyn QuotaLedger>,
+        billing: Arc<Billing>,
+        metrics: Arc<Metrics>,
+    ) -> Quotas {
+        Quotas {
+            tenants,
+            ledger,
+            billing,
+            metrics,
+        }
+    }
+
+    /// Standalone: this replica's own book.
+    pub fn standalone(
         tenants: Tenants,
         usage_log: Option<&Path>,
         metrics: Arc<Metrics>,
     ) -> std::io::Result<Quotas> {
-        let log = match usage_log {
-            Some(p) => Some(Mutex::new(LineWriter::new(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(p)?,
-            ))),
-            None => None,
-        };
-        Ok(Quotas {
-            tenants,
-            book: Mutex::new(QuotaBook::new()),
-            metrics,
-            log,
-        })
-    }
-
-    fn book(&self) -> MutexGuard<'_, QuotaBook> {
-        self.book.lock().unwrap_or_else(PoisonError::into_inner)
+        let tenants = Arc::new(tenants);
+        let billing = Arc::new(Billing::new(metrics.clone(), usage_log)?);
+        let ledger = Arc::new(LocalLedger::new(tenants.clone(), billing.clone()));
+        Ok(Quotas::new(tenants, ledger, billing, metrics))
     }
 
     pub fn tenants(&self) -> &Tenants {
@@ -123,13 +362,9 @@ impl Quotas {
         })
     }
 
-    fn limits<'a>(tenant: &'a Tenant, model: &str) -> (&'a str, &'a Limits) {
-        tenant.limits_for(model).unwrap_or((ANY_MODEL, &NO_LIMITS))
-    }
-
     /// Admit request `key` of `tenant` for `model`, pre-debiting `input_tokens` and its output
-    /// budget, or refuse it with 429 `rejected-quota-*`.
-    pub fn admit(
+    /// budget, or refuse it with 429 `rejected-quota-*` (503 when the ledger cannot decide).
+    pub async fn admit(
         &self,
         key: &str,
         tenant: &Tenant,
@@ -137,7 +372,7 @@ impl Quotas {
         input_tokens: u64,
         max_output: Option<u64>,
     ) -> Result<Admitted, Rejection> {
-        let (limit_key, limits) = Self::limits(tenant, model);
+        let (limit_key, limits) = limits_for(tenant, model);
         let ask = Ask {
             key,
             tenant: &tenant.name,
@@ -147,218 +382,111 @@ impl Quotas {
             input_tokens,
             max_output,
         };
-        let result = self.book().admit(now(), ask);
-        let m = &self.metrics.tenants;
+        let result = self.ledger.admit(ask).await;
         let outcome = |outcome| TenantOutcome {
             tenant: tenant.name.clone(),
             model: limit_key.to_string(),
             outcome,
         };
-        match result {
+        let requests = &self.metrics.tenants.requests;
+        let r = match result {
             Ok(g) => {
-                m.requests.get_or_create(&outcome("admitted")).inc();
-                m.in_flight
-                    .get_or_create(&model_labels(tenant, limit_key))
-                    .inc();
-                Ok(Admitted {
+                requests.get_or_create(&outcome("admitted")).inc();
+                return Ok(Admitted {
                     tenant: tenant.name.clone(),
                     output_budget: g.output_budget,
                     headers: rate_headers(&g.view),
-                })
+                });
             }
-            Err(r) => {
-                let reason = r.reason.dropped_reason();
-                m.requests.get_or_create(&outcome(reason)).inc();
-                let mut headers = rate_headers(&r.view);
-                if let Some(wait) = r.retry_after {
-                    // Whole seconds, rounded up, at least 1.
-                    let secs = wait.div_ceil(1_000_000_000).max(1);
-                    headers.push(("retry-after".into(), secs.to_string()));
-                }
-                let what = match r.reason {
-                    flowctl::quota::QuotaReason::Rpm => "requests per minute",
-                    flowctl::quota::QuotaReason::Tpm => "tokens per minute",
-                    flowctl::quota::QuotaReason::Concurrency => "concurrent requests",
-                };
-                let message = if r.retry_after.is_none() {
-                    format!(
-                        "tenant `{}`: the request needs more tokens than the tenant's {what} \
-                         limit for model `{limit_key}` ever allows",
-                        tenant.name
-                    )
-                } else {
-                    format!(
-                        "tenant `{}` is over its {what} quota for model `{limit_key}`",
-                        tenant.name
-                    )
-                };
-                Err(Rejection::over_quota(reason, message, headers))
+            Err(NotAdmitted::Unavailable) => {
+                requests.get_or_create(&outcome("unavailable")).inc();
+                let mut r = Rejection::no_endpoints();
+                r.reason = None;
+                r.message = "the cluster's quota state cannot be reached (no quorum); retry".into();
+                return Err(r);
             }
+            Err(NotAdmitted::Quota(r)) => r,
+        };
+        let reason = r.reason.dropped_reason();
+        requests.get_or_create(&outcome(reason)).inc();
+        let mut headers = rate_headers(&r.view);
+        if let Some(wait) = r.retry_after {
+            // Whole seconds, rounded up, at least 1.
+            let secs = wait.div_ceil(1_000_000_000).max(1);
+            headers.push(("retry-after".into(), secs.to_string()));
         }
+        let what = match r.reason {
+            QuotaReason::Rpm => "requests per minute",
+            QuotaReason::Tpm => "tokens per minute",
+            QuotaReason::Concurrency => "concurrent requests",
+        };
+        let message = if r.retry_after.is_none() {
+            format!(
+                "tenant `{}`: the request needs more tokens than the tenant's {what} limit for \
+                 model `{limit_key}` ever allows",
+                tenant.name
+            )
+        } else {
+            format!(
+                "tenant `{}` is over its {what} quota for model `{limit_key}`",
+                tenant.name
+            )
+        };
+        Err(Rejection::over_quota(reason, message, headers))
     }
 
-    /// The response of `key` ended or was cut: charge what it used (once).
-    pub fn settle(&self, key: &str, c: Consumed) -> bool {
-        let now = now();
-        let mut book = self.book();
-        let Some(hold) = book.hold(key).cloned() else {
-            return false;
-        };
-        let Some(tenant) = self.tenants.get(&hold.tenant) else {
-            return false;
-        };
-        let (_, limits) = Self::limits(tenant, &hold.model);
-        // Without a usage report: the input estimate, and the streamed events as output.
-        let spent = Spent {
-            input: c.input.unwrap_or(hold.input_estimate),
-            output: c.output.unwrap_or(c.events),
-            cached: c.cached,
-            disconnected: !c.ended,
-        };
-        let Some(settled) = book.settle(now, key, spent, limits) else {
-            return false;
-        };
-        drop(book);
-        let m = &self.metrics.tenants;
-        let labels = model_labels(tenant, &hold.limit_key);
-        m.in_flight.get_or_create(&labels).dec();
-        if spent.disconnected {
-            m.disconnects.get_or_create(&labels).inc();
+    /// The response of `key` ended or was cut: charge what it used (once, whichever replica
+    /// admitted it).
+    pub fn settle(&self, key: &str, reported: Reported) {
+        if let Some(b) = self.ledger.settle(key, reported) {
+            self.billing.billed(&b);
         }
-        for (kind, n) in [
-            ("input", spent.input),
-            ("output", spent.output),
-            ("cached", spent.cached),
-        ] {
-            m.tokens
-                .get_or_create(&TenantTokens {
-                    tenant: tenant.name.clone(),
-                    model: hold.limit_key.clone(),
-                    kind,
-                })
-                .inc_by(n);
-        }
-        self.log(now, key, &hold, &spent, &settled.model);
-        true
     }
 
     /// `key` was admitted but will never reach a model server: its request and tokens go back.
     pub fn release(&self, key: &str) {
-        let mut book = self.book();
-        let Some(hold) = book.hold(key).cloned() else {
-            return;
-        };
-        let limits = self
-            .tenants
-            .get(&hold.tenant)
-            .map_or(&NO_LIMITS, |t| Self::limits(t, &hold.model).1);
-        if book.release(now(), key, limits).is_some() {
-            drop(book);
-            self.metrics
-                .tenants
-                .in_flight
-                .get_or_create(&TenantModel {
-                    tenant: hold.tenant,
-                    model: hold.limit_key,
-                })
-                .dec();
-        }
+        self.ledger.release(key);
     }
 
-    /// Release holds older than `max_age` (responses never seen: a safety net, logged), and
-    /// trim the usage ledger.
     pub fn sweep(&self, max_age: Duration) {
-        let now = now();
-        let stale = {
-            let mut book = self.book();
-            book.trim(now);
-            book.stale(now.saturating_sub(max_age.as_nanos() as Nanos))
-        };
-        if !stale.is_empty() {
-            tracing::warn!(
-                count = stale.len(),
-                "quota holds without a response released"
-            );
-        }
-        for key in stale {
-            self.release(&key);
-        }
+        self.ledger.sweep(max_age);
     }
 
     /// The usage ledger (per tenant × model × minute) from `since` (unix seconds).
-    pub fn usage(&self, since: u64) -> Vec<(UsageKey, UsageRow)> {
-        let first = since / 60;
-        self.book()
-            .usage()
-            .filter(|(k, _)| k.minute >= first)
-            .map(|(k, r)| (k.clone(), r.clone()))
-            .collect()
+    pub async fn usage(&self, since: u64) -> Vec<(UsageKey, UsageRow)> {
+        self.ledger.usage(since / 60).await
     }
 
     /// Each tenant's state now: limits, remaining, in flight (`/debug/tenants`).
-    pub fn status(&self) -> serde_json::Value {
-        let now = now();
-        let mut book = self.book();
-        let tenants: Vec<_> = self
-            .tenants
-            .iter()
-            .map(|t| {
-                let limits: serde_json::Map<_, _> = t
-                    .limits
-                    .iter()
-                    .map(|(model, l)| {
-                        let view = book.view(now, &t.name, model, l);
-                        let side = |s: Option<RateSide>| {
-                            s.map(|s| {
-                                serde_json::json!({"limit": s.limit, "remaining": s.remaining, "resetMs": s.reset / 1_000_000})
-                            })
-                        };
-                        (
-                            model.clone(),
-                            serde_json::json!({
-                                "requests": side(view.requests),
-                                "tokens": side(view.tokens),
-                                "concurrency": l.concurrency,
-                                "inFlight": book.in_flight(&t.name, model),
-                            }),
-                        )
+    pub async fn status(&self) -> serde_json::Value {
+        let mut tenants = Vec::new();
+        for t in self.tenants.iter() {
+            let mut limits = serde_json::Map::new();
+            for (model, l) in &t.limits {
+                let a = self.ledger.account(&t.name, model, l).await;
+                let side = |s: Option<RateSide>| {
+                    s.map(|s| {
+                        serde_json::json!({"limit": s.limit, "remaining": s.remaining, "resetMs": s.reset / 1_000_000})
                     })
-                    .collect();
-                serde_json::json!({
-                    "name": t.name,
-                    "fairnessId": t.fairness_id,
-                    "objective": t.objective,
-                    "limits": limits,
-                })
-            })
-            .collect();
-        serde_json::json!({ "tenants": tenants, "holds": book.holds().count() })
-    }
-
-    fn log(&self, now: Nanos, key: &str, hold: &Hold, spent: &Spent, model: &str) {
-        let Some(log) = &self.log else { return };
-        let line = serde_json::json!({
-            "ts": now / 1_000_000,
-            "key": key,
-            "tenant": hold.tenant,
-            "model": model,
-            "debit": hold.debit,
-            "input": spent.input,
-            "output": spent.output,
-            "cached": spent.cached,
-            "disconnected": spent.disconnected,
-        });
-        let mut w = log.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Err(e) = writeln!(w, "{line}") {
-            tracing::warn!(error = %e, "writing the usage log");
+                };
+                limits.insert(
+                    model.clone(),
+                    serde_json::json!({
+                        "requests": side(a.view.requests),
+                        "tokens": side(a.view.tokens),
+                        "concurrency": l.concurrency,
+                        "inFlight": a.in_flight,
+                    }),
+                );
+            }
+            tenants.push(serde_json::json!({
+                "name": t.name,
+                "fairnessId": t.fairness_id,
+                "objective": t.objective,
+                "limits": limits,
+            }));
         }
-    }
-}
-
-fn model_labels(tenant: &Tenant, limit_key: &str) -> TenantModel {
-    TenantModel {
-        tenant: tenant.name.clone(),
-        model: limit_key.to_string(),
+        serde_json::json!({ "tenants": tenants })
     }
 }
 
@@ -410,20 +538,20 @@ mod tests {
             super::super::tenant::hash_key("k")
         );
         let t = Tenants::from_yaml(&yaml).unwrap();
-        Quotas::new(t, None, Arc::new(Metrics::new("p"))).unwrap()
+        Quotas::standalone(t, None, Arc::new(Metrics::new("p"))).unwrap()
     }
 
-    #[test]
-    fn admit_settle_and_release_through_the_shell() {
+    #[tokio::test]
+    async fn admit_settle_and_release_through_the_front() {
         let q = quotas();
         let t = q.tenants().get("b").unwrap().clone();
-        let a = q.admit("k1", &t, "m", 200, Some(500)).unwrap();
+        let a = q.admit("k1", &t, "m", 200, Some(500)).await.unwrap();
         assert_eq!(a.output_budget, Some(100));
         assert!(
             a.headers
                 .contains(&("x-ratelimit-remaining-tokens".into(), "700".into()))
         );
-        let r = q.admit("k2", &t, "m", 1, None).unwrap_err();
+        let r = q.admit("k2", &t, "m", 1, None).await.unwrap_err();
         assert_eq!(r.reason, Some("rejected-quota-concurrency"));
         assert!(
             r.headers
@@ -431,23 +559,29 @@ mod tests {
                 .any(|(k, v)| k == "retry-after" && v == "1")
         );
         // Cut after 7 streamed events without usage: the input estimate and 7 output tokens.
-        assert!(q.settle(
+        q.settle(
             "k1",
-            Consumed {
+            Reported {
                 events: 7,
-                ..Consumed::default()
-            }
-        ));
-        assert!(!q.settle("k1", Consumed::default()), "settled once");
-        let rows = q.usage(0);
-        assert_eq!(
-            (rows[0].1.input, rows[0].1.output, rows[0].1.disconnects),
-            (200, 7, 1)
+                ..Reported::default()
+            },
         );
-        q.admit("k3", &t, "m", 1, None).unwrap();
+        q.settle("k1", Reported::default());
+        let rows = q.usage(0).await;
+        assert_eq!(
+            (
+                rows[0].1.requests,
+                rows[0].1.input,
+                rows[0].1.output,
+                rows[0].1.disconnects
+            ),
+            (1, 200, 7, 1),
+            "settled once"
+        );
+        q.admit("k3", &t, "m", 1, None).await.unwrap();
         q.release("k3");
-        q.admit("k4", &t, "m", 1, None).unwrap();
-        let s = q.status();
+        q.admit("k4", &t, "m", 1, None).await.unwrap();
+        let s = q.status().await;
         assert_eq!(s["tenants"][0]["limits"]["*"]["inFlight"], 1);
         assert_eq!(s["tenants"][0]["limits"]["*"]["tokens"]["remaining"], 692);
     }

@@ -16,7 +16,7 @@ use crate::dataplane::reply::{
     DESTINATION_HEADER, ENVOY_LB_NAMESPACE, header_value, streamed_body,
 };
 use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo, Usage, UsageScanner};
-use crate::request::quota::Consumed;
+use crate::request::quota::Reported;
 use crate::scheduling::Observation;
 
 /// The endpoint that served the request, as the proxy reports it in `envoy.lb` metadata.
@@ -191,7 +191,7 @@ impl StreamState {
             if let Some(q) = &self.ctx.quotas {
                 q.settle(
                     &self.key,
-                    Consumed {
+                    Reported {
                         input: usage.map(|u| u.input),
                         output: usage.map(|u| u.output),
                         cached: usage.map_or(0, |u| u.cached),

@@ -65,7 +65,10 @@ impl StreamState {
         let quota = match (&ctx.quotas, tenant) {
             (Some(q), Some(t)) => {
                 let input = req.prompt().estimated_tokens();
-                match q.admit(&self.key, t, &req.model, input, req.max_output()) {
+                match q
+                    .admit(&self.key, t, &req.model, input, req.max_output())
+                    .await
+                {
                     Ok(a) => Some(a),
                     Err(r) => return self.reject(r).await,
                 }
