@@ -67,6 +67,7 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
                 "serviceMonitor.enabled=true",
                 "standalone.enabled=true",
                 "adminTokenSecret=epp-admin",
+                "tenantsSecret=epp-tenants",
                 &config,
             ],
         ),
@@ -145,6 +146,22 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
     assert_eq!(
         find(&all, "PodDisruptionBudget", FULL).unwrap()["spec"]["minAvailable"],
         3
+    );
+
+    // Tenant mode: the Secret's file is the replicas' --tenants-file.
+    let epp = epp_container(&all);
+    assert!(
+        container_args(epp, &[])
+            .iter()
+            .any(|a| a == "--tenants-file=/etc/epp/tenants/tenants.yaml")
+    );
+    let pod = &find(&all, "StatefulSet", FULL).unwrap()["spec"]["template"]["spec"];
+    assert!(
+        pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["secret"]["secretName"] == "epp-tenants")
     );
 
     // The InferencePool points the gateway at the chart's ext_proc Service.
