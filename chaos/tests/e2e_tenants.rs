@@ -12,7 +12,8 @@
 //! spoofed objective and fairness id change nothing (the EPP's token metrics file B's requests
 //! under B's granted id and priority). A tenant with a small token quota gets
 //! `rejected-quota-tpm`; a streamed response the client cuts is billed the tokens generated
-//! before the cut; requests without a key or with an unknown one get 401.
+//! before the cut; requests without a key or with an unknown one get 401. Rotating a key in the
+//! tenants file takes effect without a restart; a broken file is refused and changes nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
@@ -366,4 +367,53 @@ async fn tenants_get_their_quota_share_and_nothing_more() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>();
     assert_eq!(quota_429 as u64, b_429);
+
+    // Key rotation: B's key replaced in the file, re-read while running.
+    let tenants = dir.path().join("tenants.yaml");
+    let hash = node::request::tenant::hash_key;
+    std::fs::write(
+        &tenants,
+        tenants_yaml().replace(&hash(KEY_B), &hash("key-of-team-b-v2")),
+    )
+    .unwrap();
+    let status = |key: &'static str| {
+        let http = http.clone();
+        let url = url.clone();
+        async move {
+            http.post(&url)
+                .bearer_auth(key)
+                .json(&body("rotated", Some(4), false))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    chaos::wait::until(
+        "the new key is accepted",
+        Duration::from_secs(10),
+        || async { status("key-of-team-b-v2").await == 200 },
+    )
+    .await
+    .unwrap();
+    assert_eq!(status(KEY_B).await, 401, "the old key is gone");
+    // A broken file is refused: the tenants stay as they were.
+    std::fs::write(&tenants, "apiVersion: [broken").unwrap();
+    chaos::wait::until(
+        "the broken file refused",
+        Duration::from_secs(10),
+        || async {
+            let m = epp.metrics().await.unwrap();
+            m.lines().any(|l| {
+                l.starts_with("llm_d_epp_tenant_config_reloads_total{")
+                    && l.contains("error")
+                    && !l.ends_with(" 0")
+            })
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(status("key-of-team-b-v2").await, 200);
+    assert_eq!(status(KEY_A).await, 200);
 }

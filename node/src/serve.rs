@@ -179,9 +179,11 @@ pub async fn serve(
     let mut cluster_quota = None;
     let quotas = match &opts.tenants_file {
         Some(path) => {
-            let tenants = Arc::new(crate::request::tenant::Tenants::from_file(path)?);
+            let tenants = Arc::new(crate::request::Live::new(
+                crate::request::tenant::Tenants::from_file(path)?,
+            ));
             tracing::info!(
-                tenants = tenants.len(),
+                tenants = tenants.get().len(),
                 cluster = opts.cluster.is_some(),
                 "tenant mode: client control headers are ignored"
             );
@@ -542,15 +544,36 @@ pub async fn serve(
             Ok(())
         });
     }
-    if let Some(q) = quotas {
-        // Holds whose response was never seen go back after an hour; the ledger keeps a day.
+    if let (Some(q), Some(path)) = (quotas, opts.tenants_file.clone()) {
+        // The tenants file is re-read when it changes (key rotation without a restart); holds
+        // whose response was never seen go back after an hour; the ledger keeps a day.
         let stop = stop.clone();
         tasks.spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(60));
+            let mut tick = tokio::time::interval(Duration::from_secs(2));
+            let mtime = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+            let (mut seen, mut ticks) = (mtime(&path), 0u64);
             loop {
                 tokio::select! {
                     _ = stop.cancelled() => return Ok(()),
-                    _ = tick.tick() => q.sweep(Duration::from_secs(3600)),
+                    _ = tick.tick() => {}
+                }
+                ticks += 1;
+                let now = mtime(&path);
+                if now != seen {
+                    seen = now;
+                    match q.reload(&path) {
+                        Ok(n) => {
+                            tracing::info!(tenants = n, "tenants file re-read");
+                            q.reloaded(true);
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "tenants file refused; the tenants stay as they were");
+                            q.reloaded(false);
+                        }
+                    }
+                }
+                if ticks.is_multiple_of(30) {
+                    q.sweep(Duration::from_secs(3600));
                 }
             }
         });

@@ -91,10 +91,11 @@ fn request_stage(path: &str, body: &[u8], headers: &HashMap<String, String>) {
     let tenant = tenants.identify(headers).ok();
     for passthrough in [false, true] {
         if let Ok(parsed) = parse_body(path, Some(body), passthrough) {
-            let req = Request::resolve(parsed, headers, &objectives, &rewrites, tenant);
+            let req = Request::resolve(parsed, headers, &objectives, &rewrites, tenant.as_deref());
             let _ = req.prompt().estimated_tokens();
-            let cap =
-                tenant.and_then(|t| t.limits_for(&req.model)?.1.output_budget(req.max_output()));
+            let cap = tenant
+                .as_ref()
+                .and_then(|t| t.limits_for(&req.model)?.1.output_budget(req.max_output()));
             let _ = req.upstream_body(body.to_vec(), true, cap);
         }
     }

@@ -23,7 +23,9 @@ mod tenants;
 pub use cluster::{ClusterMetrics, DirectionLabels, GossipMetrics, PathLabels, ResultLabels};
 pub use discovery::DiscoveryMetrics;
 pub use kvevents::KvEventMetrics;
-pub use tenants::{TenantMetrics, TenantModel, TenantOutcome, TenantTokens, UnauthorizedLabels};
+pub use tenants::{
+    ReloadLabels, TenantMetrics, TenantModel, TenantOutcome, TenantTokens, UnauthorizedLabels,
+};
 
 pub const PREFIX: &str = "llm_d_epp";
 const MAX_LABEL_VALUES: usize = 1000;

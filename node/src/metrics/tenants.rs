@@ -36,6 +36,11 @@ pub struct UnauthorizedLabels {
     pub reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabels {
+    pub result: &'static str,
+}
+
 #[derive(Debug, Default)]
 pub struct TenantMetrics {
     pub requests: Family<TenantOutcome, Counter>,
@@ -43,6 +48,8 @@ pub struct TenantMetrics {
     pub in_flight: Family<TenantModel, Gauge>,
     pub disconnects: Family<TenantModel, Counter>,
     pub unauthorized: Family<UnauthorizedLabels, Counter>,
+    /// Re-reads of the tenants file by result (`ok`, `error`).
+    pub reloads: Family<ReloadLabels, Counter>,
     /// Cluster mode: quota batches proposed (log entries) and the commands in them.
     pub proposals: Counter,
     pub commands: Counter,
@@ -76,6 +83,12 @@ impl TenantMetrics {
             "tenant_unauthorized_requests",
             "Requests refused with 401 in tenant mode, by reason",
             m.unauthorized.clone(),
+        );
+        registry.register(
+            "tenant_config_reloads",
+            "Re-reads of the tenants file after it changed, by result (an invalid file is refused \
+             and the tenants stay as they were)",
+            m.reloads.clone(),
         );
         registry.register(
             "tenant_quota_proposals",

@@ -29,8 +29,10 @@ use flowctl::quota::{
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
+use super::Live;
 use super::reject::Rejection;
 use super::tenant::{ANY_MODEL, Tenant, Tenants};
+use crate::config::ConfigError;
 use crate::metrics::{Metrics, TenantModel, TenantOutcome, TenantTokens, UnauthorizedLabels};
 
 pub use flowctl::quota::Reported;
@@ -178,13 +180,13 @@ pub const NO_LIMITS: Limits = Limits {
 /// This replica's own book (standalone).
 #[derive(Debug)]
 pub struct LocalLedger {
-    tenants: Arc<Tenants>,
+    tenants: Arc<Live<Tenants>>,
     book: Mutex<QuotaBook>,
     billing: Arc<Billing>,
 }
 
 impl LocalLedger {
-    pub fn new(tenants: Arc<Tenants>, billing: Arc<Billing>) -> Self {
+    pub fn new(tenants: Arc<Live<Tenants>>, billing: Arc<Billing>) -> Self {
         LocalLedger {
             tenants,
             book: Mutex::new(QuotaBook::new()),
@@ -198,6 +200,7 @@ impl LocalLedger {
 
     fn limits_of(&self, tenant: &str, model: &str) -> Limits {
         self.tenants
+            .get()
             .get(tenant)
             .map_or(NO_LIMITS, |t| limits_for(t, model).1.clone())
     }
@@ -306,7 +309,8 @@ pub struct Admitted {
 /// Tenant mode's front: identity, the ledger, the 429s and their metrics.
 #[derive(Debug)]
 pub struct Quotas {
-    tenants: Arc<Tenants>,
+    /// Replaced whole when the tenants file changes; a request keeps the tenant it was given.
+    tenants: Arc<Live<Tenants>>,
     ledger: Arc<dyn QuotaLedger>,
     billing: Arc<Billing>,
     metrics: Arc<Metrics>,
@@ -314,7 +318,7 @@ pub struct Quotas {
 
 impl Quotas {
     pub fn new(
-        tenants: Arc<Tenants>,
+        tenants: Arc<Live<Tenants>>,
         ledger: Arc<dyn QuotaLedger>,
         billing: Arc<Billing>,
         metrics: Arc<Metrics>,
@@ -333,22 +337,41 @@ impl Quotas {
         usage_log: Option<&Path>,
         metrics: Arc<Metrics>,
     ) -> std::io::Result<Quotas> {
-        let tenants = Arc::new(tenants);
+        let tenants = Arc::new(Live::new(tenants));
         let billing = Arc::new(Billing::new(metrics.clone(), usage_log)?);
         let ledger = Arc::new(LocalLedger::new(tenants.clone(), billing.clone()));
         Ok(Quotas::new(tenants, ledger, billing, metrics))
     }
 
-    pub fn tenants(&self) -> &Tenants {
-        &self.tenants
+    pub fn tenants(&self) -> Arc<Tenants> {
+        self.tenants.get()
+    }
+
+    /// Re-read the tenants file: a valid one replaces the tenants (requests under way keep
+    /// theirs); an invalid one is refused and the current tenants stay.
+    pub fn reload(&self, path: &Path) -> Result<usize, ConfigError> {
+        let t = Tenants::from_file(path)?;
+        let n = t.len();
+        self.tenants.set(t);
+        Ok(n)
+    }
+
+    /// Count a re-read of the tenants file.
+    pub fn reloaded(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.metrics
+            .tenants
+            .reloads
+            .get_or_create(&crate::metrics::ReloadLabels { result })
+            .inc();
     }
 
     /// The tenant the request's headers identify, or the 401 (counted).
     pub fn identify(
         &self,
         headers: &std::collections::HashMap<String, String>,
-    ) -> Result<&Tenant, Rejection> {
-        self.tenants.identify(headers).inspect_err(|r| {
+    ) -> Result<Arc<Tenant>, Rejection> {
+        self.tenants.get().identify(headers).inspect_err(|r| {
             let reason = if r.message.starts_with("unknown") {
                 "unknown"
             } else {
@@ -460,7 +483,8 @@ impl Quotas {
     /// Each tenant's state now: limits, remaining, in flight (`/debug/tenants`).
     pub async fn status(&self) -> serde_json::Value {
         let mut tenants = Vec::new();
-        for t in self.tenants.iter() {
+        let all = self.tenants.get();
+        for t in all.iter() {
             let mut limits = serde_json::Map::new();
             for (model, l) in &t.limits {
                 let a = self.ledger.account(&t.name, model, l).await;
@@ -545,13 +569,14 @@ mod tests {
     async fn admit_settle_and_release_through_the_front() {
         let q = quotas();
         let t = q.tenants().get("b").unwrap().clone();
-        let a = q.admit("k1", &t, "m", 200, Some(500)).await.unwrap();
+        let t = t.as_ref();
+        let a = q.admit("k1", t, "m", 200, Some(500)).await.unwrap();
         assert_eq!(a.output_budget, Some(100));
         assert!(
             a.headers
                 .contains(&("x-ratelimit-remaining-tokens".into(), "700".into()))
         );
-        let r = q.admit("k2", &t, "m", 1, None).await.unwrap_err();
+        let r = q.admit("k2", t, "m", 1, None).await.unwrap_err();
         assert_eq!(r.reason, Some("rejected-quota-concurrency"));
         assert!(
             r.headers
@@ -578,9 +603,9 @@ mod tests {
             (1, 200, 7, 1),
             "settled once"
         );
-        q.admit("k3", &t, "m", 1, None).await.unwrap();
+        q.admit("k3", t, "m", 1, None).await.unwrap();
         q.release("k3");
-        q.admit("k4", &t, "m", 1, None).await.unwrap();
+        q.admit("k4", t, "m", 1, None).await.unwrap();
         let s = q.status().await;
         assert_eq!(s["tenants"][0]["limits"]["*"]["inFlight"], 1);
         assert_eq!(s["tenants"][0]["limits"]["*"]["tokens"]["remaining"], 692);

@@ -28,6 +28,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::Arc;
 
 use ring::digest::{SHA256, digest};
 use serde::Deserialize;
@@ -65,7 +66,7 @@ impl Tenant {
 /// Every configured tenant, by key hash.
 #[derive(Debug, Clone, Default)]
 pub struct Tenants {
-    tenants: Vec<Tenant>,
+    tenants: Vec<Arc<Tenant>>,
     by_hash: HashMap<[u8; 32], usize>,
     anonymous: Option<usize>,
 }
@@ -240,12 +241,12 @@ impl Tenants {
                 ));
             }
         }
-        self.tenants.push(Tenant {
+        self.tenants.push(Arc::new(Tenant {
             fairness_id: d.spec.fairness_id.unwrap_or_else(|| name.clone()),
             name,
             objective: d.spec.objective,
             limits,
-        });
+        }));
         Ok(())
     }
 
@@ -258,15 +259,15 @@ impl Tenants {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Tenant> {
-        self.tenants.iter()
+        self.tenants.iter().map(|t| t.as_ref())
     }
 
-    pub fn get(&self, name: &str) -> Option<&Tenant> {
+    pub fn get(&self, name: &str) -> Option<&Arc<Tenant>> {
         self.tenants.iter().find(|t| t.name == name)
     }
 
     /// The tenant a request's headers identify, or the 401 to answer.
-    pub fn identify(&self, headers: &HashMap<String, String>) -> Result<&Tenant, Rejection> {
+    pub fn identify(&self, headers: &HashMap<String, String>) -> Result<Arc<Tenant>, Rejection> {
         match api_key(headers) {
             Some(key) => {
                 let h = digest(&SHA256, key.as_bytes());
@@ -274,14 +275,17 @@ impl Tenants {
                 hash.copy_from_slice(h.as_ref());
                 self.by_hash
                     .get(&hash)
-                    .map(|i| &self.tenants[*i])
+                    .map(|i| self.tenants[*i].clone())
                     .ok_or_else(|| Rejection::unauthorized("unknown API key"))
             }
-            None => self.anonymous.map(|i| &self.tenants[i]).ok_or_else(|| {
-                Rejection::unauthorized(
-                    "an API key is required (Authorization: Bearer <key>, or x-api-key)",
-                )
-            }),
+            None => self
+                .anonymous
+                .map(|i| self.tenants[i].clone())
+                .ok_or_else(|| {
+                    Rejection::unauthorized(
+                        "an API key is required (Authorization: Bearer <key>, or x-api-key)",
+                    )
+                }),
         }
     }
 }

@@ -57,12 +57,12 @@ impl StreamState {
             &self.headers,
             &ctx.objectives.get(),
             &ctx.rewrites.get(),
-            tenant,
+            tenant.as_deref(),
         );
         self.received(&req);
         self.key = new_request_key();
         // A tenant's quota comes before flow control and scheduling: its 429 costs no GPU.
-        let quota = match (&ctx.quotas, tenant) {
+        let quota = match (&ctx.quotas, tenant.as_deref()) {
             (Some(q), Some(t)) => {
                 let input = req.prompt().estimated_tokens();
                 match q
