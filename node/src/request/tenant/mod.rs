@@ -20,7 +20,9 @@
 //! ```
 //!
 //! With tenants configured (tenant mode), a request's identity is its API key — `Authorization:
-//! Bearer <key>` or `x-api-key` — looked up by its SHA-256 (only hashes are configured or kept).
+//! Bearer <key>` or `x-api-key` — looked up by its SHA-256 (only hashes are configured or kept),
+//! or a JWT bearer token signed by a trusted issuer ([`jwt`], `kind: JwtIssuer` in the same file)
+//! whose claim names the tenant.
 //! An unknown key is 401; no key is the anonymous tenant if one is configured, else 401. The
 //! client's own control headers (fairness id, objective, TTFT objective, the model-rewrite header,
 //! and the agent-session headers that would stand in for a fairness id) are ignored: the tenant's
@@ -29,6 +31,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
+
+pub mod jwt;
 
 use ring::digest::{SHA256, digest};
 use serde::Deserialize;
@@ -63,12 +67,13 @@ impl Tenant {
     }
 }
 
-/// Every configured tenant, by key hash.
-#[derive(Debug, Clone, Default)]
+/// Every configured tenant, by key hash, and the trusted JWT issuers.
+#[derive(Debug, Default)]
 pub struct Tenants {
     tenants: Vec<Arc<Tenant>>,
     by_hash: HashMap<[u8; 32], usize>,
     anonymous: Option<usize>,
+    issuers: Vec<jwt::Issuer>,
 }
 
 #[derive(Deserialize)]
@@ -148,10 +153,15 @@ fn parse_hash(s: &str) -> Option<[u8; 32]> {
 }
 
 impl Tenants {
-    /// Parse one or more `TenantQuota` documents.
+    /// Parse `TenantQuota` (and `JwtIssuer`) documents.
     pub fn from_yaml(text: &str) -> Result<Tenants, ConfigError> {
+        Tenants::from_yaml_in(text, None)
+    }
+
+    /// Parse documents whose relative key files are in `base`.
+    pub fn from_yaml_in(text: &str, base: Option<&Path>) -> Result<Tenants, ConfigError> {
         let mut out = Tenants::default();
-        each_doc(text, "tenants", |doc, at| out.add(doc, at))?;
+        each_doc(text, "tenants", |doc, at| out.add(doc, at, base))?;
         if out.tenants.is_empty() {
             return Err(ConfigError::invalid("tenants: no TenantQuota defined"));
         }
@@ -163,10 +173,18 @@ impl Tenants {
             path: path.display().to_string(),
             source,
         })?;
-        Tenants::from_yaml(&text)
+        Tenants::from_yaml_in(&text, path.parent())
     }
 
-    fn add(&mut self, doc: &serde_json::Value, at: &str) -> Result<(), ConfigError> {
+    fn add(
+        &mut self,
+        doc: &serde_json::Value,
+        at: &str,
+        base: Option<&Path>,
+    ) -> Result<(), ConfigError> {
+        if doc.get("kind").and_then(|k| k.as_str()) == Some(jwt::KIND) {
+            return self.add_issuer(doc, at, base);
+        }
         let d: Doc = decode_at(doc, at)?;
         let invalid = |m: String| Err(ConfigError::invalid(format!("{at}: {m}")));
         if d.kind != KIND {
@@ -250,6 +268,34 @@ impl Tenants {
         Ok(())
     }
 
+    fn add_issuer(
+        &mut self,
+        doc: &serde_json::Value,
+        at: &str,
+        base: Option<&Path>,
+    ) -> Result<(), ConfigError> {
+        let invalid = |m: &str| Err(ConfigError::invalid(format!("{at}: {m}")));
+        if doc.get("apiVersion").and_then(|v| v.as_str()) != Some(API_VERSION) {
+            return invalid(&format!("apiVersion must be {API_VERSION}"));
+        }
+        let Some(name) = doc
+            .pointer("/metadata/name")
+            .and_then(|n| n.as_str())
+            .filter(|n| !n.is_empty())
+        else {
+            return invalid("metadata.name is required");
+        };
+        if self.issuers.iter().any(|i| i.name == name) {
+            return invalid(&format!("JwtIssuer `{name}` defined twice"));
+        }
+        let Some(spec) = doc.get("spec") else {
+            return invalid("spec is required");
+        };
+        let issuer = jwt::Issuer::parse(name.to_string(), spec, at, base)?;
+        self.issuers.push(issuer);
+        Ok(())
+    }
+
     pub fn len(&self) -> usize {
         self.tenants.len()
     }
@@ -269,7 +315,10 @@ impl Tenants {
     /// The tenant a request's headers identify, or the 401 to answer.
     pub fn identify(&self, headers: &HashMap<String, String>) -> Result<Arc<Tenant>, Rejection> {
         match api_key(headers) {
-            Some(key) => {
+            Some((token, true)) if !self.issuers.is_empty() && jwt::looks_like_jwt(token) => {
+                self.identify_jwt(token)
+            }
+            Some((key, _)) => {
                 let h = digest(&SHA256, key.as_bytes());
                 let mut hash = [0u8; 32];
                 hash.copy_from_slice(h.as_ref());
@@ -290,16 +339,46 @@ impl Tenants {
     }
 }
 
-/// The API key a request carries: a bearer token, else `x-api-key`.
-fn api_key(headers: &HashMap<String, String>) -> Option<&str> {
+impl Tenants {
+    /// A JWT bearer token: the tenant its verified claim names.
+    fn identify_jwt(&self, token: &str) -> Result<Arc<Tenant>, Rejection> {
+        let header = jsonwebtoken::decode_header(token)
+            .map_err(|e| Rejection::unauthorized(format!("invalid token: {e}")))?;
+        let mut why = None;
+        for issuer in &self.issuers {
+            match issuer.verify(token, &header) {
+                Ok(Some(name)) => {
+                    return self
+                        .tenants
+                        .iter()
+                        .find(|t| t.name == name)
+                        .cloned()
+                        .ok_or_else(|| {
+                            Rejection::unauthorized(format!("invalid token: no tenant `{name}`"))
+                        });
+                }
+                Ok(None) => {}
+                Err(e) => why = Some(e),
+            }
+        }
+        Err(Rejection::unauthorized(format!(
+            "invalid token: {}",
+            why.unwrap_or_else(|| "no trusted issuer has its key".into())
+        )))
+    }
+}
+
+/// The credential a request carries: a bearer token (`true`), else `x-api-key`.
+fn api_key(headers: &HashMap<String, String>) -> Option<(&str, bool)> {
     let bearer = headers.get("authorization").and_then(|v| {
         let v = v.trim();
         let (scheme, rest) = v.split_once(' ')?;
         scheme.eq_ignore_ascii_case("bearer").then(|| rest.trim())
     });
     bearer
-        .or_else(|| headers.get("x-api-key").map(|v| v.trim()))
-        .filter(|k| !k.is_empty())
+        .map(|b| (b, true))
+        .or_else(|| headers.get("x-api-key").map(|v| (v.trim(), false)))
+        .filter(|(k, _)| !k.is_empty())
 }
 
 #[cfg(test)]
