@@ -164,6 +164,23 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
             .any(|v| v["secret"]["secretName"] == "epp-tenants")
     );
 
+    // Tenant mode from TenantQuota objects: the flag, and read access to them (only then).
+    let (_, watching) = render(&helm, &["pool.name=llm", "replicas=1", "watchTenants=true"]);
+    assert!(
+        container_args(epp_container(&watching), &[])
+            .iter()
+            .any(|a| a == "--watch-tenants")
+    );
+    let role = find(&watching, "Role", FULL).unwrap();
+    assert!(
+        role["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["resources"] == json!(["tenantquotas"])
+                && r["verbs"] == json!(["get", "list", "watch"]))
+    );
+
     // The InferencePool points the gateway at the chart's ext_proc Service.
     let pool = find(&all, "InferencePool", "llm").unwrap();
     assert_eq!(pool["spec"]["endpointPickerRef"]["name"], FULL);
@@ -211,6 +228,15 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
         (
             vec!["pool.name=llm", "replicas=1", "drain.delaySeconds=40"],
             "drain.delaySeconds must not exceed",
+        ),
+        (
+            vec![
+                "pool.name=llm",
+                "replicas=1",
+                "watchTenants=true",
+                "tenantsSecret=t",
+            ],
+            "exclude each other",
         ),
         (
             vec![

@@ -466,3 +466,87 @@ async fn objectives_and_rewrites_from_the_api_server_apply_live() {
     })
     .await;
 }
+
+fn tenant_quota(name: &str, keys: &[&str]) -> Value {
+    let keys: Vec<Value> = keys
+        .iter()
+        .map(|k| json!({"sha256": node::request::tenant::hash_key(k)}))
+        .collect();
+    json!({
+        "apiVersion": "epp.dev/v1alpha1", "kind": "TenantQuota",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"apiKeys": keys, "limits": [{"model": "*", "concurrency": 100}]},
+    })
+}
+
+/// The status of the EPP's answer to a request carrying API key `key` (200: routed).
+async fn with_key(epp: &EppProcess, key: Option<&str>) -> i32 {
+    let body = serde_json::to_vec(&json!({
+        "model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+    }))
+    .unwrap();
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    let msgs = chaos::extproc::chat_request_with(&body, &headers, None);
+    match chaos::extproc::answer(epp.addrs.ext_proc, msgs).await {
+        Ok(_) => 200,
+        Err((status, _)) => status,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_quotas_from_the_api_server_apply_live() {
+    let (_sims, port) = pods_on_one_port(1).await;
+    let kube = FakeKube::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    kube.write_kubeconfig(&kubeconfig, NS).unwrap();
+    kube.apply(pool("vllm", port)).unwrap();
+    kube.apply(pod("vllm-a", "127.0.0.2", "vllm", true))
+        .unwrap();
+    let epp = EppProcess::start_kube(
+        &kubeconfig,
+        &[
+            "--pool-name",
+            "llm",
+            "--pool-namespace",
+            NS,
+            "--watch-tenants",
+        ],
+    )
+    .await
+    .unwrap();
+    ready(&epp, "ready", Duration::from_secs(10)).await;
+    // Tenant mode with no tenants yet: nobody gets in.
+    assert_eq!(with_key(&epp, Some("k1")).await, 401);
+    kube.apply(tenant_quota("team", &["k1"])).unwrap();
+    within_a_second("the tenant's key accepted", || async {
+        with_key(&epp, Some("k1")).await == 200
+    })
+    .await;
+    assert_eq!(
+        with_key(&epp, None).await,
+        401,
+        "no key, no anonymous tenant"
+    );
+    // The key rotated in the object; an invalid object refused, the others apply.
+    kube.apply(tenant_quota("team", &["k2"])).unwrap();
+    let mut broken = tenant_quota("broken", &[]);
+    broken["spec"]["apiKeys"] = json!([{"sha256": "not-a-hash"}]);
+    kube.apply(broken).unwrap();
+    within_a_second("the rotated key", || async {
+        with_key(&epp, Some("k2")).await == 200 && with_key(&epp, Some("k1")).await == 401
+    })
+    .await;
+    let text = epp.metrics().await.unwrap();
+    assert!(
+        text.contains("llm_d_epp_discovery_objects{resource=\"tenantquota\",state=\"refused\"} 1"),
+        "the broken TenantQuota not counted as refused"
+    );
+    // Deleted: its key is unknown again.
+    kube.delete("epp.dev/v1alpha1", "TenantQuota", NS, "team");
+    within_a_second("the tenant deleted", || async {
+        with_key(&epp, Some("k2")).await == 401
+    })
+    .await;
+}

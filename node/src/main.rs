@@ -135,9 +135,13 @@ struct ServeArgs {
     /// are then ignored and every request needs a tenant's key (or an anonymous tenant).
     #[arg(long)]
     tenants_file: Option<PathBuf>,
+    /// Tenant mode from Kubernetes: the `TenantQuota` objects (`epp.dev/v1alpha1`) of the pool's
+    /// namespace, watched and applied live (instead of --tenants-file).
+    #[arg(long, conflicts_with = "tenants_file")]
+    watch_tenants: bool,
     /// Tenant mode: append one JSON line per settled request (tenant, model, tokens) here — the
     /// billing stream.
-    #[arg(long, requires = "tenants_file")]
+    #[arg(long)]
     usage_log: Option<PathBuf>,
     /// File holding the bearer token for mutating admin calls (`POST /debug/cluster/...`) and
     /// unredacted `/debug` views; re-read on every call. Without it only localhost is trusted.
@@ -504,6 +508,7 @@ fn main() -> anyhow::Result<()> {
                 disable_subset_filter: args.disable_endpoint_subset_filter,
                 admin_token_file: args.admin_token_file,
                 tenants_file: args.tenants_file,
+                watch_tenants: args.watch_tenants,
                 usage_log: args.usage_log,
             };
             let rt = tokio::runtime::Builder::new_multi_thread()
@@ -558,6 +563,7 @@ fn options_for_validation(
         disable_subset_filter: false,
         admin_token_file: None,
         tenants_file: None,
+        watch_tenants: false,
         usage_log: None,
     }
 }

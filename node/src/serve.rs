@@ -97,6 +97,8 @@ pub struct ServeOptions {
     pub admin_token_file: Option<PathBuf>,
     /// Tenant mode: `TenantQuota` resources (`--tenants-file`).
     pub tenants_file: Option<PathBuf>,
+    /// Tenant mode from the API server's `TenantQuota` objects (`--watch-tenants`).
+    pub watch_tenants: bool,
     /// Tenant mode: the per-request JSON-lines usage log (`--usage-log`).
     pub usage_log: Option<PathBuf>,
 }
@@ -177,11 +179,40 @@ pub async fn serve(
     // Tenant mode: this replica's own book standalone; the cluster's in cluster mode (its
     // writer and watcher start with the cluster member, below).
     let mut cluster_quota = None;
-    let quotas = match &opts.tenants_file {
-        Some(path) => {
-            let tenants = Arc::new(crate::request::Live::new(
-                crate::request::tenant::Tenants::from_file(path)?,
-            ));
+    let tenant_source = match (&opts.tenants_file, opts.watch_tenants) {
+        (Some(path), false) => Some(crate::request::tenant::Tenants::from_file(path)?),
+        (None, true) => {
+            if !matches!(opts.discovery, DiscoverySource::Kubernetes(_)) {
+                return Err(ServeError::Config(ConfigError::invalid(
+                    "--watch-tenants reads TenantQuota objects from Kubernetes: it needs pool \
+                     discovery (--pool-name without --endpoints-file); standalone, use \
+                     --tenants-file",
+                )));
+            }
+            // Every request is refused (401) until the first list arrives.
+            Some(crate::request::tenant::Tenants::default())
+        }
+        (Some(_), true) => {
+            return Err(ServeError::Config(ConfigError::invalid(
+                "--tenants-file and --watch-tenants are mutually exclusive",
+            )));
+        }
+        (None, false) => {
+            if opts.usage_log.is_some() {
+                return Err(ServeError::Config(ConfigError::invalid(
+                    "--usage-log needs tenant mode (--tenants-file or --watch-tenants)",
+                )));
+            }
+            None
+        }
+    };
+    let mut watched_tenants = None;
+    let quotas = match tenant_source {
+        Some(t) => {
+            let tenants = Arc::new(crate::request::Live::new(t));
+            if opts.watch_tenants {
+                watched_tenants = Some(tenants.clone());
+            }
             tracing::info!(
                 tenants = tenants.get().len(),
                 cluster = opts.cluster.is_some(),
@@ -268,6 +299,7 @@ pub async fn serve(
                 client: client.clone(),
                 pool: pool.clone(),
                 objectives: opts.objectives_file.is_none().then(|| objectives.clone()),
+                tenants: watched_tenants.take(),
                 rewrites: opts.model_rewrites_file.is_none().then(|| rewrites.clone()),
                 metrics: metrics.clone(),
             };
@@ -544,31 +576,34 @@ pub async fn serve(
             Ok(())
         });
     }
-    if let (Some(q), Some(path)) = (quotas, opts.tenants_file.clone()) {
+    if let Some(q) = quotas {
         // The tenants file is re-read when it changes (key rotation without a restart); holds
         // whose response was never seen go back after an hour; the ledger keeps a day.
-        let stop = stop.clone();
+        let (stop, path) = (stop.clone(), opts.tenants_file.clone());
         tasks.spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(2));
             let mtime = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-            let (mut seen, mut ticks) = (mtime(&path), 0u64);
+            let mut seen = path.as_deref().and_then(mtime);
+            let mut ticks = 0u64;
             loop {
                 tokio::select! {
                     _ = stop.cancelled() => return Ok(()),
                     _ = tick.tick() => {}
                 }
                 ticks += 1;
-                let now = mtime(&path);
-                if now != seen {
-                    seen = now;
-                    match q.reload(&path) {
-                        Ok(n) => {
-                            tracing::info!(tenants = n, "tenants file re-read");
-                            q.reloaded(true);
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "tenants file refused; the tenants stay as they were");
-                            q.reloaded(false);
+                if let Some(path) = &path {
+                    let now = mtime(path);
+                    if now != seen {
+                        seen = now;
+                        match q.reload(path) {
+                            Ok(n) => {
+                                tracing::info!(tenants = n, "tenants file re-read");
+                                q.reloaded(true);
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "tenants file refused; the tenants stay as they were");
+                                q.reloaded(false);
+                            }
                         }
                     }
                 }

@@ -6,7 +6,8 @@
 //!   `uid`, `creationTimestamp`, `generation` as the API server does), [`FakeKube::delete`]
 //!   removes it. Collections: `/api/v1/[namespaces/NS/]PLURAL` for the core group,
 //!   `/apis/GROUP/VERSION/[namespaces/NS/]PLURAL` for the others; the plural is the lower-cased
-//!   kind plus `s` (pods, inferencepools, inferenceobjectives, inferencemodelrewrites).
+//!   kind plus `s` (pods, inferencepools, inferenceobjectives, inferencemodelrewrites,
+//!   tenantquotas).
 //! - **List** (`GET` a collection): `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`, comma =
 //!   and), `fieldSelector` (`metadata.name`, `metadata.namespace`; `=`/`!=`), `limit` with a
 //!   `continue` token; the list's `metadata.resourceVersion` is the current one.
@@ -401,6 +402,7 @@ fn list_kind(collection: &str) -> String {
         "inferencepool" => "InferencePool",
         "inferenceobjective" => "InferenceObjective",
         "inferencemodelrewrite" => "InferenceModelRewrite",
+        "tenantquota" => "TenantQuota",
         other => other,
     };
     format!("{kind}List")

@@ -61,6 +61,10 @@ enum Cmd {
         /// Prompt size in estimated tokens (4 bytes each).
         #[arg(long, default_value_t = 4096)]
         prompt_tokens: usize,
+        /// Also run with tenant mode on (an API key per request, a tenant with request and
+        /// token quotas) and print both rows: the quota stage's cost.
+        #[arg(long)]
+        tenants: bool,
     },
     Peers {
         /// Repetitions of every workload.
@@ -145,7 +149,8 @@ async fn main() -> anyhow::Result<()> {
             concurrency,
             pods,
             prompt_tokens,
-        } => decisions(requests, concurrency, pods, prompt_tokens).await,
+            tenants,
+        } => decisions(requests, concurrency, pods, prompt_tokens, tenants).await,
         Cmd::Discovery { pods, updates } => {
             print!("{}", chaos::discoverybench::run(pods, updates).await?);
             Ok(())
@@ -321,8 +326,11 @@ async fn added_latency(requests: usize, levels: &[usize], observe: bool) -> anyh
 async fn one_decision(
     client: &mut ExternalProcessorClient<tonic::transport::Channel>,
     body: &[u8],
+    api_key: Option<&str>,
 ) -> anyhow::Result<()> {
-    let msgs = chaos::extproc::chat_request(body, None);
+    let auth = api_key.map(|k| format!("Bearer {k}"));
+    let extra: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    let msgs = chaos::extproc::chat_request_with(body, &extra, None);
     let mut responses = client.process(tokio_stream::iter(msgs)).await?.into_inner();
     // Read to the end of the stream, as Envoy does (dropping it early makes the client reset it).
     let (mut routed, mut body_done) = (false, false);
@@ -351,6 +359,7 @@ async fn decisions(
     concurrency: usize,
     pods: usize,
     prompt_tokens: usize,
+    tenants: bool,
 ) -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig {
         pods,
@@ -360,7 +369,64 @@ async fn decisions(
     let dir = tempfile::tempdir()?;
     let endpoints = dir.path().join("endpoints.yaml");
     std::fs::write(&endpoints, sim.pods_yaml())?;
-    let epp = EppProcess::start(&endpoints, &["--log-level", "warn"]).await?;
+    // Tenant mode: one tenant whose quotas never bind (what is measured is the stage's cost).
+    let tenants_file = dir.path().join("tenants.yaml");
+    std::fs::write(
+        &tenants_file,
+        format!(
+            "apiVersion: epp.dev/v1alpha1\nkind: TenantQuota\nmetadata: {{name: bench}}\nspec:\n  apiKeys: [{{sha256: {}}}]\n  limits: [{{model: '*', requestsPerMinute: 1000000000, tokensPerMinute: 1000000000000000}}]\n",
+            ring::digest::digest(&ring::digest::SHA256, BENCH_KEY.as_bytes())
+                .as_ref()
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        ),
+    )?;
+    println!(
+        "| tenant mode | prompt tokens | body bytes | pods | concurrency | decisions | wall s | decisions/s | epp CPU s | idle CPU s (scraping) | decisions per CPU-second (net of idle) | CPU µs per decision |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let tenants_arg = tenants_file.display().to_string();
+    let variants: Vec<(&str, Vec<&str>)> = if tenants {
+        vec![
+            ("off", vec![]),
+            ("on", vec!["--tenants-file", tenants_arg.as_str()]),
+        ]
+    } else {
+        vec![("off", vec![])]
+    };
+    let mut net_us = Vec::new();
+    for (label, extra) in variants {
+        let mut args = vec!["--log-level", "warn"];
+        args.extend(extra);
+        let epp = EppProcess::start(&endpoints, &args).await?;
+        let r = decisions_once(&epp, requests, concurrency, prompt_tokens, tenants).await;
+        drop(epp);
+        let (line, us) = r?;
+        println!("| {label} {line}");
+        net_us.push(us);
+    }
+    if let [off, on] = net_us[..] {
+        println!(
+            "tenant mode costs {:.1} µs of CPU per decision ({:.3}× quotas off)",
+            on - off,
+            on / off
+        );
+    }
+    sim.shutdown().await;
+    Ok(())
+}
+
+const BENCH_KEY: &str = "bench-key";
+
+/// One measured run against `epp`: the table row (after the first cell) and CPU µs per decision.
+async fn decisions_once(
+    epp: &EppProcess,
+    requests: usize,
+    concurrency: usize,
+    prompt_tokens: usize,
+    with_key: bool,
+) -> anyhow::Result<(String, f64)> {
     let pid = epp.pid_u32().context("epp pid")?;
     // ~4 bytes per estimated token: a chat body of `prompt_tokens` tokens.
     let text: String = "lorem ipsum dolor sit amet ".repeat(prompt_tokens * 4 / 27 + 1);
@@ -369,6 +435,7 @@ async fn decisions(
         "messages": [{"role": "system", "content": text}, {"role": "user", "content": "Summarise."}],
         "max_tokens": 16,
     }))?;
+    let key = with_key.then_some(BENCH_KEY);
     let channel =
         tonic::transport::Endpoint::from_shared(format!("http://{}", epp.addrs.ext_proc))?
             .tcp_nodelay(true)
@@ -377,7 +444,7 @@ async fn decisions(
     let client = ExternalProcessorClient::new(channel);
     // warm-up
     for _ in 0..200 {
-        one_decision(&mut client.clone(), &body).await?;
+        one_decision(&mut client.clone(), &body, key).await?;
     }
     // Background cost (scraping every pod every 50 ms) measured while idle, subtracted below.
     let idle0 = proc_cpu_seconds(pid)?;
@@ -389,7 +456,7 @@ async fn decisions(
         .map(|_| {
             let mut c = client.clone();
             let body = &body;
-            async move { one_decision(&mut c, body).await }
+            async move { one_decision(&mut c, body, key).await }
         })
         .buffer_unordered(concurrency)
         .collect()
@@ -401,21 +468,17 @@ async fn decisions(
         bail!("{failed} decisions failed, first: {e:#}");
     }
     let net = (cpu - idle_rate * wall).max(1e-9);
-    println!(
-        "| prompt tokens | body bytes | pods | concurrency | decisions | wall s | decisions/s | epp CPU s | idle CPU s (scraping) | decisions per CPU-second (net of idle) | CPU µs per decision |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
-    println!(
-        "| {prompt_tokens} | {} | {pods} | {concurrency} | {requests} | {wall:.2} | {:.0} | {cpu:.2} | {:.2} | {:.0} | {:.1} |",
-        body.len(),
-        requests as f64 / wall,
-        idle_rate * wall,
-        requests as f64 / net,
-        net * 1e6 / requests as f64,
-    );
-    drop(epp);
-    sim.shutdown().await;
-    Ok(())
+    let us = net * 1e6 / requests as f64;
+    Ok((
+        format!(
+            "| {prompt_tokens} | {} | - | {concurrency} | {requests} | {wall:.2} | {:.0} | {cpu:.2} | {:.2} | {:.0} | {us:.1} |",
+            body.len(),
+            requests as f64 / wall,
+            idle_rate * wall,
+            requests as f64 / net,
+        ),
+        us,
+    ))
 }
 
 fn flow_config(max_concurrency: u64) -> String {

@@ -1,5 +1,6 @@
-//! The pool's `InferenceObjective`s and `InferenceModelRewrite`s (`llm-d.ai/v1alpha2`), watched
-//! in the pool's namespace and applied live.
+//! The pool's `InferenceObjective`s and `InferenceModelRewrite`s (`llm-d.ai/v1alpha2`), and —
+//! with `--watch-tenants` — the `TenantQuota`s (`epp.dev/v1alpha1`) of the pool's namespace,
+//! watched and applied live.
 //!
 //! Each kind has its own watcher → reflector → store. On every change the objects whose
 //! `poolRef` names this pool are read in llm-d's order (oldest first, then by name) through the
@@ -24,12 +25,14 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
 use super::crd::llmd::{InferenceModelRewrite, InferenceObjective, PoolObjectReference};
+use super::crd::tenancy::TenantQuota;
 use super::discovery::{PoolRef, Retry};
 use crate::config::ConfigError;
 use crate::metrics::Metrics;
 use crate::request::Live;
 use crate::request::meta::Objectives;
 use crate::request::rewrite::ModelRewrites;
+use crate::request::tenant::Tenants;
 
 /// What the watches feed: `None` where a file supplies the kind instead.
 pub struct ObjectWatch {
@@ -37,6 +40,8 @@ pub struct ObjectWatch {
     pub pool: PoolRef,
     pub objectives: Option<Arc<Live<Objectives>>>,
     pub rewrites: Option<Arc<Live<ModelRewrites>>>,
+    /// Tenant mode from the API server (`--watch-tenants`).
+    pub tenants: Option<Arc<Live<Tenants>>>,
     pub metrics: Arc<Metrics>,
 }
 
@@ -84,19 +89,43 @@ impl ObjectWatch {
                 },
             )
         });
-        futures::future::join(
-            async {
-                if let Some(w) = objectives {
-                    w.await;
-                }
-            },
-            async {
-                if let Some(w) = rewrites {
-                    w.await;
-                }
-            },
-        )
-        .await;
+        let tenants = self.tenants.map(|live| {
+            watch(
+                Api::<TenantQuota>::namespaced(self.client.clone(), &ns),
+                "tenantquota",
+                self.metrics.clone(),
+                shutdown.clone(),
+                move |objs: &[Arc<TenantQuota>], refused: &mut dyn FnMut(ConfigError)| {
+                    // Oldest first: when two claim one key, the older keeps it.
+                    let mut out = Tenants::default();
+                    let mut n = 0;
+                    let mut sorted: Vec<&TenantQuota> = objs.iter().map(AsRef::as_ref).collect();
+                    sorted.sort_by(|a, b| {
+                        let created =
+                            |o: &TenantQuota| o.meta().creation_timestamp.as_ref().map(|t| t.0);
+                        created(a)
+                            .cmp(&created(b))
+                            .then_with(|| a.meta().name.cmp(&b.meta().name))
+                    });
+                    for o in sorted {
+                        match add(o, |doc, at| out.add_doc(doc, at)) {
+                            Ok(()) => n += 1,
+                            Err(e) => refused(e),
+                        }
+                    }
+                    live.set(out);
+                    n
+                },
+            )
+        });
+        futures::future::join3(maybe(objectives), maybe(rewrites), maybe(tenants)).await;
+    }
+}
+
+/// Runs the watch, if there is one.
+async fn maybe(w: Option<impl std::future::Future<Output = ()>>) {
+    if let Some(w) = w {
+        w.await;
     }
 }
 

@@ -63,4 +63,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if and .Values.pool.create (not .Values.pool.matchLabels) -}}
 {{- fail "pool.create needs pool.matchLabels (the model servers' pod labels)" -}}
 {{- end -}}
+{{- if and .Values.tenantsSecret .Values.watchTenants -}}
+{{- fail "tenantsSecret and watchTenants exclude each other (tenants from a file, or from TenantQuota objects)" -}}
+{{- end -}}
 {{- end -}}

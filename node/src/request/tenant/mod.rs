@@ -268,6 +268,22 @@ impl Tenants {
         Ok(())
     }
 
+    /// Add one `TenantQuota` document (an object from the API server); `at` names it in
+    /// errors. Nothing is added when it is refused.
+    pub fn add_doc(&mut self, doc: &serde_json::Value, at: &str) -> Result<(), ConfigError> {
+        let mut next = Tenants {
+            tenants: self.tenants.clone(),
+            by_hash: self.by_hash.clone(),
+            anonymous: self.anonymous,
+            issuers: Vec::new(),
+        };
+        next.add(doc, at, None)?;
+        self.tenants = next.tenants;
+        self.by_hash = next.by_hash;
+        self.anonymous = next.anonymous;
+        Ok(())
+    }
+
     fn add_issuer(
         &mut self,
         doc: &serde_json::Value,
