@@ -432,32 +432,16 @@ fn main() -> anyhow::Result<()> {
             since,
             format,
         } => {
-            let token = admin_token_file
-                .as_deref()
-                .map(node::admin::read_token)
-                .transpose()
-                .map_err(|e| anyhow::anyhow!(e))?;
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .context("starting the tokio runtime")?;
-            rt.block_on(usage_cmd(&admin, token.as_deref(), since, &format))
+            let token = admin_token(admin_token_file.as_deref())?;
+            client_runtime()?.block_on(usage_cmd(&admin, token.as_deref(), since, &format))
         }
         Cmd::Cluster {
             admin,
             admin_token_file,
             op,
         } => {
-            let token = admin_token_file
-                .as_deref()
-                .map(node::admin::read_token)
-                .transpose()
-                .map_err(|e| anyhow::anyhow!(e))?;
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .context("starting the tokio runtime")?;
-            rt.block_on(cluster_cmd(&admin, token.as_deref(), op))
+            let token = admin_token(admin_token_file.as_deref())?;
+            client_runtime()?.block_on(cluster_cmd(&admin, token.as_deref(), op))
         }
         Cmd::Serve(args) => {
             if args.refresh_metrics_interval < Duration::from_millis(1) {
@@ -537,6 +521,21 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// The admin token a client command sends, from `--admin-token-file`.
+fn admin_token(file: Option<&std::path::Path>) -> anyhow::Result<Option<String>> {
+    file.map(node::admin::read_token)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// A runtime for the commands that call a replica's admin port.
+fn client_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
 }
 
 fn options_for_validation(

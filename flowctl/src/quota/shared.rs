@@ -410,18 +410,8 @@ impl SharedQuota {
         // billed as reserved (their slots would otherwise stay taken).
         if now / MINUTE_NS > self.swept {
             self.swept = now / MINUTE_NS;
-            let stale = self.book.stale(now.saturating_sub(MAX_HOLD));
-            for key in stale {
-                if let Some(hold) = self.book.hold(&key).cloned() {
-                    let spent = Spent {
-                        input: hold.input_estimate,
-                        output: hold.debit.saturating_sub(hold.input_estimate),
-                        cached: 0,
-                        disconnected: false,
-                    };
-                    self.bill(now, &key, &hold, spent);
-                    self.orphaned += 1;
-                }
+            for key in self.book.stale(now.saturating_sub(MAX_HOLD)) {
+                self.bill_reserved(now, &key);
             }
         }
         let gone: Vec<MemberId> = self
@@ -455,18 +445,23 @@ impl SharedQuota {
         // Its slots go to the pool, not back to it.
         self.incarnations.remove(&member);
         for key in held {
-            let Some(hold) = self.book.hold(&key).cloned() else {
-                continue;
-            };
-            let spent = Spent {
-                input: hold.input_estimate,
-                output: hold.debit.saturating_sub(hold.input_estimate),
-                cached: 0,
-                disconnected: false,
-            };
-            self.bill(now, &key, &hold, spent);
-            self.orphaned += 1;
+            self.bill_reserved(now, &key);
         }
+    }
+
+    /// A request whose response will not be seen: billed what was reserved for it.
+    fn bill_reserved(&mut self, now: Nanos, key: &str) {
+        let Some(hold) = self.book.hold(key).cloned() else {
+            return;
+        };
+        let spent = Spent {
+            input: hold.input_estimate,
+            output: hold.debit.saturating_sub(hold.input_estimate),
+            cached: 0,
+            disconnected: false,
+        };
+        self.bill(now, key, &hold, spent);
+        self.orphaned += 1;
     }
 
     fn prune_early(&mut self, now: Nanos) {
