@@ -638,6 +638,19 @@ impl QuotaBook {
         self.usage.iter()
     }
 
+    /// The ledger rows from minute `first` on (a copy, for views and the CLI).
+    pub fn usage_since(&self, first: u64) -> Vec<(UsageKey, UsageRow)> {
+        let from = UsageKey {
+            minute: first,
+            tenant: String::new(),
+            model: String::new(),
+        };
+        self.usage
+            .range(from..)
+            .map(|(k, r)| (k.clone(), r.clone()))
+            .collect()
+    }
+
     /// Drop ledger rows older than [`USAGE_MINUTES`] before `now`.
     pub fn trim(&mut self, now: Nanos) {
         let first = (now / MINUTE).saturating_sub(USAGE_MINUTES);

@@ -49,7 +49,8 @@ type Account = (String, String);
 #[derive(Default)]
 struct State {
     next_seq: u64,
-    outbox: Vec<QuotaCmd>,
+    /// Commands to propose, oldest first (a deque: past the bound the oldest goes in O(1)).
+    outbox: VecDeque<QuotaCmd>,
     /// What the outbox spends of each slice (admissions, returns).
     outbox_spend: HashMap<Account, Slice>,
     /// Proposed batches not yet applied here: seq, what they spend.
@@ -61,6 +62,7 @@ struct State {
     applied_seq: u64,
     /// Accounts this replica has seen: limits, the cluster's view, the last local use.
     accounts: HashMap<Account, AccountState>,
+    /// Commands dropped since the watcher last counted them.
     dropped: u64,
 }
 
@@ -109,10 +111,10 @@ impl State {
 
     fn push(&mut self, cmd: QuotaCmd, spend: Option<(&Account, Slice)>) {
         if self.outbox.len() >= OUTBOX_LIMIT {
-            self.outbox.remove(0);
+            self.outbox.pop_front();
             self.dropped += 1;
         }
-        self.outbox.push(cmd);
+        self.outbox.push_back(cmd);
         if let Some((account, s)) = spend {
             add(self.outbox_spend.entry(account.clone()).or_default(), s);
         }
@@ -373,7 +375,7 @@ impl ClusterQuota {
                     st.next_seq += 1;
                     let spend = std::mem::take(&mut st.outbox_spend);
                     st.proposed.push_back((seq, spend));
-                    (seq, std::mem::take(&mut st.outbox))
+                    (seq, Vec::from(std::mem::take(&mut st.outbox)))
                 }
             };
             let res = tokio::time::timeout(
@@ -450,6 +452,14 @@ impl ClusterQuota {
             let mut returns = Vec::new();
             {
                 let mut st = self.lock();
+                let dropped = std::mem::take(&mut st.dropped);
+                if dropped > 0 {
+                    tracing::warn!(
+                        dropped,
+                        "quota commands dropped: proposals have failed too long"
+                    );
+                    self.billing.dropped(dropped);
+                }
                 st.slices = slices;
                 st.applied_index = index;
                 st.applied_seq = seq;
@@ -522,14 +532,7 @@ impl QuotaLedger for ClusterQuota {
                 return Vec::new();
             };
             m.node
-                .local_read(|s| {
-                    s.0.quota()
-                        .book()
-                        .usage()
-                        .filter(|(k, _)| k.minute >= first)
-                        .map(|(k, r)| (k.clone(), r.clone()))
-                        .collect()
-                })
+                .local_read(|s| s.0.quota().book().usage_since(first))
                 .await
                 .0
         }

@@ -53,6 +53,7 @@ pub struct TenantMetrics {
     /// Cluster mode: quota batches proposed (log entries) and the commands in them.
     pub proposals: Counter,
     pub commands: Counter,
+    pub dropped: Counter,
 }
 
 impl TenantMetrics {
@@ -100,6 +101,12 @@ impl TenantMetrics {
             "tenant_quota_commands",
             "Cluster mode: quota commands in those entries",
             m.commands.clone(),
+        );
+        registry.register(
+            "tenant_quota_dropped_commands",
+            "Cluster mode: quota commands dropped because proposals failed until the outbox \
+             was full (100 000); their admissions and settlements are missing from the ledger",
+            m.dropped.clone(),
         );
         m
     }

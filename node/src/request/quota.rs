@@ -144,6 +144,11 @@ impl Billing {
         m.commands.inc_by(commands as u64);
     }
 
+    /// Cluster mode: quota commands dropped while proposals failed (the outbox was full).
+    pub fn dropped(&self, n: u64) {
+        self.metrics.tenants.dropped.inc_by(n);
+    }
+
     /// Requests of an account admitted and not yet settled.
     pub fn in_flight(&self, tenant: &str, limit_key: &str, n: u32) {
         self.metrics
@@ -267,13 +272,7 @@ impl QuotaLedger for LocalLedger {
     }
 
     fn usage(&self, first: u64) -> BoxFuture<'_, Vec<(UsageKey, UsageRow)>> {
-        let rows = self
-            .book()
-            .usage()
-            .filter(|(k, _)| k.minute >= first)
-            .map(|(k, r)| (k.clone(), r.clone()))
-            .collect();
-        futures::future::ready(rows).boxed()
+        futures::future::ready(self.book().usage_since(first)).boxed()
     }
 
     fn account<'a>(
