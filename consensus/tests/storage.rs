@@ -166,11 +166,28 @@ async fn installed_snapshot_replaces_state_and_persists() {
             vec!["x", "y"]
         );
     }
-    let reopened = storage::open::<LogMachine>(follower_dir.path())
-        .unwrap()
-        .state_machine;
+    let reopened = reopen(follower_dir.path()).await.state_machine;
     assert_eq!(
         reopened.reader().read(|s| s.log.clone()).await.0,
         vec!["x", "y"]
     );
+}
+
+/// Open storage whose previous handle was just dropped: sled's background flusher may hold the
+/// directory's lock for a moment after the last handle goes (a new process never sees that).
+/// Waits for the lock (at most 5 s); any other error fails at once.
+async fn reopen(dir: &std::path::Path) -> storage::Storage<LogMachine> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match storage::open::<LogMachine>(dir) {
+            Ok(s) => return s,
+            Err(e)
+                if e.to_string().contains("acquire lock")
+                    && std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("reopening {}: {e}", dir.display()),
+        }
+    }
 }
