@@ -158,3 +158,33 @@ pub fn container_args(container: &Value, env: &[(&str, &str)]) -> Vec<String> {
         })
         .collect()
 }
+
+/// Parse PromQL expressions with Prometheus' own grammar (`deploy/local/check-promql.cjs`):
+/// `Err` lists the ones that do not parse.
+pub fn check_promql(exprs: &[String]) -> anyhow::Result<()> {
+    use std::io::Write;
+    let modules = installed("install-promql.sh")?;
+    let script = workspace_root().join("deploy/local/check-promql.cjs");
+    let mut child = Command::new("node")
+        .arg(&script)
+        .arg(&modules)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("running node")?;
+    child
+        .stdin
+        .take()
+        .context("node's stdin")?
+        .write_all(serde_json::to_string(exprs)?.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "PromQL that does not parse:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}

@@ -1,7 +1,7 @@
 //! The admin port's authorization, from outside: with `--admin-token-file`, a mutating call
 //! (`POST /debug/cluster/probe`) without the token or with a wrong one is refused (401, counted)
 //! and commits nothing; with it — over HTTP or through `epp cluster --admin-token-file` — it
-//! commits. Without a token file, localhost may call (the rest of the suite relies on that).
+//! commits. The scheduling dry run (`POST /debug/schedule`) is refused the same way. Without a token file, localhost may call (the rest of the suite relies on that).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chaos::raft::RaftCluster;
@@ -52,6 +52,22 @@ async fn mutating_admin_calls_need_the_token() {
         ),
         "refusals are counted"
     );
+
+    // The scheduling dry run shows every pod's state: it needs the token too.
+    let dry_run = |token: Option<&'static str>| {
+        let mut req = reqwest::Client::new()
+            .post(format!("http://{admin}/debug/schedule"))
+            .json(&serde_json::json!({"body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        req.send()
+    };
+    assert_eq!(dry_run(None).await.unwrap().status(), 401);
+    let resp = dry_run(Some("correct-horse")).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let x: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(x["error"], "no candidate endpoints", "{x}");
 
     let (status, body) = probe(admin, Some("correct-horse")).await;
     assert_eq!(status, 200, "{body}");

@@ -367,6 +367,12 @@ async fn tenants_get_their_quota_share_and_nothing_more() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>();
     assert_eq!(quota_429 as u64, b_429);
+    // And the refusals by reason (what the dashboard's "Refused by reason" panel plots) too.
+    let refused = chaos::epp::metric_sum(
+        &m,
+        "llm_d_epp_request_refusals_total{status=\"429\",reason=\"rejected-quota-concurrency\"}",
+    );
+    assert_eq!(refused as u64, a_429 + b_429);
 
     // Key rotation: B's key replaced in the file, re-read while running.
     let tenants = dir.path().join("tenants.yaml");

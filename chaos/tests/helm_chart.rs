@@ -65,6 +65,8 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
                 "pool.create=true",
                 "pool.matchLabels.app=vllm",
                 "serviceMonitor.enabled=true",
+                "prometheusRule.enabled=true",
+                "grafanaDashboard.enabled=true",
                 "standalone.enabled=true",
                 "adminTokenSecret=epp-admin",
                 "tenantsSecret=epp-tenants",
@@ -76,7 +78,43 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
         let (text, docs) = render(&helm, values);
         let path = dir.path().join(format!("{what}.yaml"));
         std::fs::write(&path, &text).unwrap();
-        validate(&path, &["ServiceMonitor"]).unwrap_or_else(|e| panic!("{what}: {e}"));
+        validate(&path, &["ServiceMonitor", "PrometheusRule"])
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        // The monitoring assets (when enabled) carry the files of `files/` unchanged.
+        let monitored = values.contains(&"prometheusRule.enabled=true");
+        assert_eq!(
+            find(&docs, "PrometheusRule", FULL).is_some(),
+            monitored,
+            "{what}"
+        );
+        assert_eq!(
+            find(&docs, "ConfigMap", &format!("{FULL}-dashboard")).is_some(),
+            monitored,
+            "{what}"
+        );
+        if let Some(rule) = find(&docs, "PrometheusRule", FULL) {
+            let file: Value = serde_saphyr::from_str(
+                &std::fs::read_to_string(
+                    chaos::chart::chart_dir().join("files/prometheus-rules.yaml"),
+                )
+                .unwrap(),
+            )
+            .unwrap();
+            assert_eq!(rule["spec"], file, "{what}");
+        }
+        if let Some(cm) = find(&docs, "ConfigMap", &format!("{FULL}-dashboard")) {
+            let file: Value = serde_json::from_str(
+                &std::fs::read_to_string(
+                    chaos::chart::chart_dir().join("files/grafana-dashboard.json"),
+                )
+                .unwrap(),
+            )
+            .unwrap();
+            let shipped: Value =
+                serde_json::from_str(cm["data"]["llm-d-epp.json"].as_str().unwrap()).unwrap();
+            assert_eq!(shipped, file, "{what}");
+            assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+        }
 
         // Least privilege: read-only, the four resources the EPP watches.
         let role = find(&docs, "Role", FULL).unwrap();

@@ -149,6 +149,12 @@ pub async fn run(
         .route("/debug/inflight", get(inflight_view))
         .route("/debug/tenants", get(tenants_view))
         .route("/debug/usage", get(usage_view))
+        .route(
+            "/debug/schedule",
+            post(schedule_dry_run).layer(axum::extract::DefaultBodyLimit::max(
+                admin.ctx.max_body_bytes.saturating_mul(2) + 65_536,
+            )),
+        )
         .with_state(admin);
     axum::serve(
         listener,
@@ -170,6 +176,9 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> impl IntoResponse {
         .filter(|e| ctx.store.shard.owns(&e.hostport))
         .count();
     ctx.metrics.gossip.set_owned(owned);
+    let candidates = ctx.store.candidates(std::time::Instant::now());
+    ctx.metrics
+        .set_stale_endpoints(candidates.iter().filter(|c| c.stale).count());
     (
         [(
             header::CONTENT_TYPE,
@@ -421,6 +430,43 @@ async fn flow_view(
         None => (
             StatusCode::NOT_FOUND,
             "flow control is off (the flowControl feature gate is not set)",
+        )
+            .into_response(),
+    }
+}
+
+/// `POST /debug/schedule`: "why this pod?" — the scheduling profiles run as a dry run for the
+/// request in the body (`{"path", "headers", "body"}`, see [`crate::dataplane::explain::DryRun`]):
+/// every candidate's state, each filter's verdict, each scorer's raw and weighted scores, the
+/// totals and the pick, with nothing recorded. Needs authorization (it shows every pod's state
+/// and may call the token producer). A stage that would refuse the request answers with the
+/// refusal's status and message.
+async fn schedule_dry_run(
+    State(admin): State<Arc<Admin>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> axum::response::Response {
+    if !admin.authorizes(&headers, peer) {
+        tracing::warn!(%peer, "unauthorized dry run refused");
+        return admin.refuse();
+    }
+    let run: crate::dataplane::explain::DryRun = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            admin.ctx.metrics.rejected_value("admin", "malformed");
+            return (
+                StatusCode::BAD_REQUEST,
+                format!("bad request body (want {{\"path\", \"headers\", \"body\"}}): {e}"),
+            )
+                .into_response();
+        }
+    };
+    match crate::dataplane::explain::dry_run(&admin.ctx, run).await {
+        Ok(x) => axum::Json(x).into_response(),
+        Err(r) => (
+            StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST),
+            r.body(),
         )
             .into_response(),
     }

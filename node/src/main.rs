@@ -56,6 +56,28 @@ enum Cmd {
         #[arg(long, default_value = "table", value_parser = ["table", "json", "csv"])]
         format: String,
     },
+    /// "Why this pod?": run the scheduling profiles for a request on a replica as a dry run and
+    /// print every candidate's state, each filter's verdict, each scorer's raw and weighted score
+    /// and the pick. Nothing is recorded.
+    Explain {
+        /// Admin URL of the replica, e.g. http://127.0.0.1:9090
+        #[arg(long, default_value = "http://127.0.0.1:9090")]
+        admin: String,
+        /// The replica's admin token (its `--admin-token-file`), sent as a bearer token.
+        #[arg(long)]
+        admin_token_file: Option<PathBuf>,
+        /// The request's path.
+        #[arg(long, default_value = "/v1/chat/completions")]
+        path: String,
+        /// A request header as `name: value` (repeatable): objective, fairness id, tenant key.
+        #[arg(long = "header", short = 'H')]
+        headers: Vec<String>,
+        /// Print the explanation as JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+        /// The request body: a file, or `-` for stdin.
+        body: PathBuf,
+    },
     /// Print the CustomResourceDefinitions the EPP reads (YAML; `deploy/crds/crds.yaml`).
     Crds,
     /// Load and validate an EndpointPickerConfig, print the effective configuration and exit.
@@ -392,10 +414,18 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log_level)
         .with_context(|| format!("bad --log-level `{}`", cli.log_level))?;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    {
+        use tracing_subscriber::prelude::*;
+        let quiet = node::metrics::logs::Quiet::new(node::metrics::logs::QUIET_INTERVAL);
+        tracing_subscriber::registry()
+            .with(filter)
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_filter(quiet),
+            )
+            .init();
+    }
     match cli.cmd {
         Cmd::Crds => {
             print!("{}", node::k8s::crd::crds_yaml());
@@ -434,6 +464,37 @@ fn main() -> anyhow::Result<()> {
         } => {
             let token = admin_token(admin_token_file.as_deref())?;
             client_runtime()?.block_on(usage_cmd(&admin, token.as_deref(), since, &format))
+        }
+        Cmd::Explain {
+            admin,
+            admin_token_file,
+            path,
+            headers,
+            json,
+            body,
+        } => {
+            let token = admin_token(admin_token_file.as_deref())?;
+            let body = if body.as_os_str() == "-" {
+                let mut s = String::new();
+                std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+                    .context("reading the body from stdin")?;
+                s
+            } else {
+                std::fs::read_to_string(&body)
+                    .with_context(|| format!("reading {}", body.display()))?
+            };
+            let mut hdrs = serde_json::Map::new();
+            for h in &headers {
+                let (k, v) = h
+                    .split_once(':')
+                    .with_context(|| format!("header {h:?} is not `name: value`"))?;
+                hdrs.insert(k.trim().to_string(), v.trim().into());
+            }
+            // A body that is not JSON goes as it is: the dry run refuses it as routing would.
+            let body = serde_json::from_str::<serde_json::Value>(&body)
+                .unwrap_or(serde_json::Value::String(body));
+            let run = serde_json::json!({ "path": path, "headers": hdrs, "body": body });
+            client_runtime()?.block_on(explain_cmd(&admin, token.as_deref(), run, json))
         }
         Cmd::Cluster {
             admin,
@@ -610,10 +671,58 @@ async fn cluster_cmd(admin: &str, token: Option<&str>, op: ClusterCmd) -> anyhow
         ),
     };
     let url = format!("{base}/{path}");
-    let mut req = match body {
+    let req = match body {
         None => client.get(&url),
         Some(b) => client.post(&url).json(&b),
     };
+    let text = admin_call(req, &url, token).await?;
+    match op {
+        ClusterCmd::Members => {
+            let v: serde_json::Value = serde_json::from_str(&text)?;
+            for m in v["members"].as_array().into_iter().flatten() {
+                println!("{m}");
+            }
+        }
+        _ => println!("{text}"),
+    }
+    Ok(())
+}
+
+/// `epp explain`: `POST /debug/schedule`, printed as tables (or the JSON).
+async fn explain_cmd(
+    admin: &str,
+    token: Option<&str>,
+    run: serde_json::Value,
+    json: bool,
+) -> anyhow::Result<()> {
+    let url = format!("{}/debug/schedule", admin.trim_end_matches('/'));
+    let text = admin_call(
+        reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()?
+            .post(&url)
+            .json(&run),
+        &url,
+        token,
+    )
+    .await?;
+    if json {
+        println!("{text}");
+    } else {
+        let x: node::scheduling::explain::Explanation =
+            serde_json::from_str(&text).with_context(|| format!("{url} answered {text}"))?;
+        print!("{}", x.render());
+    }
+    Ok(())
+}
+
+/// Send an admin call (with the bearer token, if any); its body, or an error naming the URL and
+/// the status.
+async fn admin_call(
+    mut req: reqwest::RequestBuilder,
+    url: &str,
+    token: Option<&str>,
+) -> anyhow::Result<String> {
     if let Some(t) = token {
         req = req.bearer_auth(t);
     }
@@ -626,16 +735,7 @@ async fn cluster_cmd(admin: &str, token: Option<&str>, op: ClusterCmd) -> anyhow
     if !status.is_success() {
         anyhow::bail!("{url}: {status}: {text}");
     }
-    match op {
-        ClusterCmd::Members => {
-            let v: serde_json::Value = serde_json::from_str(&text)?;
-            for m in v["members"].as_array().into_iter().flatten() {
-                println!("{m}");
-            }
-        }
-        _ => println!("{text}"),
-    }
-    Ok(())
+    Ok(text)
 }
 
 /// `epp usage`: the ledger rows from `GET /debug/usage`, as a table, JSON lines or CSV.
@@ -650,22 +750,11 @@ async fn usage_cmd(
         .saturating_sub(since)
         .as_secs();
     let url = format!("{}/debug/usage?since={from}", admin.trim_end_matches('/'));
-    let mut req = reqwest::Client::builder()
+    let req = reqwest::Client::builder()
         .timeout(Duration::from_secs(30))
         .build()?
         .get(&url);
-    if let Some(t) = token {
-        req = req.bearer_auth(t);
-    }
-    let resp = req
-        .send()
-        .await
-        .with_context(|| format!("contacting {url}"))?;
-    let status = resp.status();
-    let text = resp.text().await?;
-    if !status.is_success() {
-        anyhow::bail!("{url}: {status}: {text}");
-    }
+    let text = admin_call(req, &url, token).await?;
     let v: serde_json::Value = serde_json::from_str(&text)?;
     let rows = v["rows"].as_array().cloned().unwrap_or_default();
     const COLUMNS: [&str; 11] = [
@@ -716,17 +805,7 @@ async fn usage_cmd(
                         .map(|r| COLUMNS.iter().map(|c| cell(r, c)).collect()),
                 )
                 .collect();
-            let widths: Vec<usize> = (0..COLUMNS.len())
-                .map(|i| table.iter().map(|r| r[i].len()).max().unwrap_or(0))
-                .collect();
-            for r in &table {
-                let line: Vec<String> = r
-                    .iter()
-                    .zip(&widths)
-                    .map(|(c, w)| format!("{c:<w$}"))
-                    .collect();
-                println!("{}", line.join("  ").trim_end());
-            }
+            print!("{}", node::scheduling::explain::text_table(&table));
         }
     }
     Ok(())

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 /// In-flight load of one endpoint.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct InflightLoad {
     pub requests: u64,
     /// Prompt tokens of those requests not yet prefilled.

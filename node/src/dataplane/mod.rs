@@ -18,6 +18,7 @@
 //! `deploy/local/envoy.yaml`, which keeps responses alive when a replica dies).
 
 mod context;
+pub mod explain;
 pub mod reply;
 pub mod response;
 mod stream;

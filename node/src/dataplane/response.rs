@@ -222,7 +222,7 @@ async fn evict(ctx: &PickerContext, tx: &Tx, key: &str) {
     tracing::info!(%key, "request evicted by flow control");
     let r = Rejection::dropped(flowctl::DropReason::Evicted);
     let labels = ctx.metrics.request_labels("", "");
-    ctx.metrics.request_error(&labels, r.code);
+    ctx.metrics.refused(&labels, r.code, r.status, r.reason);
     let _ = send(tx, Resp::ImmediateResponse(immediate(&r))).await;
 }
 

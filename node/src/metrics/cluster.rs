@@ -7,8 +7,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
+use super::registrar::follow;
 use super::scheduler_buckets;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -40,7 +40,7 @@ pub struct GossipMetrics {
 }
 
 impl GossipMetrics {
-    pub(super) fn register(registry: &mut Registry) -> GossipMetrics {
+    pub(super) fn register(registry: &mut super::registrar::Registrar) -> GossipMetrics {
         let m = GossipMetrics {
             bytes: Family::default(),
             entries: Family::default(),
@@ -193,14 +193,6 @@ pub struct ServiceLabels {
     pub service: &'static str,
 }
 
-/// Moves `counter` up to `total`, a cumulative count kept elsewhere (the consensus node's).
-fn follow(counter: &Counter, total: u64) {
-    let seen = counter.get();
-    if total > seen {
-        counter.inc_by(total - seen);
-    }
-}
-
 /// How cluster flow control admitted a request: `fast` (local credit), `slow` (global queue),
 /// `degraded-admit` / `degraded-reject` (no quorum).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -209,7 +201,7 @@ pub struct PathLabels {
 }
 
 impl ClusterMetrics {
-    pub(super) fn register(registry: &mut Registry) -> ClusterMetrics {
+    pub(super) fn register(registry: &mut super::registrar::Registrar) -> ClusterMetrics {
         let m = ClusterMetrics {
             term: Gauge::default(),
             leader: Gauge::default(),

@@ -6,7 +6,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
 /// Which watch failed (`inferencepool`, `pod`, `inferenceobjective`, `inferencemodelrewrite`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -31,7 +30,7 @@ pub struct DiscoveryMetrics {
 }
 
 impl DiscoveryMetrics {
-    pub(super) fn register(registry: &mut Registry) -> DiscoveryMetrics {
+    pub(super) fn register(registry: &mut super::registrar::Registrar) -> DiscoveryMetrics {
         let m = DiscoveryMetrics {
             errors: Family::default(),
             objects: Family::default(),

@@ -6,7 +6,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 
 /// `kv_events_messages_total` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -55,7 +54,7 @@ pub struct KvEventMetrics {
 }
 
 impl KvEventMetrics {
-    pub(super) fn register(registry: &mut Registry) -> KvEventMetrics {
+    pub(super) fn register(registry: &mut super::registrar::Registrar) -> KvEventMetrics {
         let m = KvEventMetrics {
             token_calls: Family::default(),
             messages: Family::default(),

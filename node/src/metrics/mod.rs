@@ -18,6 +18,8 @@ use prometheus_client::registry::Registry;
 mod cluster;
 mod discovery;
 mod kvevents;
+pub mod logs;
+mod registrar;
 mod tenants;
 
 pub use cluster::{ClusterMetrics, DirectionLabels, GossipMetrics, PathLabels, ResultLabels};
@@ -108,6 +110,20 @@ pub struct DisaggLabels {
     pub decision_type: String,
 }
 
+/// `request_refusals_total` labels: the status the EPP answered and why (the dropped reason, e.g.
+/// `rejected-saturated`, `rejected-quota-tpm`, or the error code when there is none).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    pub status: u16,
+    pub reason: &'static str,
+}
+
+/// `log_events_suppressed_total` labels: the log target (module path) held back.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TargetLabels {
+    pub target: String,
+}
+
 /// `untrusted_values_rejected_total` labels: where the value came from and which field it was.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RejectedLabels {
@@ -190,6 +206,9 @@ impl SeriesCap {
 
 pub struct Metrics {
     registry: Registry,
+    /// Every series name the registry exposes (a family shows in the exposition only once it
+    /// has a series).
+    series: Vec<String>,
     pool_name: String,
     request_total: Family<RequestLabels, Counter>,
     request_error_total: Family<ErrorLabels, Counter>,
@@ -200,6 +219,9 @@ pub struct Metrics {
     scheduler_attempts: Family<AttemptLabels, Counter>,
     poll_errors: Family<SourceLabels, Counter>,
     rejected_values: Family<RejectedLabels, Counter>,
+    refusals: Family<RefusalLabels, Counter>,
+    stale_endpoints: Gauge,
+    log_suppressed: Family<TargetLabels, Counter>,
     ready_endpoints: Family<PoolLabels, Gauge>,
     streams_inflight: Gauge,
     streams_inflight_count: AtomicI64,
@@ -273,7 +295,7 @@ impl std::fmt::Debug for Metrics {
 
 impl Metrics {
     pub fn new(pool_name: &str) -> Self {
-        let mut registry = Registry::with_prefix(PREFIX);
+        let mut registry = registrar::Registrar::new(PREFIX);
         let request_total = Family::<RequestLabels, Counter>::default();
         registry.register(
             "request",
@@ -334,6 +356,26 @@ impl Metrics {
             "Values from model servers, peers or clients outside their bounds, dropped or clamped, \
              by source and field",
             rejected_values.clone(),
+        );
+        let refusals = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "request_refusals",
+            "Requests the endpoint picker answered itself, by HTTP status and reason",
+            refusals.clone(),
+        );
+        let stale_endpoints = Gauge::default();
+        registry.register(
+            "datalayer_stale_endpoints",
+            "Endpoints without a usable metrics sample (never scraped, or older than the \
+             staleness threshold)",
+            stale_endpoints.clone(),
+        );
+        let log_suppressed = Family::<TargetLabels, Counter>::default();
+        registry.register(
+            "log_events_suppressed",
+            "Repeated warnings and errors of noisy libraries held back by the log rate limit, by \
+             target",
+            log_suppressed.clone(),
         );
         let ready_endpoints = Family::<PoolLabels, Gauge>::default();
         registry.register(
@@ -456,7 +498,8 @@ impl Metrics {
         let kv_events = KvEventMetrics::register(&mut registry);
         let tenants = TenantMetrics::register(&mut registry);
         Metrics {
-            registry,
+            registry: registry.registry,
+            series: registry.series,
             pool_name: pool_name.to_string(),
             request_total,
             request_error_total,
@@ -467,6 +510,9 @@ impl Metrics {
             scheduler_attempts,
             poll_errors,
             rejected_values,
+            refusals,
+            stale_endpoints,
+            log_suppressed,
             ready_endpoints,
             streams_inflight,
             streams_inflight_count: AtomicI64::new(0),
@@ -631,6 +677,32 @@ impl Metrics {
             .observe(body_bytes as f64);
     }
 
+    /// A request the EPP answered itself: llm-d's `request_error_total` (by error code) and
+    /// `request_refusals_total` (by status and reason).
+    pub fn refused(
+        &self,
+        l: &RequestLabels,
+        code: &str,
+        status: u16,
+        reason: Option<&'static str>,
+    ) {
+        self.request_error(l, code);
+        let reason = reason.unwrap_or(match status {
+            400 => "bad-request",
+            401 => "unauthorized",
+            404 => "not-found",
+            413 => "too-large",
+            _ => "error",
+        });
+        self.refusals
+            .get_or_create(&RefusalLabels { status, reason })
+            .inc();
+    }
+
+    pub fn set_stale_endpoints(&self, n: usize) {
+        self.stale_endpoints.set(n as i64);
+    }
+
     pub fn request_error(&self, l: &RequestLabels, code: &str) {
         self.request_error_total
             .get_or_create(&ErrorLabels {
@@ -696,7 +768,20 @@ impl Metrics {
     }
 
     /// Prometheus text exposition of every metric.
+    /// Every series name this registry can expose: a counter's `<name>_total`, a histogram's
+    /// `_bucket`, `_sum` and `_count`, a gauge's name (dashboards and alert rules are checked
+    /// against it).
+    pub fn series_names(&self) -> &[String] {
+        &self.series
+    }
+
     pub fn encode(&self) -> String {
+        for (target, n) in logs::suppressed() {
+            registrar::follow(
+                &self.log_suppressed.get_or_create(&TargetLabels { target }),
+                n,
+            );
+        }
         let mut out = String::with_capacity(8192);
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out.clear();

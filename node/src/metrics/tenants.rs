@@ -6,7 +6,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TenantOutcome {
@@ -57,7 +56,7 @@ pub struct TenantMetrics {
 }
 
 impl TenantMetrics {
-    pub(super) fn register(registry: &mut Registry) -> TenantMetrics {
+    pub(super) fn register(registry: &mut super::registrar::Registrar) -> TenantMetrics {
         let m = TenantMetrics::default();
         registry.register(
             "tenant_requests",

@@ -370,7 +370,7 @@ impl Quotas {
         &self,
         headers: &std::collections::HashMap<String, String>,
     ) -> Result<Arc<Tenant>, Rejection> {
-        self.tenants.get().identify(headers).inspect_err(|r| {
+        self.lookup(headers).inspect_err(|r| {
             let reason = if r.message.starts_with("unknown") {
                 "unknown"
             } else {
@@ -382,6 +382,14 @@ impl Quotas {
                 .get_or_create(&UnauthorizedLabels { reason })
                 .inc();
         })
+    }
+
+    /// [`Self::identify`] without counting a refusal (a dry run's lookup).
+    pub fn lookup(
+        &self,
+        headers: &std::collections::HashMap<String, String>,
+    ) -> Result<Arc<Tenant>, Rejection> {
+        self.tenants.get().identify(headers)
     }
 
     /// Admit request `key` of `tenant` for `model`, pre-debiting `input_tokens` and its output

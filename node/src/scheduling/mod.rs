@@ -10,6 +10,7 @@
 //! picker orders them; after the answer is sent, producers record the decision (`pre_request`).
 
 pub mod cost_model;
+pub mod explain;
 pub mod filters;
 pub mod inflight;
 pub mod kv_cache_scorer;
@@ -125,7 +126,7 @@ pub const MAX_SAMPLE_MS: f64 = 600_000.0;
 
 /// One candidate's prediction and what it was computed from. The chosen pod's rides to the
 /// response's observer in the route header, so the model learns from its own predictions.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct Prediction {
     /// Predicted time to first token, ms.
     pub ttft_ms: f64,

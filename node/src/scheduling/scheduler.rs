@@ -141,6 +141,18 @@ impl Scheduler {
         candidates: &[Candidate],
         rng: &mut dyn rand::RngCore,
     ) -> Result<Decision, SchedError> {
+        self.schedule_traced(req, candidates, rng, &mut ())
+    }
+
+    /// [`Self::schedule`], showing `trace` every step (the dry run of `explain` does; routing
+    /// passes `()`, which compiles to nothing).
+    pub(crate) fn schedule_traced<T: Trace>(
+        &self,
+        req: &SchedRequest<'_>,
+        candidates: &[Candidate],
+        rng: &mut dyn rand::RngCore,
+        trace: &mut T,
+    ) -> Result<Decision, SchedError> {
         if candidates.is_empty() {
             return Err(SchedError::NoCandidates);
         }
@@ -153,21 +165,33 @@ impl Scheduler {
         for p in &self.producers {
             p.produce(req, candidates, &mut data);
         }
+        trace.produced(&data);
         let mut scores = vec![0.0; candidates.len()];
-        let picked = run_profile(self.primary(), req, &data, candidates, rng, &mut scores)?;
+        let picked = run_profile(
+            self.primary(),
+            req,
+            &data,
+            candidates,
+            rng,
+            &mut scores,
+            trace,
+        )?;
         let mut prefill = None;
         if let Handler::Disagg {
             prefill: Some((profile, decider)),
             ..
         } = &self.handler
-            && decider.disaggregate(&data, picked[0])
         {
-            let mut unused = vec![0.0; candidates.len()];
-            // No prefill pod left (all filtered): decode does the prefill itself, as llm-d.
-            prefill = run_profile(profile, req, &data, candidates, rng, &mut unused)
-                .ok()
-                .and_then(|p| p.first().copied())
-                .filter(|p| *p != picked[0]);
+            let split = decider.disaggregate(&data, picked[0]);
+            trace.decided(decider, split);
+            if split {
+                let mut unused = vec![0.0; candidates.len()];
+                // No prefill pod left (all filtered): decode does the prefill itself, as llm-d.
+                prefill = run_profile(profile, req, &data, candidates, rng, &mut unused, trace)
+                    .ok()
+                    .and_then(|p| p.first().copied())
+                    .filter(|p| *p != picked[0]);
+            }
         }
         Ok(Decision {
             picked,
@@ -237,19 +261,44 @@ impl Scheduler {
     }
 }
 
+/// What a scheduling run shows an observer, step by step. Every method defaults to nothing: `()`
+/// is the router's (free) trace, `explain`'s dry run records everything.
+pub(crate) trait Trace {
+    /// The producers filled the request's data.
+    fn produced(&mut self, _data: &RequestData) {}
+    /// A profile starts.
+    fn profile(&mut self, _profile: &Profile) {}
+    /// `filter` ran and left `keep`.
+    fn filtered(&mut self, _filter: &dyn Filter, _keep: &[usize]) {}
+    /// A scorer scored the kept candidates `keep`: `raw[k]` belongs to `keep[k]`, before the
+    /// clamp to [0, 1] and the weight.
+    fn scored(&mut self, _scorer: &WeightedScorer, _keep: &[usize], _raw: &[f64]) {}
+    /// The totals the picker receives, `(candidate, total)`.
+    fn totals(&mut self, _totals: &[(usize, f64)]) {}
+    /// What the picker picked, best first.
+    fn picked(&mut self, _picked: &[usize]) {}
+    /// The P/D decider's verdict.
+    fn decided(&mut self, _decider: &PdDecider, _disaggregate: bool) {}
+}
+
+impl Trace for () {}
+
 /// One profile: filters in order, weighted scorers summed, the picker. `scores` receives every
 /// kept candidate's total.
-fn run_profile(
+fn run_profile<T: Trace>(
     profile: &Profile,
     req: &SchedRequest<'_>,
     data: &RequestData,
     candidates: &[Candidate],
     rng: &mut dyn rand::RngCore,
     scores: &mut [f64],
+    trace: &mut T,
 ) -> Result<Vec<usize>, SchedError> {
+    trace.profile(profile);
     let mut keep: Vec<usize> = (0..candidates.len()).collect();
     for f in &profile.filters {
         f.filter(req, data, candidates, &mut keep);
+        trace.filtered(f.as_ref(), &keep);
         if keep.is_empty() {
             return Err(SchedError::AllFiltered);
         }
@@ -259,24 +308,31 @@ fn run_profile(
     for ws in &profile.scorers {
         buf.iter_mut().for_each(|s| *s = 0.0);
         ws.scorer.score(req, data, candidates, &keep, &mut buf);
+        trace.scored(ws, &keep, &buf);
         for (t, s) in total.iter_mut().zip(&buf) {
-            let s = if s.is_finite() {
-                s.clamp(0.0, 1.0)
-            } else {
-                0.0
-            };
-            *t += s * ws.weight;
+            *t += clamped(*s) * ws.weight;
         }
     }
     let mut scored: Vec<(usize, f64)> = keep.iter().copied().zip(total).collect();
     for (i, s) in &scored {
         scores[*i] = *s;
     }
+    trace.totals(&scored);
     let picked = profile.picker.pick(&mut scored, rng);
+    trace.picked(&picked);
     if picked.is_empty() {
         return Err(SchedError::AllFiltered);
     }
     Ok(picked)
+}
+
+/// A scorer's score as it counts: clamped to [0, 1], anything not finite is 0.
+pub(crate) fn clamped(s: f64) -> f64 {
+    if s.is_finite() {
+        s.clamp(0.0, 1.0)
+    } else {
+        0.0
+    }
 }
 
 #[cfg(test)]

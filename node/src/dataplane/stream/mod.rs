@@ -259,7 +259,9 @@ impl StreamState {
                 l
             }
         };
-        self.ctx.metrics.request_error(&labels, r.code);
+        self.ctx
+            .metrics
+            .refused(&labels, r.code, r.status, r.reason);
         self.labels = Some(labels);
         tracing::debug!(request_id = %self.request_id, status = r.status, message = %r.message, "request refused");
         self.phase = Phase::Done;
