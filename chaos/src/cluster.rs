@@ -24,6 +24,8 @@ pub struct ClusterSpec {
     pub raft: bool,
     /// Envoy routes to the pods with GIE's override_host policy (fallbacks, served endpoint).
     pub fallback_lb: bool,
+    /// Extra environment for every replica (standalone mode), e.g. `OTEL_*`.
+    pub epp_env: Vec<(String, String)>,
 }
 
 impl Default for ClusterSpec {
@@ -37,6 +39,7 @@ impl Default for ClusterSpec {
             observe_responses: true,
             raft: false,
             fallback_lb: false,
+            epp_env: vec![],
         }
     }
 }
@@ -72,8 +75,13 @@ impl LocalCluster {
             raft =
                 Some(RaftCluster::start_with(spec.replicas as u64, &endpoints_file, &args).await?);
         } else {
+            let env: Vec<(&str, &str)> = spec
+                .epp_env
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
             for _ in 0..spec.replicas {
-                epps.push(EppProcess::start(&endpoints_file, &args).await?);
+                epps.push(EppProcess::start_with_env(&endpoints_file, &args, &env).await?);
             }
         }
         // Envoy health-checks the replicas: start it once they are ready (cluster flow control,

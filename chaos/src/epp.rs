@@ -35,19 +35,32 @@ impl EppProcess {
     /// Start `epp serve` on OS-chosen loopback ports with `endpoints_file` and extra flags; returns
     /// once it has printed its bound addresses.
     pub async fn start(endpoints_file: &Path, extra: &[&str]) -> anyhow::Result<EppProcess> {
+        Self::start_with_env(endpoints_file, extra, &[]).await
+    }
+
+    /// [`Self::start`] with extra environment variables (e.g. `OTEL_*`).
+    pub async fn start_with_env(
+        endpoints_file: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<EppProcess> {
         let file = endpoints_file.display().to_string();
         let mut args = vec!["--endpoints-file", file.as_str()];
         args.extend_from_slice(extra);
-        Self::spawn(&args, &[]).await
+        let env: Vec<(&str, &std::ffi::OsStr)> = env
+            .iter()
+            .map(|(k, v)| (*k, std::ffi::OsStr::new(*v)))
+            .collect();
+        Self::spawn(&args, &env).await
     }
 
     /// Start `epp serve` discovering its pods from Kubernetes (`--pool-name` and the rest in
     /// `extra`) through the API server `kubeconfig` names.
     pub async fn start_kube(kubeconfig: &Path, extra: &[&str]) -> anyhow::Result<EppProcess> {
-        Self::spawn(extra, &[("KUBECONFIG", kubeconfig)]).await
+        Self::spawn(extra, &[("KUBECONFIG", kubeconfig.as_os_str())]).await
     }
 
-    async fn spawn(extra: &[&str], env: &[(&str, &Path)]) -> anyhow::Result<EppProcess> {
+    async fn spawn(extra: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> anyhow::Result<EppProcess> {
         let bin = locate::epp_binary()?;
         let mut cmd = Command::new(&bin);
         cmd.args(["serve", "--bind", "127.0.0.1"])

@@ -33,6 +33,7 @@ pub mod extproc;
 pub mod locate;
 pub mod netproxy;
 pub mod noregret;
+pub mod otlp;
 pub mod peerbench;
 pub mod peers;
 pub mod plot;

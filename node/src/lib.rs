@@ -21,7 +21,8 @@
 //! - [`config`]: the llm-d `EndpointPickerConfig` YAML, decoded strictly;
 //! - [`metrics`]: the `llm_d_epp_*` Prometheus registry;
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/debug/...`;
-//! - [`serve`]: start-up (validate, then bind), wiring, drain and shutdown.
+//! - [`serve`]: start-up (validate, then bind), wiring, drain and shutdown;
+//! - [`telemetry`]: logs (rate-limited where libraries are noisy) and OpenTelemetry traces.
 //!
 //! # The journey of one request
 //! ```text
@@ -47,3 +48,4 @@ pub mod metrics;
 pub mod request;
 pub mod scheduling;
 pub mod serve;
+pub mod telemetry;

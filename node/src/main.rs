@@ -412,20 +412,20 @@ fn duration(s: &str) -> Result<Duration, String> {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log_level)
-        .with_context(|| format!("bad --log-level `{}`", cli.log_level))?;
-    {
-        use tracing_subscriber::prelude::*;
-        let quiet = node::metrics::logs::Quiet::new(node::metrics::logs::QUIET_INTERVAL);
-        tracing_subscriber::registry()
-            .with(filter)
-            .with(
-                tracing_subscriber::fmt::layer()
-                    .with_writer(std::io::stderr)
-                    .with_filter(quiet),
-            )
-            .init();
-    }
+    // `epp serve` may export traces: its runtime comes first, the OTLP client lives in it.
+    let rt = match &cli.cmd {
+        Cmd::Serve(_) => Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the tokio runtime")?,
+        ),
+        _ => None,
+    };
+    let telemetry = {
+        let _inside = rt.as_ref().map(tokio::runtime::Runtime::enter);
+        node::telemetry::init(&cli.log_level, rt.is_some())?
+    };
     match cli.cmd {
         Cmd::Crds => {
             print!("{}", node::k8s::crd::crds_yaml());
@@ -556,11 +556,8 @@ fn main() -> anyhow::Result<()> {
                 watch_tenants: args.watch_tenants,
                 usage_log: args.usage_log,
             };
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .context("starting the tokio runtime")?;
-            rt.block_on(async move {
+            let rt = rt.context("no runtime")?;
+            let served = rt.block_on(async move {
                 let shutdown = CancellationToken::new();
                 let signal = shutdown.clone();
                 tokio::spawn(async move {
@@ -578,7 +575,9 @@ fn main() -> anyhow::Result<()> {
                     shutdown,
                 )
                 .await
-            })?;
+            });
+            rt.block_on(async move { telemetry.shutdown() });
+            served?;
             Ok(())
         }
     }

@@ -65,6 +65,10 @@ enum Cmd {
         /// token quotas) and print both rows: the quota stage's cost.
         #[arg(long)]
         tenants: bool,
+        /// Also run with traces exported at 100% sampling (OTLP/gRPC to an in-process receiver)
+        /// and print both rows: the cost of tracing.
+        #[arg(long)]
+        traces: bool,
     },
     Peers {
         /// Repetitions of every workload.
@@ -150,7 +154,8 @@ async fn main() -> anyhow::Result<()> {
             pods,
             prompt_tokens,
             tenants,
-        } => decisions(requests, concurrency, pods, prompt_tokens, tenants).await,
+            traces,
+        } => decisions(requests, concurrency, pods, prompt_tokens, tenants, traces).await,
         Cmd::Discovery { pods, updates } => {
             print!("{}", chaos::discoverybench::run(pods, updates).await?);
             Ok(())
@@ -360,7 +365,9 @@ async fn decisions(
     pods: usize,
     prompt_tokens: usize,
     tenants: bool,
+    traces: bool,
 ) -> anyhow::Result<()> {
+    anyhow::ensure!(!(tenants && traces), "--tenants or --traces, not both");
     let sim = Sim::start(SimConfig {
         pods,
         ..SimConfig::default()
@@ -383,23 +390,39 @@ async fn decisions(
         ),
     )?;
     println!(
-        "| tenant mode | prompt tokens | body bytes | pods | concurrency | decisions | wall s | decisions/s | epp CPU s | idle CPU s (scraping) | decisions per CPU-second (net of idle) | CPU µs per decision |"
+        "| variant | prompt tokens | body bytes | pods | concurrency | decisions | wall s | decisions/s | epp CPU s | idle CPU s (scraping) | decisions per CPU-second (net of idle) | CPU µs per decision |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let tenants_arg = tenants_file.display().to_string();
-    let variants: Vec<(&str, Vec<&str>)> = if tenants {
+    let (spans, otlp) = chaos::otlp::receiver().await?;
+    let otlp = format!("http://{otlp}");
+    let traced: Vec<(&str, &str)> = vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.as_str()),
+        ("OTEL_TRACES_SAMPLER", "always_on"),
+    ];
+    type Variant<'a> = (&'a str, Vec<&'a str>, Vec<(&'a str, &'a str)>);
+    let variants: Vec<Variant> = if tenants {
         vec![
-            ("off", vec![]),
-            ("on", vec!["--tenants-file", tenants_arg.as_str()]),
+            ("quotas off", vec![], vec![]),
+            (
+                "quotas on",
+                vec!["--tenants-file", tenants_arg.as_str()],
+                vec![],
+            ),
+        ]
+    } else if traces {
+        vec![
+            ("traces off", vec![], vec![]),
+            ("traces on (100%)", vec![], traced),
         ]
     } else {
-        vec![("off", vec![])]
+        vec![("", vec![], vec![])]
     };
     let mut net_us = Vec::new();
-    for (label, extra) in variants {
+    for (label, extra, env) in variants {
         let mut args = vec!["--log-level", "warn"];
         args.extend(extra);
-        let epp = EppProcess::start(&endpoints, &args).await?;
+        let epp = EppProcess::start_with_env(&endpoints, &args, &env).await?;
         let r = decisions_once(&epp, requests, concurrency, prompt_tokens, tenants).await;
         drop(epp);
         let (line, us) = r?;
@@ -407,10 +430,23 @@ async fn decisions(
         net_us.push(us);
     }
     if let [off, on] = net_us[..] {
+        let what = if tenants {
+            "tenant mode"
+        } else {
+            "tracing every request"
+        };
         println!(
-            "tenant mode costs {:.1} µs of CPU per decision ({:.3}× quotas off)",
+            "{what} costs {:.1} µs of CPU per decision ({:.3}× without)",
             on - off,
             on / off
+        );
+    }
+    if traces {
+        let received = spans.spans.lock().map(|s| s.len()).unwrap_or(0);
+        println!("spans received: {received}");
+        anyhow::ensure!(
+            received >= requests,
+            "traces on exported {received} spans for {requests} requests"
         );
     }
     sim.shutdown().await;

@@ -57,6 +57,7 @@ impl ExternalProcessor for ExtProcService {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let response = response::is_response_stream(request.metadata());
+        let trace_parent = stream::trace::grpc_context(request.metadata());
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(32);
         let ctx = self.ctx.clone();
@@ -65,7 +66,7 @@ impl ExternalProcessor for ExtProcService {
         if response {
             tokio::spawn(response::run(ctx, inbound, tx));
         } else {
-            tokio::spawn(stream::run(ctx, inbound, tx));
+            tokio::spawn(stream::run(ctx, inbound, tx, trace_parent));
         }
         Ok(Response::new(ReceiverStream::new(rx)))
     }

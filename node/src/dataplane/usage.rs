@@ -258,6 +258,9 @@ pub struct RouteInfo {
     /// Prompt tokens the prefix index predicted cached on the chosen pod (the observer compares
     /// them with what the pod reports).
     pub cached: Option<u64>,
+    /// The routing span's `traceparent`, when traces are exported (the observing stream links
+    /// its response span to it).
+    pub trace: Option<String>,
 }
 
 impl RouteInfo {
@@ -277,6 +280,10 @@ impl RouteInfo {
         if let Some(x) = self.cached {
             s.push_str(&format!(";x={x}"));
         }
+        if let Some(t) = &self.trace {
+            s.push_str(";s=");
+            s.push_str(t);
+        }
         s
     }
 
@@ -294,6 +301,10 @@ impl RouteInfo {
                 // Advisory: a malformed prediction is dropped, not the route info.
                 "c" => info.cost = Prediction::decode(v),
                 "x" => info.cached = v.parse().ok(),
+                // Advisory too; a traceparent is 55 characters.
+                "s" if v.len() <= 128 && v.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') => {
+                    info.trace = Some(v.to_string());
+                }
                 _ => {}
             }
         }
@@ -369,11 +380,22 @@ mod route_info_tests {
             priority: -7,
             cost: None,
             cached: Some(1024),
+            trace: None,
         };
         let enc = info.encode();
         assert!(enc.ends_with(";x=1024"), "{enc}");
         assert!(enc.is_ascii() && !enc.contains(' '), "{enc}");
-        assert_eq!(RouteInfo::decode(&enc), Some(info));
+        assert_eq!(RouteInfo::decode(&enc), Some(info.clone()));
+        // The routing span's context rides along; anything but a traceparent's characters is
+        // dropped.
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let traced = RouteInfo {
+            trace: Some(tp.into()),
+            ..info.clone()
+        };
+        assert_eq!(RouteInfo::decode(&traced.encode()), Some(traced));
+        let forged = format!("{};s=<script>", info.encode());
+        assert_eq!(RouteInfo::decode(&forged).unwrap().trace, None);
         assert_eq!(RouteInfo::decode("m=a;p=x"), None);
         assert_eq!(RouteInfo::decode("m=%zz"), None);
     }

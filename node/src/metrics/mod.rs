@@ -18,7 +18,6 @@ use prometheus_client::registry::Registry;
 mod cluster;
 mod discovery;
 mod kvevents;
-pub mod logs;
 mod registrar;
 mod tenants;
 
@@ -776,7 +775,7 @@ impl Metrics {
     }
 
     pub fn encode(&self) -> String {
-        for (target, n) in logs::suppressed() {
+        for (target, n) in crate::telemetry::logs::suppressed() {
             registrar::follow(
                 &self.log_suppressed.get_or_create(&TargetLabels { target }),
                 n,

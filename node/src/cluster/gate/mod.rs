@@ -276,7 +276,7 @@ impl GlobalGate {
             st.admitted
                 .insert(seq, (Instant::now(), req.request_id.to_string()));
             st.fast += 1;
-            self.metrics.cluster.flow_admission("fast");
+            self.admitted_by("fast");
             st.push(FlowCmd::Admitted {
                 seq,
                 request_id: req.request_id.to_string(),
@@ -289,7 +289,7 @@ impl GlobalGate {
             return Pending::ready(Verdict::Dispatched(Ticket(seq)));
         }
         st.slow += 1;
-        self.metrics.cluster.flow_admission("slow");
+        self.admitted_by("slow");
         let (tx, rx) = oneshot::channel();
         let ttl: Nanos = self.config.default_request_ttl;
         let deadline = (ttl > 0).then(|| {
@@ -337,6 +337,12 @@ impl GlobalGate {
         ok
     }
 
+    /// Count how a request was admitted, and say so on its admission span (when traced).
+    fn admitted_by(&self, path: &'static str) {
+        self.metrics.cluster.flow_admission(path);
+        tracing::Span::current().record("epp.admission.path", path);
+    }
+
     /// Admission without quorum: `Some` = decided here (admitted on the local share, or 429 when
     /// failing closed); `None` = wait like a queued request, for at most `degraded_wait`.
     fn admit_degraded(
@@ -348,7 +354,7 @@ impl GlobalGate {
     ) -> Option<Pending> {
         if self.opts.partition == PartitionMode::FailClosed {
             st.degraded_rejects += 1;
-            self.metrics.cluster.flow_admission("degraded-reject");
+            self.admitted_by("degraded-reject");
             return Some(Pending::ready(Verdict::Rejected(
                 DropReason::RejectedSaturated,
             )));
@@ -363,7 +369,7 @@ impl GlobalGate {
             return None;
         }
         st.degraded_admits += 1;
-        self.metrics.cluster.flow_admission("degraded-admit");
+        self.admitted_by("degraded-admit");
         *st.degraded_running
             .entry(request_id.to_string())
             .or_default() += 1;

@@ -7,6 +7,7 @@
 
 mod observe;
 mod route;
+pub(super) mod trace;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -75,9 +76,22 @@ struct StreamState {
     subset: Option<Vec<std::net::IpAddr>>,
     /// The pod this stream routed the request to (`ip:port`), when it routed it.
     primary: Option<String>,
+    /// The ext_proc call's trace context (gRPC metadata; empty when traces are off).
+    trace_parent: HashMap<String, String>,
+    /// The routing span (disabled when traces are off or this stream did not route).
+    span: tracing::Span,
+    /// The routing span's context once it ended (the response span's parent).
+    routed_cx: Option<opentelemetry::Context>,
+    /// The response span, between the first response message and the settlement.
+    response_span: tracing::Span,
 }
 
-pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingRequest>, tx: Tx) {
+pub async fn run(
+    ctx: Arc<PickerContext>,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: Tx,
+    trace_parent: HashMap<String, String>,
+) {
     ctx.metrics.stream_opened();
     let mut st = StreamState {
         ctx: ctx.clone(),
@@ -102,6 +116,10 @@ pub async fn run(ctx: Arc<PickerContext>, mut inbound: Streaming<ProcessingReque
         usage: None,
         subset: None,
         primary: None,
+        trace_parent,
+        span: tracing::Span::none(),
+        routed_cx: None,
+        response_span: tracing::Span::none(),
     };
     loop {
         let msg = match inbound.message().await {
@@ -263,6 +281,7 @@ impl StreamState {
             .metrics
             .refused(&labels, r.code, r.status, r.reason);
         self.labels = Some(labels);
+        self.span_refused(&r);
         tracing::debug!(request_id = %self.request_id, status = r.status, message = %r.message, "request refused");
         self.phase = Phase::Done;
         self.send(Resp::ImmediateResponse(reply::immediate(&r)))

@@ -52,6 +52,7 @@ impl StreamState {
     pub(super) async fn on_response_headers(&mut self, h: HttpHeaders) -> Result<(), ()> {
         self.settles = true;
         self.learn_route();
+        self.open_response_span(header_value(h.headers.as_ref(), ":status").as_deref());
         if self.route_info.is_some() {
             let ct = header_value(h.headers.as_ref(), "content-type");
             self.usage = Some(UsageScanner::new(ct.as_deref()));
@@ -176,6 +177,7 @@ impl StreamState {
             if ended {
                 self.observed(usage, streamed);
             }
+            self.close_response_span(usage, ended);
             if let (Some(u), Some(info)) = (usage, &self.route_info) {
                 let labels = self.ctx.metrics.token_labels(
                     &info.model,

@@ -25,6 +25,9 @@ use crate::request::reject::Rejection;
 use crate::request::{self, Request};
 use crate::scheduling::scheduler::{Decision, Handler};
 use crate::scheduling::{SchedError, SchedRequest};
+use crate::telemetry::TARGET;
+use tracing::{Instrument, Span};
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// The routed answer and what the stream keeps of it for the response phase.
 struct Answer {
@@ -36,12 +39,24 @@ struct Answer {
 }
 
 impl StreamState {
-    /// Parse, admit, schedule and answer the request phase.
+    /// Parse, admit, schedule and answer the request phase (in the routing span, which ends
+    /// with the answer).
     pub(super) async fn route(&mut self) -> Result<(), ()> {
+        let span = self.open_request_span();
+        let routed = self.route_in(&span).await;
+        if !span.is_disabled() {
+            self.routed_cx = Some(span.context());
+        }
+        self.span = Span::none();
+        routed
+    }
+
+    async fn route_in(&mut self, span: &Span) -> Result<(), ()> {
         let ctx = self.ctx.clone();
         let body = self.body_started.then_some(self.body.as_slice());
-        let parsed = match request::parse_body(request::path(&self.headers), body, ctx.passthrough)
-        {
+        let parsed = tracing::info_span!(target: TARGET, parent: span, "epp.parse")
+            .in_scope(|| request::parse_body(request::path(&self.headers), body, ctx.passthrough));
+        let parsed = match parsed {
             Ok(p) => p,
             Err(r) => return self.reject(r).await,
         };
@@ -61,12 +76,21 @@ impl StreamState {
         );
         self.received(&req);
         self.key = new_request_key();
+        if !span.is_disabled() {
+            span.set_attribute("gen_ai.request.model", req.model.clone());
+            span.set_attribute("epp.target_model", req.target_model.clone());
+            span.set_attribute("epp.priority", req.meta.priority as i64);
+            if let Some(t) = &tenant {
+                span.set_attribute("epp.tenant", t.name.clone());
+            }
+        }
         // A tenant's quota comes before flow control and scheduling: its 429 costs no GPU.
         let quota = match (&ctx.quotas, tenant.as_deref()) {
             (Some(q), Some(t)) => {
                 let input = req.prompt().estimated_tokens();
                 match q
                     .admit(&self.key, t, &req.model, input, req.max_output())
+                    .instrument(tracing::info_span!(target: TARGET, parent: span, "epp.quota"))
                     .await
                 {
                     Ok(a) => Some(a),
@@ -75,7 +99,15 @@ impl StreamState {
             }
             _ => None,
         };
-        let ticket = match self.admit(&req).await {
+        let admission = tracing::info_span!(
+            target: TARGET,
+            parent: span,
+            "epp.admission",
+            epp.admission.queued = tracing::field::Empty,
+            epp.admission.path = tracing::field::Empty,
+            epp.admission.wait_ms = tracing::field::Empty,
+        );
+        let ticket = match self.admit(&req).instrument(admission).await {
             Ok(Ok(t)) => t,
             Ok(Err(r)) => {
                 self.release_quota();
@@ -168,7 +200,11 @@ impl StreamState {
             model: &req.model,
             target_model: &req.target_model,
         };
-        let pending = match self.ctx.gate.clone().admit(ask).await {
+        let asked = Instant::now();
+        let admit = self.ctx.gate.clone().admit(ask).await;
+        let here = Span::current();
+        here.record("epp.admission.queued", matches!(admit, Admit::Queued(_)));
+        let pending = match admit {
             Admit::Now(ticket) => return Ok(Ok(ticket)),
             Admit::Refused(r) => return Ok(Err(r)),
             Admit::Queued(pending) => pending,
@@ -179,6 +215,10 @@ impl StreamState {
             v = pending.wait() => v,
             _ = self.tx.closed() => return Err(()),
         };
+        here.record(
+            "epp.admission.wait_ms",
+            asked.elapsed().as_secs_f64() * 1000.0,
+        );
         Ok(match verdict {
             Verdict::Dispatched(t) => Ok(Some(t)),
             Verdict::Rejected(reason) => Err(Rejection::dropped(reason)),
@@ -205,7 +245,21 @@ impl StreamState {
         t0: Instant,
     ) -> Result<Decision, Rejection> {
         let ctx = &self.ctx;
-        let decision = ctx.scheduler.schedule(sched, candidates, &mut rand::rng());
+        let traced = tracing::info_span!(target: TARGET, parent: &self.span, "epp.schedule");
+        let decision = if traced.is_disabled() {
+            ctx.scheduler.schedule(sched, candidates, &mut rand::rng())
+        } else {
+            let mut steps = super::trace::StepTimes::new();
+            let d = ctx
+                .scheduler
+                .schedule_traced(sched, candidates, &mut rand::rng(), &mut steps);
+            steps.record(&traced);
+            traced.set_attribute("epp.candidates", candidates.len() as i64);
+            if let Ok(d) = &d {
+                super::trace::record_decision(&traced, d, candidates);
+            }
+            d
+        };
         ctx.metrics
             .scheduled(t0.elapsed().as_secs_f64(), decision.is_ok());
         let decision = match decision {
@@ -269,11 +323,26 @@ impl StreamState {
                 let matched = p.matched.get(i).copied()? * p.block_size;
                 Some(matched.min(decision.data.prompt_tokens) as u64)
             }),
+            trace: None,
+        };
+        // The pod's request continues the routing span's trace.
+        let trace = crate::telemetry::inject(&self.span);
+        let info = RouteInfo {
+            trace: trace
+                .iter()
+                .find(|(k, _)| k == crate::telemetry::TRACEPARENT)
+                .map(|(_, v)| v.clone()),
+            ..info
         };
         let mut set_headers = vec![
             header(DESTINATION_HEADER, &destination),
             header(ROUTE_INFO_HEADER, &info.encode()),
         ];
+        set_headers.extend(trace.iter().map(|(k, v)| header(k, v)));
+        if !self.span.is_disabled() {
+            self.span.set_attribute("epp.pod", destination.clone());
+            self.span.set_attribute("epp.outcome", "routed");
+        }
         // The response filter (see `response`) handles requests flow control may evict and
         // rewritten requests, whose response must show the client's model again.
         let evictable = ticket.is_some() && req.meta.priority < 0 && ctx.gate.evicts();

@@ -1,7 +1,7 @@
 //! Log hygiene: a condition that is expected and repeats — a peer restarting makes openraft log
 //! every failed replication RPC and vote request at `WARN`/`ERROR`, several times a second per
 //! peer — is logged the first time, then at most once per [`QUIET_INTERVAL`] per call site; what
-//! is held back is counted in `llm_d_epp_log_events_suppressed_total{target}`. The condition
+//! is held back is counted in `llm_d_epp_log_events_suppressed_total{target}` (the metrics room reads [`suppressed`]). The condition
 //! itself has its own metrics and state (`llm_d_epp_cluster_quorum`, `/debug/cluster`).
 
 use std::collections::HashMap;
