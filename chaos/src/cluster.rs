@@ -26,6 +26,8 @@ pub struct ClusterSpec {
     pub fallback_lb: bool,
     /// Extra environment for every replica (standalone mode), e.g. `OTEL_*`.
     pub epp_env: Vec<(String, String)>,
+    /// Envoy traces too (its OpenTelemetry tracer), exporting to this OTLP/gRPC collector.
+    pub envoy_otlp: Option<std::net::SocketAddr>,
 }
 
 impl Default for ClusterSpec {
@@ -40,6 +42,7 @@ impl Default for ClusterSpec {
             raft: false,
             fallback_lb: false,
             epp_env: vec![],
+            envoy_otlp: None,
         }
     }
 }
@@ -130,6 +133,7 @@ impl LocalCluster {
             failure_mode_allow: spec.failure_mode_allow,
             observe_responses: spec.observe_responses,
             fallback_lb: spec.fallback_lb,
+            otlp: spec.envoy_otlp,
         })
         .await?;
         Ok(LocalCluster {

@@ -24,6 +24,8 @@ pub struct EnvoyParams {
     /// Route to the pods through GIE's override_host policy (fallback endpoints tried in order,
     /// the served one reported) instead of the ORIGINAL_DST cluster.
     pub fallback_lb: bool,
+    /// Trace with Envoy's OpenTelemetry tracer, exporting to this OTLP/gRPC collector.
+    pub otlp: Option<SocketAddr>,
 }
 
 fn endpoints(addrs: &[SocketAddr]) -> String {
@@ -44,14 +46,16 @@ fn endpoints(addrs: &[SocketAddr]) -> String {
 pub fn render(p: &EnvoyParams) -> String {
     let mut text = String::with_capacity(TEMPLATE.len());
     // Blocks may nest (the fallback variant's forwarding sits inside the observe filter).
-    let (mut skip_observe, mut skip_fallback) = (false, false);
+    let (mut skip_observe, mut skip_fallback, mut skip_tracing) = (false, false, false);
     for line in TEMPLATE.lines() {
         match line.trim() {
             "# observe-begin" => skip_observe = !p.observe_responses,
             "# observe-end" => skip_observe = false,
             "# fallback-begin" => skip_fallback = !p.fallback_lb,
             "# fallback-end" => skip_fallback = false,
-            _ if skip_observe || skip_fallback => {}
+            "# tracing-begin" => skip_tracing = p.otlp.is_none(),
+            "# tracing-end" => skip_tracing = false,
+            _ if skip_observe || skip_fallback || skip_tracing => {}
             _ => {
                 text.push_str(line);
                 text.push('\n');
@@ -63,6 +67,7 @@ pub fn render(p: &EnvoyParams) -> String {
         .replace("{{EPP_ENDPOINTS}}", &endpoints(&p.epp))
         .replace("{{RR_ENDPOINTS}}", &endpoints(&p.pods))
         .replace("{{FAILURE_MODE_ALLOW}}", &p.failure_mode_allow.to_string())
+        .replace("{{OTLP_ENDPOINTS}}", &endpoints(p.otlp.as_slice()))
         .replace(
             "{{POD_CLUSTER}}",
             if p.fallback_lb {
@@ -98,6 +103,7 @@ impl EnvoyProcess {
             failure_mode_allow,
             observe_responses,
             fallback_lb: false,
+            otlp: None,
         })
         .await
     }
@@ -234,6 +240,7 @@ mod tests {
             failure_mode_allow: false,
             observe_responses: observe,
             fallback_lb: false,
+            otlp: None,
         }
     }
 
@@ -266,5 +273,13 @@ mod tests {
         });
         assert!(!text.contains("forwarding_namespaces") && !text.contains("observability_mode"));
         assert!(text.contains("cluster: fallback_pods"));
+        // Envoy's tracer only with a collector.
+        assert!(!render(&params(true)).contains("otel_collector"));
+        let text = render(&EnvoyParams {
+            otlp: Some("127.0.0.1:4317".parse().unwrap()),
+            ..params(true)
+        });
+        assert!(text.contains("envoy.tracers.opentelemetry") && text.contains("port_value: 4317"));
+        assert!(!text.contains("{{"), "{text}");
     }
 }

@@ -1,8 +1,10 @@
 //! Traces end to end: Envoy → EPP → a simulated pod, the EPP exporting over OTLP/gRPC (the
 //! standard `OTEL_*` environment) to an in-process receiver built on the OTLP protobuf types.
-//! A client request carrying a W3C `traceparent` yields the span tree `epp.request` (child of the
-//! client's span) → `epp.parse`, `epp.admission`, `epp.schedule`, and `epp.response` (linked to
-//! `epp.request`) with the GenAI attributes; a request that waited in flow control says so on its
+//! Envoy traces too (its OpenTelemetry tracer, as `deploy/local/envoy.template.yaml` configures it
+//! with a collector). A client request carrying a W3C `traceparent` yields the span tree: the
+//! client's span → Envoy's → `epp.request` (through the ext_proc call's gRPC metadata) →
+//! `epp.parse`, `epp.admission`, `epp.schedule`, and `epp.response` (linked to `epp.request`) with
+//! the GenAI attributes; a request that waited in flow control says so on its
 //! admission span; a refused one carries its status. Told `OTEL_TRACES_EXPORTER=none`, it sends
 //! nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -81,6 +83,7 @@ async fn requests_through_envoy_leave_their_span_tree() {
             ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
             ("OTEL_SERVICE_NAME".into(), "epp-under-test".into()),
         ],
+        envoy_otlp: Some(addr),
         ..ClusterSpec::default()
     })
     .await
@@ -101,17 +104,11 @@ async fn requests_through_envoy_leave_their_span_tree() {
     let a = client
         .post(&url)
         .header("traceparent", format!("00-{TRACE_ID}-{CLIENT_SPAN}-01"))
-        .header("x-request-id", "req-a")
         .json(&chat("first", 40))
         .send();
     let b = async {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        client
-            .post(&url)
-            .header("x-request-id", "req-b")
-            .json(&chat("second", 4))
-            .send()
-            .await
+        client.post(&url).json(&chat("second", 4)).send().await
     };
     let (a, b) = tokio::join!(a, b);
     let (a, b) = (a.unwrap(), b.unwrap());
@@ -121,7 +118,6 @@ async fn requests_through_envoy_leave_their_span_tree() {
     // C: refused (malformed body).
     let refused = client
         .post(&url)
-        .header("x-request-id", "req-c")
         .header("content-type", "application/json")
         .body("{not json")
         .send()
@@ -129,19 +125,26 @@ async fn requests_through_envoy_leave_their_span_tree() {
         .unwrap();
     assert_eq!(refused.status(), 400);
 
-    // Wait for the batches (100 ms schedule delay).
-    chaos::wait::until("the spans", Duration::from_secs(20), || {
+    // Wait for the EPP's batches (100 ms schedule delay) and Envoy's (flushed every 5 s).
+    chaos::wait::until("the spans", Duration::from_secs(30), || {
         let rx = rx.clone();
         async move {
             let spans = rx.spans.lock().unwrap();
             let count = |name: &str| spans.iter().filter(|(_, s)| s.name == name).count();
-            count("epp.request") >= 3 && count("epp.response") >= 2
+            let envoy = spans
+                .iter()
+                .any(|(svc, s)| svc == "envoy-gateway" && hex(&s.parent_span_id) == CLIENT_SPAN);
+            count("epp.request") >= 3 && count("epp.response") >= 2 && envoy
         }
     })
     .await
     .unwrap();
     let spans = rx.spans.lock().unwrap().clone();
-    assert!(spans.iter().all(|(svc, _)| svc == "epp-under-test"));
+    assert!(
+        spans
+            .iter()
+            .all(|(svc, _)| svc == "epp-under-test" || svc == "envoy-gateway")
+    );
     // Only routed requests have a response span (C's local reply has none).
     assert_eq!(
         spans
@@ -157,20 +160,40 @@ async fn requests_through_envoy_leave_their_span_tree() {
             .filter(|s| s.parent_span_id == parent.span_id && s.trace_id == parent.trace_id)
             .collect()
     };
-    let request = |id: &str| {
+    let requests: Vec<&Span> = spans
+        .iter()
+        .filter(|(svc, s)| svc == "epp-under-test" && s.name == "epp.request")
+        .map(|(_, s)| s)
+        .collect();
+    assert_eq!(requests.len(), 3);
+    let find = |what: &str, f: &dyn Fn(&Span) -> bool| {
+        *requests
+            .iter()
+            .find(|s| f(s))
+            .unwrap_or_else(|| panic!("no epp.request span for {what}"))
+    };
+    let ra = find("A", &|s| hex(&s.trace_id) == TRACE_ID);
+    let rb = find("B", &|s| {
+        hex(&s.trace_id) != TRACE_ID && string(s, "epp.outcome").as_deref() == Some("routed")
+    });
+    let rc = find("C", &|s| int(s, "http.response.status_code") == Some(400));
+    let envoy_span = |id: &[u8]| {
         spans
             .iter()
+            .find(|(svc, s)| svc == "envoy-gateway" && s.span_id == id)
             .map(|(_, s)| s)
-            .find(|s| {
-                s.name == "epp.request" && string(s, "http.request.id").as_deref() == Some(id)
-            })
-            .unwrap_or_else(|| panic!("no epp.request span for {id}"))
     };
 
-    // A: a child of the client's span, with its stages as children.
-    let ra = request("req-a");
-    assert_eq!(hex(&ra.trace_id), TRACE_ID);
-    assert_eq!(hex(&ra.parent_span_id), CLIENT_SPAN);
+    // A: in the client's trace, a child of Envoy's span for the ext_proc call, which descends
+    // from Envoy's span for the request, a child of the client's span; its stages as children.
+    let mut up = envoy_span(&ra.parent_span_id).expect("A's parent is Envoy's span");
+    let mut hops = 0;
+    while hex(&up.parent_span_id) != CLIENT_SPAN {
+        up = envoy_span(&up.parent_span_id).expect("Envoy's spans lead to the client's");
+        hops += 1;
+        assert!(hops < 5);
+    }
+    assert_eq!(hex(&up.trace_id), TRACE_ID);
     assert_eq!(
         string(ra, "gen_ai.request.model").as_deref(),
         Some("sim-model")
@@ -208,7 +231,6 @@ async fn requests_through_envoy_leave_their_span_tree() {
     assert_eq!(int(resp_a, "http.response.status_code"), Some(200));
 
     // B waited for A's slot: its admission span says so.
-    let rb = request("req-b");
     assert_ne!(hex(&rb.trace_id), TRACE_ID, "B started its own trace");
     let admission = children(rb)
         .into_iter()
@@ -227,7 +249,6 @@ async fn requests_through_envoy_leave_their_span_tree() {
     assert!(queued as f64 >= waited * 0.9e6, "the span covers the wait");
 
     // C: refused with its status, no schedule.
-    let rc = request("req-c");
     assert_eq!(int(rc, "http.response.status_code"), Some(400));
     assert_eq!(
         rc.status.as_ref().map(|s| s.code),

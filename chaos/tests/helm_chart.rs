@@ -67,6 +67,7 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
                 "serviceMonitor.enabled=true",
                 "prometheusRule.enabled=true",
                 "grafanaDashboard.enabled=true",
+                "tracing.otlpEndpoint=http://otel-collector.monitoring:4317",
                 "standalone.enabled=true",
                 "adminTokenSecret=epp-admin",
                 "tenantsSecret=epp-tenants",
@@ -224,8 +225,31 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
     assert_eq!(pool["spec"]["endpointPickerRef"]["name"], FULL);
     assert_eq!(pool["spec"]["endpointPickerRef"]["port"]["number"], 9002);
 
+    // Traces: the replicas get the OpenTelemetry environment, the sidecar Envoy its tracer.
+    let env = epp_container(&all)["env"].as_array().unwrap().clone();
+    let var = |name: &str| {
+        env.iter()
+            .find(|e| e["name"] == name)
+            .and_then(|e| e["value"].as_str())
+            .map(String::from)
+    };
+    assert_eq!(
+        var("OTEL_EXPORTER_OTLP_ENDPOINT").as_deref(),
+        Some("http://otel-collector.monitoring:4317")
+    );
+    assert_eq!(
+        var("OTEL_TRACES_SAMPLER").as_deref(),
+        Some("parentbased_traceidratio")
+    );
+    assert_eq!(var("OTEL_TRACES_SAMPLER_ARG").as_deref(), Some("0.05"));
     // Standalone mode's Envoy bootstrap: Envoy itself accepts it.
     let envoy_cm = find(&all, "ConfigMap", &format!("{FULL}-envoy")).unwrap();
+    let bootstrap_text = envoy_cm["data"]["envoy.yaml"].as_str().unwrap();
+    assert!(
+        bootstrap_text.contains("envoy.tracers.opentelemetry")
+            && bootstrap_text.contains("address: otel-collector.monitoring, port_value: 4317"),
+        "{bootstrap_text}"
+    );
     let bootstrap = dir.path().join("envoy.yaml");
     std::fs::write(&bootstrap, envoy_cm["data"]["envoy.yaml"].as_str().unwrap()).unwrap();
     let envoy = chaos::locate::envoy_binary().unwrap();

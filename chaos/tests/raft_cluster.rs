@@ -193,6 +193,23 @@ async fn three_replicas_elect_fail_over_restart_partition_and_grow() {
         failover_hard_limit()
     );
     all_commit_past(&c, &survivors, committed, "survivors keep committing").await;
+    // The new leader's retries towards the dead node (openraft logs each one at WARN/ERROR) are
+    // held back by the log rate limit, and counted.
+    chaos::wait::until(
+        "the new leader's repeated openraft warnings held back",
+        Duration::from_secs(10),
+        || async {
+            let m = c
+                .replica(new_leader)
+                .unwrap()
+                .metrics()
+                .await
+                .unwrap_or_default();
+            chaos::epp::metric_sum(&m, "llm_d_epp_log_events_suppressed_total") > 0.0
+        },
+    )
+    .await
+    .unwrap();
     // Nothing committed before the kill is lost: the survivors still hold every probe, in order.
     for id in &survivors {
         let v = c.replica(*id).unwrap().cluster_probes().await.unwrap();

@@ -37,17 +37,20 @@ fn noisy(meta: &Metadata<'_>) -> bool {
             .any(|t| meta.target() == *t || meta.target().starts_with(&format!("{t}::")))
 }
 
-/// The per-layer filter that rate-limits noisy call sites (combine it with the level filter).
+/// The log's per-layer filter: rate-limits noisy call sites and keeps the traces' spans out.
 #[derive(Debug)]
 pub struct Quiet {
     interval: Duration,
+    /// Spans of this target are for traces, never for the log.
+    spans_target: &'static str,
     last: Mutex<HashMap<Identifier, Instant>>,
 }
 
 impl Quiet {
-    pub fn new(interval: Duration) -> Self {
+    pub fn new(interval: Duration, spans_target: &'static str) -> Self {
         Quiet {
             interval,
+            spans_target,
             last: Mutex::default(),
         }
     }
@@ -80,11 +83,14 @@ impl Quiet {
 
 impl<S> Filter<S> for Quiet {
     fn enabled(&self, meta: &Metadata<'_>, _cx: &Context<'_, S>) -> bool {
-        self.allow(meta, Instant::now())
+        !(meta.is_span() && meta.target() == self.spans_target) && self.allow(meta, Instant::now())
     }
 
     fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
-        if noisy(meta) {
+        if meta.is_span() && meta.target() == self.spans_target {
+            // The request path's spans are for traces only.
+            Interest::never()
+        } else if noisy(meta) {
             // Asked per event: whether it may be written depends on when the last one was.
             Interest::sometimes()
         } else {
@@ -140,7 +146,7 @@ mod tests {
 
     #[test]
     fn a_noisy_site_logs_once_per_interval_and_counts_the_rest() {
-        let q = Quiet::new(Duration::from_secs(30));
+        let q = Quiet::new(Duration::from_secs(30), "epp::trace");
         let t0 = Instant::now();
         let before = count();
         assert!(q.allow(&META, t0), "the first one is written");

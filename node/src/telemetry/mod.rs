@@ -96,20 +96,22 @@ pub fn traces_from_env(env: impl Fn(&str) -> Option<String>) -> anyhow::Result<O
 /// environment asks for them — the OTLP exporter (call inside a tokio runtime: the gRPC client
 /// lives there).
 pub fn init(log_level: &str, traces: bool) -> anyhow::Result<Telemetry> {
-    // The request path's spans are for traces, never for the log.
-    let filter = tracing_subscriber::EnvFilter::try_new(format!("{log_level},{TARGET}=off"))
-        .with_context(|| format!("bad --log-level `{log_level}`"))?;
-    let fmt = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_filter(filter)
-        .with_filter(logs::Quiet::new(logs::QUIET_INTERVAL));
     let endpoint = if traces {
         traces_from_env(|k| std::env::var(k).ok())?
     } else {
         None
     };
+    // One global level filter, as cheap as a static level check for whatever it turns off: the
+    // request path's spans are on only when they are exported.
+    let spans = if endpoint.is_some() { "info" } else { "off" };
+    let filter = tracing_subscriber::EnvFilter::try_new(format!("{log_level},{TARGET}={spans}"))
+        .with_context(|| format!("bad --log-level `{log_level}`"))?;
+    // The log never shows the request path's spans, and holds back noisy libraries' repeats.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_filter(logs::Quiet::new(logs::QUIET_INTERVAL, TARGET));
     let Some(endpoint) = endpoint else {
-        tracing_subscriber::registry().with(fmt).init();
+        tracing_subscriber::registry().with(filter).with(fmt).init();
         return Ok(Telemetry { provider: None });
     };
     let exporter = opentelemetry_otlp::SpanExporter::builder()
@@ -124,6 +126,7 @@ pub fn init(log_level: &str, traces: bool) -> anyhow::Result<Telemetry> {
         .with_batch_exporter(exporter)
         .with_resource(resource.build())
         .build();
+    // Only the request path's spans become OpenTelemetry spans.
     let otel = tracing_opentelemetry::layer()
         .with_tracer(provider.tracer("llm-d-epp"))
         .with_location(false)
@@ -133,7 +136,11 @@ pub fn init(log_level: &str, traces: bool) -> anyhow::Result<Telemetry> {
         .with_filter(
             tracing_subscriber::filter::Targets::new().with_target(TARGET, tracing::Level::TRACE),
         );
-    tracing_subscriber::registry().with(fmt).with(otel).init();
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(fmt)
+        .with(otel)
+        .init();
     TRACES.store(true, Ordering::Relaxed);
     tracing::info!(%endpoint, "exporting traces over OTLP/gRPC");
     Ok(Telemetry {
