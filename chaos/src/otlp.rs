@@ -12,10 +12,24 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use opentelemetry_proto::tonic::trace::v1::Span;
 
-/// Every span received, with its resource's `service.name`.
+/// One span received and its resource's `service.name` and `service.instance.id`.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub service: String,
+    pub instance: String,
+    pub span: Span,
+}
+
+/// Every span received.
 #[derive(Clone, Default)]
 pub struct Receiver {
-    pub spans: Arc<Mutex<Vec<(String, Span)>>>,
+    pub spans: Arc<Mutex<Vec<Received>>>,
+}
+
+impl Receiver {
+    pub fn spans(&self) -> Vec<Received> {
+        self.spans.lock().map(|s| s.clone()).unwrap_or_default()
+    }
 }
 
 #[tonic::async_trait]
@@ -26,19 +40,25 @@ impl TraceService for Receiver {
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
         let mut spans = self.spans.lock().unwrap_or_else(|e| e.into_inner());
         for rs in req.into_inner().resource_spans {
-            let service = rs
-                .resource
-                .iter()
-                .flat_map(|r| &r.attributes)
-                .find(|kv| kv.key == "service.name")
-                .and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
-                    Any::StringValue(s) => Some(s.clone()),
-                    _ => None,
-                })
-                .unwrap_or_default();
+            let resource = |key: &str| {
+                rs.resource
+                    .iter()
+                    .flat_map(|r| &r.attributes)
+                    .find(|kv| kv.key == key)
+                    .and_then(|kv| match kv.value.as_ref()?.value.as_ref()? {
+                        Any::StringValue(s) => Some(s.clone()),
+                        _ => None,
+                    })
+                    .unwrap_or_default()
+            };
+            let (service, instance) = (resource("service.name"), resource("service.instance.id"));
             for ss in rs.scope_spans {
-                for s in ss.spans {
-                    spans.push((service.clone(), s));
+                for span in ss.spans {
+                    spans.push(Received {
+                        service: service.clone(),
+                        instance: instance.clone(),
+                        span,
+                    });
                 }
             }
         }

@@ -18,6 +18,14 @@ use opentelemetry_proto::tonic::trace::v1::Span;
 use serde_json::json;
 use sim::{PodKnobs, SimConfig};
 
+/// `(service.name, span)` of every span received.
+fn pairs(rx: &chaos::otlp::Receiver) -> Vec<(String, Span)> {
+    rx.spans()
+        .into_iter()
+        .map(|r| (r.service, r.span))
+        .collect()
+}
+
 fn attr<'a>(s: &'a Span, key: &str) -> Option<&'a Any> {
     s.attributes
         .iter()
@@ -129,7 +137,7 @@ async fn requests_through_envoy_leave_their_span_tree() {
     chaos::wait::until("the spans", Duration::from_secs(30), || {
         let rx = rx.clone();
         async move {
-            let spans = rx.spans.lock().unwrap();
+            let spans = pairs(&rx);
             let count = |name: &str| spans.iter().filter(|(_, s)| s.name == name).count();
             let envoy = spans
                 .iter()
@@ -139,7 +147,7 @@ async fn requests_through_envoy_leave_their_span_tree() {
     })
     .await
     .unwrap();
-    let spans = rx.spans.lock().unwrap().clone();
+    let spans = pairs(&rx);
     assert!(
         spans
             .iter()
@@ -275,7 +283,85 @@ async fn requests_through_envoy_leave_their_span_tree() {
     .await
     .unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(quiet.spans.lock().unwrap().is_empty());
+    assert!(quiet.spans().is_empty());
     drop(epp);
+    c.shutdown().await;
+}
+
+/// Two replicas behind Envoy: the observing stream of a request lands on either replica (about
+/// half the time on the other one); its response span still links to the routing span, named by
+/// the route info.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_response_span_links_to_the_routing_span_across_replicas() {
+    let (rx, addr) = receiver().await.unwrap();
+    let c = LocalCluster::start(ClusterSpec {
+        sim: SimConfig {
+            pods: 2,
+            ..SimConfig::default()
+        },
+        replicas: 2,
+        epp_env: vec![
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT".into(),
+                format!("http://{addr}"),
+            ),
+            ("OTEL_BSP_SCHEDULE_DELAY".into(), "100".into()),
+        ],
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
+    let url = format!("{}/v1/chat/completions", c.envoy.url());
+    let client = reqwest::Client::new();
+    for i in 0..20 {
+        let r = client
+            .post(&url)
+            .json(&json!({
+                "model": "sim-model",
+                "messages": [{"role": "user", "content": format!("question {i}")}],
+                "max_tokens": 4,
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        r.text().await.unwrap();
+    }
+    chaos::wait::until("the spans", Duration::from_secs(20), || {
+        let rx = rx.clone();
+        async move {
+            let spans = rx.spans();
+            spans
+                .iter()
+                .filter(|r| r.span.name == "epp.response")
+                .count()
+                >= 10
+        }
+    })
+    .await
+    .unwrap();
+    let spans = rx.spans();
+    let instances: std::collections::BTreeSet<&str> =
+        spans.iter().map(|r| r.instance.as_str()).collect();
+    assert_eq!(instances.len(), 2, "two replicas export: {instances:?}");
+    let mut across = 0;
+    for resp in spans.iter().filter(|r| r.span.name == "epp.response") {
+        let link = resp
+            .span
+            .links
+            .first()
+            .expect("every response span links to its routing span");
+        let routing = spans
+            .iter()
+            .find(|r| r.span.name == "epp.request" && r.span.span_id == link.span_id)
+            .expect("the linked routing span was exported");
+        assert_eq!(routing.span.trace_id, resp.span.trace_id);
+        if routing.instance != resp.instance {
+            across += 1;
+        }
+    }
+    println!("{across} of 20 responses observed on the other replica");
+    assert!(across > 0, "no response was observed on the other replica");
     c.shutdown().await;
 }

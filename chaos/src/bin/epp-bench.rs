@@ -442,7 +442,7 @@ async fn decisions(
         );
     }
     if traces {
-        let received = spans.spans.lock().map(|s| s.len()).unwrap_or(0);
+        let received = spans.spans().len();
         println!("spans received: {received}");
         anyhow::ensure!(
             received >= requests,

@@ -8,7 +8,8 @@
 //! protocol accepted) and reads the rest of its `OTEL_EXPORTER_OTLP_*` settings itself; the
 //! sampler is `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` (default
 //! `parentbased_always_on`; e.g. `parentbased_traceidratio` with `0.1`), the resource
-//! `OTEL_SERVICE_NAME` (default `llm-d-epp`) and `OTEL_RESOURCE_ATTRIBUTES`.
+//! `OTEL_SERVICE_NAME` (default `llm-d-epp`) and `OTEL_RESOURCE_ATTRIBUTES` (`service.instance.id`
+//! defaults to the pod or host name and the process id).
 //!
 //! The request path's spans use the target [`TARGET`]: with traces off no layer is interested in
 //! it, so creating them costs a disabled-callsite check and nothing else.
@@ -121,6 +122,16 @@ pub fn init(log_level: &str, traces: bool) -> anyhow::Result<Telemetry> {
     let mut resource = opentelemetry_sdk::Resource::builder();
     if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
         resource = resource.with_service_name("llm-d-epp");
+    }
+    // Which replica: the pod (or host) and the process, unless the environment names it.
+    let named =
+        std::env::var("OTEL_RESOURCE_ATTRIBUTES").is_ok_and(|a| a.contains("service.instance.id"));
+    if !named {
+        let host = std::env::var("POD_NAME")
+            .or_else(|_| std::env::var("HOSTNAME"))
+            .unwrap_or_else(|_| "epp".to_string());
+        let id = format!("{host}/{}", std::process::id());
+        resource = resource.with_attribute(opentelemetry::KeyValue::new("service.instance.id", id));
     }
     let provider = SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
