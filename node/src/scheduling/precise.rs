@@ -160,7 +160,8 @@ pub struct PodChanges {
 pub struct PrecisePrefixProducer {
     pub params: PreciseParams,
     index: RwLock<PreciseIndex>,
-    /// Requests scored without engine tokens (nothing could match).
+    /// Requests routed without engine tokens (nothing could match; counted when the decision is
+    /// recorded, so a dry run does not count).
     untokenized: AtomicU64,
     /// Cluster mode: the changes of the pods this replica subscribes to, for the peers.
     outbox: Mutex<Option<HashMap<String, PodChanges>>>,
@@ -319,7 +320,7 @@ impl PrecisePrefixProducer {
         self.started.elapsed().as_millis() as u64
     }
 
-    /// Requests scored without engine tokens so far.
+    /// Requests routed without engine tokens so far.
     pub fn untokenized(&self) -> u64 {
         self.untokenized.load(Ordering::Relaxed)
     }
@@ -376,24 +377,27 @@ impl KvIndex for PrecisePrefixProducer {
     }
 }
 
+/// The request's engine tokens: the token producer's, or a pre-tokenized prompt's (empty when
+/// there are none).
+fn engine_tokens<'a>(req: &SchedRequest<'a>) -> &'a [u32] {
+    match (req.tokens, req.prompt) {
+        (Some(t), _) => t,
+        (None, Prompt::Tokens(t)) => t.as_slice(),
+        _ => &[],
+    }
+}
+
 impl Producer for PrecisePrefixProducer {
     fn type_name(&self) -> &'static str {
         PRODUCER_TYPE
     }
 
     fn produce(&self, req: &SchedRequest<'_>, candidates: &[Candidate], data: &mut RequestData) {
-        let tokens = match (req.tokens, req.prompt) {
-            (Some(t), _) => t,
-            (None, Prompt::Tokens(t)) => t.as_slice(),
-            _ => &[],
-        };
+        let tokens = engine_tokens(req);
         let ix = self.read();
         let block_size = self.block_size(&ix, candidates);
         let mut matched = vec![0usize; candidates.len()];
         if tokens.is_empty() {
-            if !matches!(req.prompt, Prompt::None) {
-                self.untokenized.fetch_add(1, Ordering::Relaxed);
-            }
             data.prefix = Some(PrefixMatchInfo {
                 block_size,
                 total_blocks: data.prompt_tokens.div_ceil(block_size.max(1)),
@@ -429,12 +433,15 @@ impl Producer for PrecisePrefixProducer {
     /// first request's pod before its engine has said anything).
     fn pre_request(
         &self,
-        _req: &SchedRequest<'_>,
+        req: &SchedRequest<'_>,
         data: &RequestData,
         candidates: &[Candidate],
         primary: usize,
         prefill: Option<usize>,
     ) {
+        if engine_tokens(req).is_empty() && !matches!(req.prompt, Prompt::None) {
+            self.untokenized.fetch_add(1, Ordering::Relaxed);
+        }
         let (Some(ttl), Some(info)) = (self.speculation, &data.prefix) else {
             return;
         };
@@ -531,11 +538,17 @@ mod tests {
         let info = data.prefix.unwrap();
         assert_eq!((info.block_size, info.total_blocks), (16, 3));
         assert_eq!(info.matched, vec![0, 2]);
-        // Without engine tokens nothing matches, and the request is counted.
+        // Without engine tokens nothing matches, and the request is counted once routed.
         r.tokens = None;
         let mut data = RequestData::default();
         p.produce(&r, &cs, &mut data);
-        assert_eq!(data.prefix.unwrap().matched, vec![0, 0]);
+        assert_eq!(data.prefix.as_ref().unwrap().matched, vec![0, 0]);
+        assert_eq!(
+            p.untokenized(),
+            0,
+            "scoring alone (a dry run) counts nothing"
+        );
+        p.pre_request(&r, &data, &cs, 0, None);
         assert_eq!(p.untokenized(), 1);
         // The pod's engine evicted the second block.
         p.apply(
