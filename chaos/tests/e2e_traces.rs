@@ -121,6 +121,13 @@ async fn requests_through_envoy_leave_their_span_tree() {
     let (a, b) = tokio::join!(a, b);
     let (a, b) = (a.unwrap(), b.unwrap());
     assert_eq!((a.status().as_u16(), b.status().as_u16()), (200, 200));
+    // What the pod received: its work continues the client's trace.
+    let pod_parent = a
+        .headers()
+        .get(sim::server::RECEIVED_TRACEPARENT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(String::from)
+        .expect("the pod received a traceparent");
     let (a, b) = (a.text().await.unwrap(), b.text().await.unwrap());
     assert!(a.contains("[DONE]") && b.contains("[DONE]"));
     // C: refused (malformed body).
@@ -202,6 +209,26 @@ async fn requests_through_envoy_leave_their_span_tree() {
         assert!(hops < 5);
     }
     assert_eq!(hex(&up.trace_id), TRACE_ID);
+    // The pod's traceparent: the same trace, naming the routing span or one of Envoy's.
+    let parts: Vec<&str> = pod_parent.split('-').collect();
+    assert_eq!(parts[1], TRACE_ID, "{pod_parent}");
+    let pod_parent_id = parts[2].to_string();
+    let named = hex(&ra.span_id) == pod_parent_id
+        || spans
+            .iter()
+            .any(|(svc, s)| svc == "envoy-gateway" && hex(&s.span_id) == pod_parent_id);
+    assert!(
+        named,
+        "the pod's parent {pod_parent} is no span of the trace"
+    );
+    println!(
+        "the pod's parent span is {}",
+        if hex(&ra.span_id) == pod_parent_id {
+            "epp.request"
+        } else {
+            "Envoy's"
+        }
+    );
     assert_eq!(
         string(ra, "gen_ai.request.model").as_deref(),
         Some("sim-model")
@@ -288,9 +315,9 @@ async fn requests_through_envoy_leave_their_span_tree() {
     c.shutdown().await;
 }
 
-/// Two replicas behind Envoy: the observing stream of a request lands on either replica (about
-/// half the time on the other one); its response span still links to the routing span, named by
-/// the route info.
+/// Two replicas behind Envoy (not tracing itself): the observing stream of a request lands on
+/// either replica (about half the time on the other one); its response span still links to the
+/// routing span, named by the route info; the pod's request carries the routing span as parent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_response_span_links_to_the_routing_span_across_replicas() {
     let (rx, addr) = receiver().await.unwrap();
@@ -314,6 +341,7 @@ async fn the_response_span_links_to_the_routing_span_across_replicas() {
     c.wait_for_pods().await.unwrap();
     let url = format!("{}/v1/chat/completions", c.envoy.url());
     let client = reqwest::Client::new();
+    let mut pod_parents = Vec::new();
     for i in 0..20 {
         let r = client
             .post(&url)
@@ -326,6 +354,13 @@ async fn the_response_span_links_to_the_routing_span_across_replicas() {
             .await
             .unwrap();
         assert_eq!(r.status().as_u16(), 200);
+        let parent = r
+            .headers()
+            .get(sim::server::RECEIVED_TRACEPARENT_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(String::from)
+            .expect("the pod received a traceparent");
+        pod_parents.push(parent);
         r.text().await.unwrap();
     }
     chaos::wait::until("the spans", Duration::from_secs(20), || {
@@ -363,5 +398,15 @@ async fn the_response_span_links_to_the_routing_span_across_replicas() {
     }
     println!("{across} of 20 responses observed on the other replica");
     assert!(across > 0, "no response was observed on the other replica");
+    // Without a tracing Envoy the pod's request names the routing span itself.
+    for tp in &pod_parents {
+        let id = tp.split('-').nth(2).unwrap_or_default();
+        assert!(
+            spans
+                .iter()
+                .any(|r| r.span.name == "epp.request" && hex(&r.span.span_id) == id),
+            "the pod's traceparent {tp} is no routing span"
+        );
+    }
     c.shutdown().await;
 }

@@ -236,10 +236,18 @@ const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 /// Echo of [`PREFILLER_HEADER`] as received, so tests can see which requests were disaggregated.
 pub const RECEIVED_PREFILLER_HEADER: &str = "x-sim-received-prefiller";
 
+/// Echo of the W3C `traceparent` the request arrived with (whose span the pod's work would
+/// belong to), so tests can follow a trace to the pod.
+pub const RECEIVED_TRACEPARENT_HEADER: &str = "x-sim-received-traceparent";
+
 async fn echo_destination(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let dest = req.headers().get(DESTINATION_HEADER).cloned();
     let prefiller = req.headers().get(PREFILLER_HEADER).cloned();
+    let traceparent = req.headers().get("traceparent").cloned();
     let mut res = next.run(req).await;
+    if let Some(v) = traceparent {
+        res.headers_mut().insert(RECEIVED_TRACEPARENT_HEADER, v);
+    }
     if let Some(v) = dest {
         res.headers_mut().insert(RECEIVED_DESTINATION_HEADER, v);
     }
