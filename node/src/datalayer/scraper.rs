@@ -54,6 +54,9 @@ pub async fn scrape_loop(
     };
     let mut tick = tokio::time::interval(cfg.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // A pod that stops answering is logged once, when it starts failing and when it answers
+    // again; every failed scrape is counted (`llm_d_epp_datalayer_poll_errors_total`).
+    let mut failing = false;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -69,10 +72,17 @@ pub async fn scrape_loop(
                 ep.check(&mut m, "metrics", &metrics);
                 shard.publish(&ep.hostport, &m, unix_us());
                 store.set_metrics(&ep, m, Instant::now());
+                if std::mem::take(&mut failing) {
+                    tracing::info!(endpoint = %ep.name, "metrics scrapes succeed again");
+                }
             }
             Err(err) => {
                 metrics.poll_error();
-                tracing::debug!(endpoint = %ep.name, %err, "metrics scrape failed");
+                if !std::mem::replace(&mut failing, true) {
+                    tracing::warn!(endpoint = %ep.name, %err, "metrics scrape failed; the pod is scored without metrics once its last sample is stale (logged again when it answers)");
+                } else {
+                    tracing::debug!(endpoint = %ep.name, %err, "metrics scrape failed");
+                }
             }
         }
     }
