@@ -367,11 +367,9 @@ async fn the_response_span_links_to_the_routing_span_across_replicas() {
         let rx = rx.clone();
         async move {
             let spans = rx.spans();
-            spans
-                .iter()
-                .filter(|r| r.span.name == "epp.response")
-                .count()
-                >= 10
+            // Routing and response spans travel in different batches: wait for all of both.
+            let count = |name: &str| spans.iter().filter(|r| r.span.name == name).count();
+            count("epp.request") >= 20 && count("epp.response") >= 20
         }
     })
     .await
