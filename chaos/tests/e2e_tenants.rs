@@ -2,13 +2,12 @@
 //! grants instead of the client's control headers, quotas before flow control, billing.
 //!
 //! Tenant A has 3× B's concurrency and tokens per minute. A runs as many clients as its
-//! concurrency allows, B three times its own, for 20 s; B's extra clients retry quickly on 429.
-//! Checked from outside the EPP (what Envoy returned, the usage the pods reported): B gets
-//! `rejected-quota-concurrency` 429s with `Retry-After` and A almost none (at most 2% of its
-//! requests: a response reaches the client a moment before the observing ext_proc stream reports
-//! its end, so a client that resubmits at once can find its slot not yet settled — the quota errs
-//! on the safe side, never above the limit); the tokens the pods served
-//! each tenant follow 3:1 within 10%; every success carries the `x-ratelimit-*` headers. B's
+//! concurrency allows, B three times its own, for a minute; B's extra clients retry quickly on
+//! 429. Checked from outside the EPP (what Envoy returned, the usage the pods reported): B gets
+//! `rejected-quota-concurrency` 429s with `Retry-After` and A none (a response reaches the client
+//! a moment before the observing ext_proc stream reports its end: A's clients resubmit at once
+//! and must find the slot they just gave back); the tokens the pods served each tenant follow
+//! 3:1 within 10%; every success carries the `x-ratelimit-*` headers. B's
 //! spoofed objective and fairness id change nothing (the EPP's token metrics file B's requests
 //! under B's granted id and priority). A tenant with a small token quota gets
 //! `rejected-quota-tpm`; a streamed response the client cuts is billed the tokens generated
@@ -291,8 +290,8 @@ async fn tenants_get_their_quota_share_and_nothing_more() {
             >= 1
     );
 
-    // A and B saturate their concurrency for 20 s; B spoofs A's objective and fairness id.
-    let until = Instant::now() + Duration::from_secs(20);
+    // A and B saturate their concurrency for a minute; B spoofs A's objective and fairness id.
+    let until = Instant::now() + Duration::from_secs(60);
     let (a, b) = (Arc::new(Tally::default()), Arc::new(Tally::default()));
     let mut tasks = Vec::new();
     for i in 0..6 {
@@ -334,10 +333,7 @@ async fn tenants_get_their_quota_share_and_nothing_more() {
          {b_429} quota 429s; tokens A:B = {ratio:.3}"
     );
     assert_eq!((a_other, b_other), (0, 0));
-    assert!(
-        a_429 * 50 <= a_ok,
-        "A: {a_429} quota 429s for {a_ok} requests"
-    );
+    assert_eq!(a_429, 0, "A: {a_429} quota 429s for {a_ok} requests");
     assert!(b_429 > 0, "B never hit its concurrency quota");
     assert!((2.7..=3.3).contains(&ratio), "tokens A:B = {ratio:.3}");
     for t in [&a, &b] {

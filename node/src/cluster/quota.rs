@@ -10,8 +10,9 @@
 //! * **Top-up** — otherwise ask for more ([`QuotaCmd::Want`]: the shortfall plus one more such
 //!   request) and wait for the batch to apply; the state grants what the buckets hold, so if the
 //!   slice still falls short the request is over quota cluster-wide: 429 with the reason of the
-//!   first dimension that lacks. No lease (a partition, an election): wait up to
-//!   [`DECIDE_WITHIN`], then 503.
+//!   first dimension that lacks — except that a request short of a concurrency slot first waits
+//!   up to [`CONCURRENCY_GRACE`] for a settlement to free one. No lease (a partition, an
+//!   election): wait up to [`DECIDE_WITHIN`], then 503.
 //! * Settlements and releases of any replica's requests go through the same outbox; the batch's
 //!   output says what it billed (metrics and the usage log are written here). Slices unused for
 //!   [`IDLE_RETURN`] go back, so a tenant's budget follows its traffic across replicas.
@@ -33,7 +34,9 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::member::ClusterMember;
-use crate::request::quota::{AccountView, Billing, NotAdmitted, QuotaLedger, Reported};
+use crate::request::quota::{
+    AccountView, Billing, CONCURRENCY_GRACE, NotAdmitted, QuotaLedger, Reported,
+};
 
 /// How long a request may wait for a top-up or for the lease to come back.
 pub const DECIDE_WITHIN: Duration = Duration::from_secs(2);
@@ -195,18 +198,25 @@ impl ClusterQuota {
         let account: Account = (ask.tenant.to_string(), ask.limit_key.to_string());
         let output_budget = ask.limits.output_budget(ask.max_output);
         let debit = ask.input_tokens.saturating_add(output_budget.unwrap_or(0));
-        let deadline = tokio::time::Instant::now() + DECIDE_WITHIN;
+        let start = tokio::time::Instant::now();
+        let (grace, deadline) = (start + CONCURRENCY_GRACE, start + DECIDE_WITHIN);
         // The batch that carries this request's top-up, once asked.
         let mut asked: Option<u64> = None;
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if let Some(done) = self.try_admit(&ask, &account, debit, output_budget, &mut asked) {
+            let now = tokio::time::Instant::now();
+            let waiting = now < grace;
+            if let Some(done) =
+                self.try_admit(&ask, &account, debit, output_budget, &mut asked, waiting)
+            {
                 self.wake.notify_one();
                 return done;
             }
-            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+            // Wake at the end of the grace (to refuse) or at the deadline (no lease: 503).
+            let until = if waiting { grace } else { deadline };
+            if tokio::time::timeout_at(until, changed).await.is_err() && !waiting {
                 return Err(NotAdmitted::Unavailable);
             }
         }
@@ -221,6 +231,7 @@ impl ClusterQuota {
         debit: u64,
         output_budget: Option<u64>,
         asked: &mut Option<u64>,
+        grace: bool,
     ) -> Option<Result<Granted, NotAdmitted>> {
         let limits = ask.limits;
         let mut st = self.lock();
@@ -303,6 +314,12 @@ impl ClusterQuota {
             return None;
         }
         if asked.is_some() && !topped_up {
+            return None;
+        }
+        if reason == QuotaReason::Concurrency && grace {
+            // Every slot of the cluster is held: wait (within the grace) for a settlement to
+            // free one, then ask again.
+            *asked = None;
             return None;
         }
         // Over quota cluster-wide: the top-up applied and the slice still falls short, or the

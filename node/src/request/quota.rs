@@ -173,6 +173,12 @@ pub fn now() -> Nanos {
         .map_or(0, |d| d.as_nanos() as Nanos)
 }
 
+/// How long a request over its tenant's concurrency waits for a slot before its 429. The client
+/// reads a response's last byte a moment before the EPP's observing stream reports the end (and,
+/// in cluster mode, before the settlement is applied): a client that sends its next request at
+/// once must find the slot it just gave back, not a 429.
+pub const CONCURRENCY_GRACE: Duration = Duration::from_millis(100);
+
 /// No limit at all (a model without an entry and no `*`).
 pub const NO_LIMITS: Limits = Limits {
     requests_per_minute: None,
@@ -188,6 +194,8 @@ pub struct LocalLedger {
     tenants: Arc<Live<Tenants>>,
     book: Mutex<QuotaBook>,
     billing: Arc<Billing>,
+    /// A request settled or was released: its slot is free ([`CONCURRENCY_GRACE`] waiters).
+    freed: tokio::sync::Notify,
 }
 
 impl LocalLedger {
@@ -196,6 +204,7 @@ impl LocalLedger {
             tenants,
             book: Mutex::new(QuotaBook::new()),
             billing,
+            freed: tokio::sync::Notify::new(),
         }
     }
 
@@ -213,13 +222,32 @@ impl LocalLedger {
 
 impl QuotaLedger for LocalLedger {
     fn admit<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Granted, NotAdmitted>> {
-        let mut book = self.book();
-        let r = book.admit(now(), ask).map_err(NotAdmitted::Quota);
-        if r.is_ok() {
-            let n = book.in_flight(ask.tenant, ask.limit_key);
-            self.billing.in_flight(ask.tenant, ask.limit_key, n);
+        async move {
+            let grace = tokio::time::Instant::now() + CONCURRENCY_GRACE;
+            loop {
+                let freed = self.freed.notified();
+                tokio::pin!(freed);
+                freed.as_mut().enable();
+                {
+                    let mut book = self.book();
+                    let full = ask
+                        .limits
+                        .concurrency
+                        .is_some_and(|c| book.in_flight(ask.tenant, ask.limit_key) >= c);
+                    if !full || tokio::time::Instant::now() >= grace {
+                        let r = book.admit(now(), ask).map_err(NotAdmitted::Quota);
+                        if r.is_ok() {
+                            let n = book.in_flight(ask.tenant, ask.limit_key);
+                            self.billing.in_flight(ask.tenant, ask.limit_key, n);
+                        }
+                        return r;
+                    }
+                }
+                // Every slot is held: wait (bounded) for one to be given back.
+                let _ = tokio::time::timeout_at(grace, freed).await;
+            }
         }
-        futures::future::ready(r).boxed()
+        .boxed()
     }
 
     fn settle(&self, key: &str, reported: Reported) -> Option<Billed> {
@@ -230,6 +258,7 @@ impl QuotaLedger for LocalLedger {
         let settled = book.settle(now(), key, spent, &limits)?;
         let n = book.in_flight(&hold.tenant, &hold.limit_key);
         drop(book);
+        self.freed.notify_waiters();
         self.billing.in_flight(&hold.tenant, &hold.limit_key, n);
         Some(Billed {
             key: key.to_string(),
@@ -250,6 +279,7 @@ impl QuotaLedger for LocalLedger {
         book.release(now(), key, &limits);
         let n = book.in_flight(&hold.tenant, &hold.limit_key);
         drop(book);
+        self.freed.notify_waiters();
         self.billing.in_flight(&hold.tenant, &hold.limit_key, n);
     }
 
@@ -615,6 +645,35 @@ mod tests {
         q.admit("k4", t, "m", 1, None).await.unwrap();
         let s = q.status().await;
         assert_eq!(s["tenants"][0]["limits"]["*"]["inFlight"], 1);
-        assert_eq!(s["tenants"][0]["limits"]["*"]["tokens"]["remaining"], 692);
+        // 1000 - 200 - 7 - 1, plus the refill while k2 waited out the concurrency grace
+        // (1000 a minute: under 2 tokens in 100 ms).
+        let left = s["tenants"][0]["limits"]["*"]["tokens"]["remaining"]
+            .as_u64()
+            .unwrap();
+        assert!((692..=695).contains(&left), "{left} tokens left");
+    }
+
+    #[tokio::test]
+    async fn a_request_over_concurrency_waits_the_grace_for_a_slot() {
+        let q = Arc::new(quotas());
+        let t = q.tenants().get("b").unwrap().clone();
+        q.admit("k1", &t, "m", 1, None).await.unwrap();
+        // The only slot is given back 20 ms after the next request arrives: it is admitted.
+        let started = std::time::Instant::now();
+        let waiter = {
+            let (q, t) = (q.clone(), t.clone());
+            tokio::spawn(async move { q.admit("k2", &t, "m", 1, None).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        q.settle("k1", Reported::default());
+        assert!(waiter.await.unwrap().is_ok());
+        assert!(started.elapsed() < CONCURRENCY_GRACE);
+        // Nobody gives k2's slot back: k3 is refused once the grace is over, counted once.
+        let started = std::time::Instant::now();
+        let r = q.admit("k3", &t, "m", 1, None).await.unwrap_err();
+        assert_eq!(r.reason, Some("rejected-quota-concurrency"));
+        assert!(started.elapsed() >= CONCURRENCY_GRACE);
+        let rows = q.usage(0).await;
+        assert_eq!(rows[0].1.rejected.values().sum::<u64>(), 1);
     }
 }
