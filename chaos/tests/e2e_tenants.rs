@@ -11,7 +11,7 @@
 //! spoofed objective and fairness id change nothing (the EPP's token metrics file B's requests
 //! under B's granted id and priority). A tenant with a small token quota gets
 //! `rejected-quota-tpm`; a streamed response the client cuts is billed the tokens generated
-//! before the cut; requests without a key or with an unknown one get 401. Rotating a key in the
+//! before the cut (the EPP asked the engine for cumulative usage on every chunk); requests without a key or with an unknown one get 401. Rotating a key in the
 //! tenants file takes effect without a restart; a broken file is refused and changes nothing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -213,12 +213,27 @@ async fn tenants_get_their_quota_share_and_nothing_more() {
         .await
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
-    let mut events = 0;
+    // Tenant mode asks the engine for cumulative usage on every chunk (the client did not).
+    let (mut events, mut text, mut seen_output) = (0, String::new(), Vec::new());
     while events < 10 {
         let chunk = resp.chunk().await.unwrap().expect("the stream goes on");
-        events += String::from_utf8_lossy(&chunk).matches("data:").count();
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = text.find("\n\n") {
+            let event: String = text.drain(..end + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            events += 1;
+            let v: Value = serde_json::from_str(data).unwrap();
+            seen_output.push(v["usage"]["completion_tokens"].as_u64().expect(data));
+        }
     }
     drop(resp);
+    let last_seen = *seen_output.last().unwrap();
+    assert!(
+        seen_output.windows(2).all(|w| w[0] <= w[1]) && last_seen >= 8,
+        "{seen_output:?}"
+    );
     let epp = c.epp(0).unwrap();
     let ledger = || async {
         let v = epp.admin_json("/debug/usage").await.unwrap();
@@ -246,8 +261,9 @@ async fn tenants_get_their_quota_share_and_nothing_more() {
     println!("cut stream: {events} events read, {output} output tokens billed");
     assert_eq!(cut, 1, "billed as a disconnect");
     assert!(
-        (events as u64..300).contains(&output),
-        "billed {output} output tokens for a stream cut after {events} events of 400"
+        (last_seen..300).contains(&output),
+        "billed {output} output tokens for a stream cut after {events} events of 400 \
+         (the last usage the client saw: {last_seen})"
     );
 
     // A small token quota: 1500 a minute, ~1 token per 4 prompt characters + the default 16.

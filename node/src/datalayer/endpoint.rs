@@ -41,6 +41,13 @@ impl Engine {
             _ => Engine::Vllm,
         }
     }
+
+    /// The engine's OpenAI server takes `stream_options.continuous_usage_stats` (cumulative
+    /// usage on every streamed chunk): vLLM, SGLang and `trtllm-serve` do; Triton's frontend is
+    /// not known to.
+    pub fn streams_continuous_usage(self) -> bool {
+        !matches!(self, Engine::TritonTrtllm)
+    }
 }
 
 /// What one scrape of a model server told us. Missing values stay `None`.

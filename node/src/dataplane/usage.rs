@@ -212,6 +212,30 @@ mod tests {
     }
 
     #[test]
+    fn continuous_usage_of_a_cut_stream_is_the_last_chunk_seen() {
+        let chunk = |n: u64| {
+            format!(
+                "data: {{\"choices\":[{{\"delta\":{{\"content\":\"t\"}}}}],\"usage\":{{\"prompt_tokens\":40,\"completion_tokens\":{n}}}}}\n\n"
+            )
+        };
+        let mut s = UsageScanner::new(Some("text/event-stream"));
+        for n in 1..=5 {
+            s.feed(chunk(n).as_bytes());
+        }
+        // Cut mid-event: the partial line is not a usage.
+        s.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"t\"}}],\"usage\":{\"prompt_to");
+        assert_eq!(s.events(), 5);
+        assert_eq!(
+            s.finish(),
+            Some(Usage {
+                input: 40,
+                output: 5,
+                cached: 0
+            })
+        );
+    }
+
+    #[test]
     fn anthropic_stream_and_message() {
         let stream = [
             "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":10,\"cache_read_input_tokens\":30,\"output_tokens\":1}}}\n\n",

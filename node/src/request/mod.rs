@@ -154,11 +154,13 @@ impl Request {
     /// The body as the model server must receive it: the target model, the output maximum a
     /// tenant's quota allows (`max_output`, written when the client asked more or nothing), and —
     /// for a streaming OpenAI request whose body is streamed back by the data plane — usage
-    /// reporting asked for, so token metrics, quotas and flow control see real counts.
+    /// reporting asked for, so token metrics, quotas and flow control see real counts (on every
+    /// chunk when `continuous_usage`).
     pub fn upstream_body(
         &self,
         mut body: Vec<u8>,
         editable_usage: bool,
+        continuous_usage: bool,
         max_output: Option<u64>,
     ) -> Vec<u8> {
         if self.rewritten()
@@ -174,8 +176,11 @@ impl Request {
             body = edited;
         }
         if editable_usage
-            && let Some(edit) = self.parsed.as_ref().and_then(|p| p.usage_edit)
-            && let Some(edited) = parse::with_include_usage(&body, edit)
+            && let Some(edit) = self
+                .parsed
+                .as_ref()
+                .and_then(|p| p.usage_edit(continuous_usage))
+            && let Some(edited) = parse::with_usage_reporting(&body, edit)
         {
             body = edited;
         }

@@ -78,21 +78,54 @@ pub struct ParsedRequest {
     pub prompt: Prompt,
     /// vLLM's `cache_salt` (salts the prefix-cache hashes).
     pub cache_salt: Option<String>,
-    /// A streaming OpenAI request that did not ask for usage: how to add
-    /// `stream_options.include_usage: true` so the response reports token counts.
-    pub usage_edit: Option<UsageEdit>,
+    /// A streaming OpenAI request's `stream_options` as the client sent them (`None` for other
+    /// requests): what [`ParsedRequest::usage_edit`] must add for the response to report usage.
+    pub stream_options: Option<StreamOptions>,
     /// The most output tokens the request asks for (`max_completion_tokens`, else `max_tokens`;
     /// 0 for embeddings, which generate nothing).
     pub max_output: Option<u64>,
 }
 
-/// How to turn on `stream_options.include_usage` in a request body.
+/// A streaming OpenAI request's `stream_options`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamOptions {
+    /// No `stream_options` key.
+    Absent,
+    /// `"stream_options": null`, or not an object.
+    Null,
+    /// An object, with `include_usage` and `continuous_usage_stats` set to `true` or not.
+    Present {
+        include_usage: bool,
+        continuous: bool,
+    },
+}
+
+/// How to turn on usage reporting (`stream_options.include_usage`, and
+/// `continuous_usage_stats` when asked) in a request body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UsageEdit {
     /// No `stream_options` key: append one before the closing brace (no re-serialization).
-    Append,
-    /// `stream_options` exists without `include_usage: true`: re-serialize with it set.
-    Rewrite,
+    Append { continuous: bool },
+    /// `stream_options` is null or lacks what is wanted: re-serialize with it set.
+    Rewrite { continuous: bool },
+}
+
+impl ParsedRequest {
+    /// The edit that makes the response report usage — at its end, and on every chunk when
+    /// `continuous` (vLLM's, SGLang's and TRT-LLM's `continuous_usage_stats`: a stream the client
+    /// cuts is then billed exactly what was generated) — or `None` when the client asked already
+    /// or the request does not stream OpenAI chunks.
+    pub fn usage_edit(&self, continuous: bool) -> Option<UsageEdit> {
+        match self.stream_options? {
+            StreamOptions::Absent => Some(UsageEdit::Append { continuous }),
+            StreamOptions::Null => Some(UsageEdit::Rewrite { continuous }),
+            StreamOptions::Present {
+                include_usage,
+                continuous: has,
+            } => (!include_usage || (continuous && !has))
+                .then_some(UsageEdit::Rewrite { continuous }),
+        }
+    }
 }
 
 /// The JSON body with its `model` set to `model`; `None` if it is not a JSON object.
@@ -117,28 +150,40 @@ pub fn with_max_output(body: &[u8], n: u64) -> Option<Vec<u8>> {
     serde_json::to_vec(&v).ok()
 }
 
-/// The body with `stream_options.include_usage: true`; `None` if it cannot be edited safely.
-pub fn with_include_usage(body: &[u8], edit: UsageEdit) -> Option<Vec<u8>> {
+/// The body with `stream_options.include_usage: true` (and `continuous_usage_stats: true` when
+/// the edit asks it); `None` if it cannot be edited safely.
+pub fn with_usage_reporting(body: &[u8], edit: UsageEdit) -> Option<Vec<u8>> {
     match edit {
-        UsageEdit::Append => {
+        UsageEdit::Append { continuous } => {
             let end = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
             if body[end] != b'}' {
                 return None;
             }
-            const FIELD: &[u8] = br#","stream_options":{"include_usage":true}"#;
-            let mut out = Vec::with_capacity(body.len() + FIELD.len());
+            let field: &[u8] = if continuous {
+                br#","stream_options":{"include_usage":true,"continuous_usage_stats":true}"#
+            } else {
+                br#","stream_options":{"include_usage":true}"#
+            };
+            let mut out = Vec::with_capacity(body.len() + field.len());
             out.extend_from_slice(&body[..end]);
-            out.extend_from_slice(FIELD);
+            out.extend_from_slice(field);
             out.extend_from_slice(&body[end..]);
             Some(out)
         }
-        UsageEdit::Rewrite => {
+        UsageEdit::Rewrite { continuous } => {
             let mut v: Value = serde_json::from_slice(body).ok()?;
-            let opts = v
-                .as_object_mut()?
-                .get_mut("stream_options")?
-                .as_object_mut()?;
+            let obj = v.as_object_mut()?;
+            let opts = obj
+                .entry("stream_options")
+                .or_insert_with(|| Value::Object(serde_json::Map::new()));
+            if !opts.is_object() {
+                *opts = Value::Object(serde_json::Map::new());
+            }
+            let opts = opts.as_object_mut()?;
             opts.insert("include_usage".into(), Value::Bool(true));
+            if continuous {
+                opts.insert("continuous_usage_stats".into(), Value::Bool(true));
+            }
             serde_json::to_vec(&v).ok()
         }
     }
@@ -239,7 +284,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             stream: false,
             prompt: Prompt::None,
             cache_salt: None,
-            usage_edit: None,
+            stream_options: None,
             max_output: None,
         });
     }
@@ -315,20 +360,19 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         .get("cache_salt")
         .and_then(Value::as_str)
         .map(String::from);
-    let usage_edit = match (kind, stream, obj.get("stream_options")) {
-        (ApiKind::ChatCompletions | ApiKind::Completions, true, None | Some(Value::Null)) => {
-            // `"stream_options": null` would be duplicated by appending: rewrite instead.
-            if obj.contains_key("stream_options") {
-                None
-            } else {
-                Some(UsageEdit::Append)
+    let stream_options = match (kind, stream, obj.get("stream_options")) {
+        (ApiKind::ChatCompletions | ApiKind::Completions, true, opts) => Some(match opts {
+            None => StreamOptions::Absent,
+            Some(Value::Object(o)) => {
+                let on = |k: &str| o.get(k) == Some(&Value::Bool(true));
+                StreamOptions::Present {
+                    include_usage: on("include_usage"),
+                    continuous: on("continuous_usage_stats"),
+                }
             }
-        }
-        (ApiKind::ChatCompletions | ApiKind::Completions, true, Some(Value::Object(o)))
-            if o.get("include_usage") != Some(&Value::Bool(true)) =>
-        {
-            Some(UsageEdit::Rewrite)
-        }
+            // `"stream_options": null` would be duplicated by appending: rewrite instead.
+            Some(_) => StreamOptions::Null,
+        }),
         _ => None,
     };
     let max_output = match kind {
@@ -343,7 +387,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         stream,
         prompt,
         cache_salt,
-        usage_edit,
+        stream_options,
         max_output,
     })
 }
@@ -394,38 +438,59 @@ mod tests {
     }
 
     #[test]
-    fn include_usage_is_added_to_streaming_openai_requests_only() {
+    fn usage_reporting_is_added_to_streaming_openai_requests_only() {
         let p = |body: &str| parse(ApiKind::ChatCompletions, body.as_bytes()).unwrap();
+        let opts = |body: &[u8]| {
+            let v: Value = serde_json::from_slice(body).unwrap();
+            v["stream_options"].clone()
+        };
         let plain = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}  "#;
-        let edit = p(plain).usage_edit.unwrap();
-        assert_eq!(edit, UsageEdit::Append);
-        let out = with_include_usage(plain.as_bytes(), edit).unwrap();
+        let edit = p(plain).usage_edit(false).unwrap();
+        assert_eq!(edit, UsageEdit::Append { continuous: false });
+        let out = with_usage_reporting(plain.as_bytes(), edit).unwrap();
+        assert_eq!(opts(&out), serde_json::json!({"include_usage": true}));
         let v: Value = serde_json::from_slice(&out).unwrap();
-        assert_eq!(v["stream_options"]["include_usage"], Value::Bool(true));
         assert_eq!(v["messages"][0]["content"], "hi");
-        let other = r#"{"stream":true,"stream_options":{"continuous_usage_stats":true},"messages":[{"role":"user","content":"x"}]}"#;
-        let edit = p(other).usage_edit.unwrap();
-        assert_eq!(edit, UsageEdit::Rewrite);
-        let v: Value =
-            serde_json::from_slice(&with_include_usage(other.as_bytes(), edit).unwrap()).unwrap();
+        let edit = p(plain).usage_edit(true).unwrap();
+        let out = with_usage_reporting(plain.as_bytes(), edit).unwrap();
         assert_eq!(
-            v["stream_options"]["continuous_usage_stats"],
-            Value::Bool(true)
+            opts(&out),
+            serde_json::json!({"include_usage": true, "continuous_usage_stats": true})
         );
-        assert_eq!(v["stream_options"]["include_usage"], Value::Bool(true));
-        // Already asked, not streaming, null options, other APIs: untouched.
-        assert_eq!(p(r#"{"stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"x"}]}"#).usage_edit, None);
+        // The client's other options stay; what it turned off is turned on.
+        let other = r#"{"stream":true,"stream_options":{"continuous_usage_stats":true,"x":1},"messages":[{"role":"user","content":"x"}]}"#;
+        let edit = p(other).usage_edit(true).unwrap();
+        assert_eq!(edit, UsageEdit::Rewrite { continuous: true });
+        let out = with_usage_reporting(other.as_bytes(), edit).unwrap();
         assert_eq!(
-            p(r#"{"stream":false,"messages":[{"role":"user","content":"x"}]}"#).usage_edit,
+            opts(&out),
+            serde_json::json!({"include_usage": true, "continuous_usage_stats": true, "x": 1})
+        );
+        let off = r#"{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":false},"messages":[{"role":"user","content":"x"}]}"#;
+        assert_eq!(p(off).usage_edit(false), None);
+        let edit = p(off).usage_edit(true).unwrap();
+        let out = with_usage_reporting(off.as_bytes(), edit).unwrap();
+        assert_eq!(opts(&out)["continuous_usage_stats"], Value::Bool(true));
+        // `null` options are replaced (appending would make a duplicate key).
+        let null =
+            r#"{"stream":true,"stream_options":null,"messages":[{"role":"user","content":"x"}]}"#;
+        let edit = p(null).usage_edit(false).unwrap();
+        assert_eq!(edit, UsageEdit::Rewrite { continuous: false });
+        let out = with_usage_reporting(null.as_bytes(), edit).unwrap();
+        assert_eq!(opts(&out), serde_json::json!({"include_usage": true}));
+        // Already asked, not streaming, other APIs: untouched.
+        let asked = r#"{"stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true},"messages":[{"role":"user","content":"x"}]}"#;
+        assert_eq!(p(asked).usage_edit(true), None);
+        assert_eq!(
+            p(r#"{"stream":false,"messages":[{"role":"user","content":"x"}]}"#).usage_edit(true),
             None
         );
-        assert_eq!(p(r#"{"stream":true,"stream_options":null,"messages":[{"role":"user","content":"x"}]}"#).usage_edit, None);
         let a = parse(
             ApiKind::AnthropicMessages,
             br#"{"stream":true,"max_tokens":5,"messages":[]}"#,
         )
         .unwrap();
-        assert_eq!(a.usage_edit, None);
+        assert_eq!(a.usage_edit(true), None);
     }
 
     #[test]

@@ -135,11 +135,13 @@ pub(super) async fn generate(pod: Arc<Pod>, kind: Kind, body: Bytes) -> Response
         responses: None,
     };
     if stream {
-        let include_usage = req
-            .stream_options
-            .map(|o| o.include_usage.unwrap_or(true))
-            .unwrap_or(false);
-        stream_response(job, include_usage)
+        let (include_usage, continuous) = req.stream_options.map_or((false, false), |o| {
+            (
+                o.include_usage.unwrap_or(true),
+                o.continuous_usage_stats.unwrap_or(false),
+            )
+        });
+        stream_response(job, include_usage, continuous)
     } else {
         full_response(job).await
     }

@@ -15,6 +15,9 @@ use crate::tokenizer::{self, ChatMessage, Content, Prompt};
 pub(super) struct StreamOptions {
     #[serde(default)]
     pub(super) include_usage: Option<bool>,
+    /// vLLM's extension: cumulative usage on every chunk.
+    #[serde(default)]
+    pub(super) continuous_usage_stats: Option<bool>,
 }
 
 /// The fields of a generation request the simulator acts on; everything else is accepted and ignored.

@@ -204,7 +204,7 @@ pub(super) async fn responses(State(pod): State<Arc<Pod>>, body: Bytes) -> Respo
         pod,
     };
     if req.stream.unwrap_or(false) {
-        stream_response(job, false)
+        stream_response(job, false, false)
     } else {
         full_response(job).await
     }

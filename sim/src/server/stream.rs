@@ -29,6 +29,10 @@ pub(super) enum Step {
 pub(super) struct StreamState {
     pub(super) job: Job,
     pub(super) include_usage: bool,
+    /// `stream_options.continuous_usage_stats`: cumulative usage on every chunk.
+    pub(super) continuous_usage: bool,
+    /// Output tokens sent so far.
+    pub(super) generated: u64,
     pub(super) step: Step,
     pub(super) run: Option<Running>,
     pub(super) prompt_tokens: usize,
@@ -51,13 +55,22 @@ impl StreamState {
             Kind::Chat => "chat.completion.chunk",
             _ => "text_completion",
         };
-        let v = json!({
+        let mut v = json!({
             "id": self.job.id,
             "object": object,
             "created": self.job.created,
             "model": self.job.model,
             "choices": choices,
         });
+        if self.continuous_usage {
+            let prompt = self.prompt_tokens as u64;
+            v["usage"] = json!({
+                "prompt_tokens": prompt,
+                "completion_tokens": self.generated,
+                "total_tokens": prompt + self.generated,
+                "prompt_tokens_details": { "cached_tokens": self.cached },
+            });
+        }
         format!("data: {v}\n\n")
     }
 
@@ -110,6 +123,7 @@ impl StreamState {
                         "delta": {"type": "text_delta", "text": text}}),
             )
         } else {
+            self.generated += 1;
             self.chunk(self.choice(p, Some(text), false, false))
         }
     }
@@ -337,7 +351,7 @@ impl StreamState {
     }
 }
 
-pub(super) fn stream_response(job: Job, include_usage: bool) -> Response {
+pub(super) fn stream_response(job: Job, include_usage: bool, continuous_usage: bool) -> Response {
     let step = if job.responses.is_some() {
         Step::Begin
     } else {
@@ -346,6 +360,8 @@ pub(super) fn stream_response(job: Job, include_usage: bool) -> Response {
     let state = StreamState {
         job,
         include_usage,
+        continuous_usage,
+        generated: 0,
         step,
         run: None,
         prompt_tokens: 0,

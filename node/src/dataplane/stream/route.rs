@@ -36,6 +36,8 @@ struct Answer {
     on_headers: bool,
     info: RouteInfo,
     primary: Option<String>,
+    /// The primary pod's engine streams cumulative usage on every chunk when asked.
+    continuous_usage: bool,
 }
 
 impl StreamState {
@@ -152,8 +154,11 @@ impl StreamState {
         ctx.scheduler.pre_request(&sched, &decision, &candidates);
         let body = std::mem::take(&mut self.body);
         let editable = self.request_body_mode == FULL_DUPLEX;
+        // Tenant mode bills a stream the client cuts what was generated: exact when the engine
+        // reports usage on every chunk.
+        let continuous = quota.is_some() && answer.continuous_usage;
         let max_output = quota.and_then(|q| q.output_budget).filter(|_| editable);
-        let body = req.upstream_body(body, editable, max_output);
+        let body = req.upstream_body(body, editable, continuous, max_output);
         let mut sent = self.send_full(answer.response).await;
         if sent.is_ok() && answer.on_headers && self.body_started {
             sent = self.stream_body_back(body).await;
@@ -403,6 +408,8 @@ impl StreamState {
             on_headers,
             info,
             primary: primary.map(|i| candidates[i].endpoint.hostport.clone()),
+            continuous_usage: primary
+                .is_some_and(|i| candidates[i].endpoint.engine.streams_continuous_usage()),
         }
     }
 }
