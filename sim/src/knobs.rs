@@ -52,6 +52,9 @@ pub struct PodKnobs {
     pub step_us_per_decode_seq: f64,
     /// Step model: cost per token of context attended over, in ns.
     pub step_ns_per_context_token: f64,
+    /// Output tokens per streamed OpenAI chunk (vLLM `--stream-interval`): a chunk goes out every
+    /// this many tokens, and with the last.
+    pub stream_interval: u32,
 }
 
 /// The latency model of a pod.
@@ -104,6 +107,7 @@ impl Default for PodKnobs {
             step_us_per_prefill_token: 70.0,
             step_us_per_decode_seq: 25.0,
             step_ns_per_context_token: 90.0,
+            stream_interval: 1,
         }
     }
 }
@@ -137,6 +141,9 @@ impl PodKnobs {
         }
         if self.default_max_tokens == 0 {
             return Err(invalid("default_max_tokens", "must be > 0"));
+        }
+        if self.stream_interval == 0 {
+            return Err(invalid("stream_interval", "must be > 0"));
         }
         non_negative("prefill_overhead_ms", self.prefill_overhead_ms)?;
         non_negative("prefill_us_per_token", self.prefill_us_per_token)?;
@@ -185,7 +192,8 @@ impl PodKnobs {
             step_base_ms,
             step_us_per_prefill_token,
             step_us_per_decode_seq,
-            step_ns_per_context_token
+            step_ns_per_context_token,
+            stream_interval
         );
         k
     }
@@ -241,6 +249,8 @@ pub struct KnobsPatch {
     pub step_us_per_decode_seq: Option<f64>,
     #[serde(default)]
     pub step_ns_per_context_token: Option<f64>,
+    #[serde(default)]
+    pub stream_interval: Option<u32>,
 }
 
 /// Knobs for some pods only: a heterogeneous pool from one process (a slower GPU, a smaller

@@ -160,27 +160,41 @@ async fn embeddings_tokenize_render_and_batched_completions() {
     assert!(text.contains("\"prompt_tokens\":5"));
     assert!(text.ends_with("data: [DONE]\n\n"));
     // `continuous_usage_stats`: every chunk carries the usage so far.
-    let (s, v) = post(
-        &url(&sim, 0, "/v1/chat/completions"),
-        json!({"messages": [{"role": "user", "content": "a b c"}], "max_tokens": 3,
-               "stream": true,
-               "stream_options": {"include_usage": true, "continuous_usage_stats": true}}),
-    )
-    .await;
-    assert_eq!(s, 200);
-    let outputs: Vec<u64> = v
-        .as_str()
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| {
-            let c: Value = serde_json::from_str(d).unwrap();
-            c["usage"]["completion_tokens"].as_u64().unwrap()
-        })
-        .collect();
+    let usage_per_chunk = |max_tokens: u32| {
+        let sim = &sim;
+        async move {
+            let (s, v) = post(
+                &url(sim, 0, "/v1/chat/completions"),
+                json!({"messages": [{"role": "user", "content": "a b c"}],
+                       "max_tokens": max_tokens, "stream": true,
+                       "stream_options": {"include_usage": true, "continuous_usage_stats": true}}),
+            )
+            .await;
+            assert_eq!(s, 200);
+            v.as_str()
+                .unwrap()
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter(|d| *d != "[DONE]")
+                .map(|d| {
+                    let c: Value = serde_json::from_str(d).unwrap();
+                    c["usage"]["completion_tokens"].as_u64().unwrap()
+                })
+                .collect::<Vec<u64>>()
+        }
+    };
     // The role chunk, three tokens, the finish chunk, the usage chunk.
-    assert_eq!(outputs, [0, 1, 2, 3, 3, 3]);
+    assert_eq!(usage_per_chunk(3).await, [0, 1, 2, 3, 3, 3]);
+    // `stream_interval`: two tokens a chunk, and the last one alone.
+    sim.set_knobs(
+        0,
+        &KnobsPatch {
+            stream_interval: Some(2),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(usage_per_chunk(5).await, [0, 2, 4, 5, 5, 5]);
 
     let (s, v) = post(
         &url(&sim, 0, "/v1/chat/completions"),

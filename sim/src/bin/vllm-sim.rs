@@ -93,6 +93,9 @@ struct Args {
     /// Step model: cost per token of context attended over, in ns [default: calibrated].
     #[arg(long)]
     step_ns_per_context_token: Option<f64>,
+    /// Output tokens per streamed chunk (vLLM --stream-interval).
+    #[arg(long, default_value_t = 1)]
+    stream_interval: u32,
     /// Knobs for some pods only, `PODS=PATCH` (repeatable, applied in order): pod indices and
     /// inclusive ranges, then a JSON knobs patch — `--pod-knobs '3={"time_scale":2}'` makes pod 3 a
     /// GPU half as fast, `--pod-knobs '0-1={"kv_blocks":1024}'` gives pods 0 and 1 a smaller cache.
@@ -144,6 +147,7 @@ impl Args {
                 step_ns_per_context_token: self
                     .step_ns_per_context_token
                     .unwrap_or(d.step_ns_per_context_token),
+                stream_interval: self.stream_interval,
                 ..d
             },
             pod_knobs: self.pod_knobs.clone(),

@@ -31,8 +31,10 @@ pub(super) struct StreamState {
     pub(super) include_usage: bool,
     /// `stream_options.continuous_usage_stats`: cumulative usage on every chunk.
     pub(super) continuous_usage: bool,
-    /// Output tokens sent so far.
+    /// Output tokens generated so far.
     pub(super) generated: u64,
+    /// Text of tokens generated but not yet sent (`stream_interval` > 1).
+    pub(super) pending: String,
     pub(super) step: Step,
     pub(super) run: Option<Running>,
     pub(super) prompt_tokens: usize,
@@ -123,7 +125,14 @@ impl StreamState {
                         "delta": {"type": "text_delta", "text": text}}),
             )
         } else {
+            // A chunk every `stream_interval` tokens, and with a prompt's last token.
             self.generated += 1;
+            self.pending.push_str(&text);
+            let interval = u64::from(self.job.knobs.stream_interval.max(1));
+            if self.generated % interval != 0 && i + 1 < self.job.output_tokens {
+                return String::new();
+            }
+            let text = std::mem::take(&mut self.pending);
             self.chunk(self.choice(p, Some(text), false, false))
         }
     }
@@ -362,6 +371,7 @@ pub(super) fn stream_response(job: Job, include_usage: bool, continuous_usage: b
         include_usage,
         continuous_usage,
         generated: 0,
+        pending: String::new(),
         step,
         run: None,
         prompt_tokens: 0,
@@ -373,8 +383,13 @@ pub(super) fn stream_response(job: Job, include_usage: bool, continuous_usage: b
     // The state (and with it the running slot) lives in the body: a client that goes away drops the
     // body, which releases the slot and blocks.
     let body = futures::stream::unfold(state, |mut st| async move {
-        let piece = st.advance().await?;
-        Some((Ok::<_, Infallible>(Bytes::from(piece)), st))
+        loop {
+            // A token held back for the next chunk (`stream_interval`) makes an empty piece.
+            let piece = st.advance().await?;
+            if !piece.is_empty() {
+                return Some((Ok::<_, Infallible>(Bytes::from(piece)), st));
+            }
+        }
     });
     Response::builder()
         .header(header::CONTENT_TYPE, "text/event-stream")
