@@ -129,7 +129,7 @@ impl StreamState {
             self.generated += 1;
             self.pending.push_str(&text);
             let interval = u64::from(self.job.knobs.stream_interval.max(1));
-            if self.generated % interval != 0 && i + 1 < self.job.output_tokens {
+            if !self.generated.is_multiple_of(interval) && i + 1 < self.job.output_tokens {
                 return String::new();
             }
             let text = std::mem::take(&mut self.pending);
