@@ -1,4 +1,5 @@
-//! Load scorers: `running-requests-size-scorer`, `token-load-scorer`, `active-request-scorer`.
+//! Load scorers: `running-requests-size-scorer`, `token-load-scorer`, `active-request-scorer`,
+//! `load-aware-scorer`.
 
 use serde::Deserialize;
 
@@ -9,6 +10,7 @@ use crate::datalayer::store::Candidate;
 pub const RUNNING_TYPE: &str = "running-requests-size-scorer";
 pub const TOKEN_LOAD_TYPE: &str = "token-load-scorer";
 pub const ACTIVE_REQUEST_TYPE: &str = "active-request-scorer";
+pub const LOAD_AWARE_TYPE: &str = "load-aware-scorer";
 
 /// Same min-max form as the queue scorer, on the running-requests gauge.
 #[derive(Debug, Default)]
@@ -126,6 +128,65 @@ impl Scorer for ActiveRequestScorer {
     }
 }
 
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LoadAwareParams {
+    /// Waiting requests at which a pod scores 0 (llm-d: 128; not positive → 128).
+    #[serde(default = "d_load_threshold")]
+    pub threshold: i64,
+}
+
+fn d_load_threshold() -> i64 {
+    128
+}
+
+/// llm-d's `load-aware-scorer`: 0.5 for an empty waiting queue, else 0.5 × (1 − q / threshold)
+/// (q capped at the threshold). A pod without fresh metrics scores 0, as in the queue scorer.
+#[derive(Debug)]
+pub struct LoadAwareScorer {
+    threshold: f64,
+}
+
+impl LoadAwareScorer {
+    pub fn new(p: &LoadAwareParams) -> Self {
+        let threshold = if p.threshold > 0 {
+            p.threshold
+        } else {
+            tracing::warn!(
+                threshold = p.threshold,
+                "load-aware-scorer: threshold must be positive, using 128"
+            );
+            d_load_threshold()
+        };
+        LoadAwareScorer {
+            threshold: threshold as f64,
+        }
+    }
+}
+
+impl Scorer for LoadAwareScorer {
+    fn type_name(&self) -> &'static str {
+        LOAD_AWARE_TYPE
+    }
+
+    fn score(
+        &self,
+        _req: &SchedRequest<'_>,
+        _data: &RequestData,
+        candidates: &[Candidate],
+        idx: &[usize],
+        out: &mut [f64],
+    ) {
+        for (slot, &i) in out.iter_mut().zip(idx) {
+            *slot = match candidates[i].metrics().and_then(|m| m.waiting_queue_size) {
+                None => 0.0,
+                Some(q) if q <= 0.0 => 0.5,
+                Some(q) => 0.5 * (1.0 - q.min(self.threshold) / self.threshold),
+            };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,6 +204,25 @@ mod tests {
             score_all(&RunningRequestsScorer, &RequestData::default(), &cs),
             vec![1.0, 0.0, 0.0]
         );
+    }
+
+    #[test]
+    fn load_aware_halves_and_caps_at_the_threshold() {
+        let cs = [
+            cand("a", metrics(0.0, 9.0, 0.0), false),
+            cand("b", metrics(32.0, 0.0, 0.0), false),
+            cand("c", metrics(200.0, 0.0, 0.0), false),
+            cand("d", None, false),
+            cand("e", metrics(0.0, 0.0, 0.0), true),
+        ];
+        let s = LoadAwareScorer::new(&LoadAwareParams { threshold: 128 });
+        // 0.5; 0.5 × (1 − 32/128); capped: 0; no metrics; stale.
+        assert_eq!(
+            score_all(&s, &RequestData::default(), &cs),
+            vec![0.5, 0.375, 0.0, 0.0, 0.0]
+        );
+        let s = LoadAwareScorer::new(&LoadAwareParams { threshold: -3 });
+        assert_eq!(score_all(&s, &RequestData::default(), &cs)[1], 0.375);
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod kv_cache_scorer;
 pub mod load_scorers;
 pub mod lora_affinity_scorer;
 pub mod max_score_picker;
+pub mod no_hit_lru;
 pub mod precise;
 pub mod prefix;
 pub mod queue_scorer;

@@ -212,8 +212,13 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
                 == Some(prefix::TTFT_SOURCE_COST_MODEL)
     });
     let needs_cost = affinity_on_cost || uses(&[cost_model::SCORER_TYPE]);
-    let needs_prefix =
-        has_decider || needs_cost || uses(&[prefix::SCORER_TYPE, prefix::AFFINITY_FILTER_TYPE]);
+    let needs_prefix = has_decider
+        || needs_cost
+        || uses(&[
+            prefix::SCORER_TYPE,
+            prefix::AFFINITY_FILTER_TYPE,
+            no_hit_lru::TYPE,
+        ]);
     let needs_inflight = needs_cost
         || uses(&[
             load_scorers::TOKEN_LOAD_TYPE,
@@ -305,6 +310,12 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
     };
     if let Some(c) = &cost_model {
         producers.push(c.clone());
+    }
+    // No-hit LRU scorers record where cold requests went.
+    for (_, _, p) in &instances {
+        if let Plugin::NoHitLru(s) = p {
+            producers.push(s.clone());
+        }
     }
 
     // Data layer: metrics-data-source (+ core-metrics-extractor) unless injectDefaults: false.

@@ -25,6 +25,7 @@ use crate::scheduling::load_scorers::{
 };
 use crate::scheduling::lora_affinity_scorer::{self, LoraAffinityScorer};
 use crate::scheduling::max_score_picker::{self, MaxScorePicker};
+use crate::scheduling::no_hit_lru;
 use crate::scheduling::precise;
 use crate::scheduling::prefix::{
     self, ApproxPrefixProducer, PrefixAffinityFilter, PrefixCacheScorer,
@@ -53,8 +54,6 @@ pub const PARSERS: [&str; 4] = [
 /// llm-d plugin types this build recognises but does not implement yet: a config naming one fails
 /// with a message saying so, rather than "unknown type".
 const NOT_YET: &[&str] = &[
-    "load-aware-scorer",
-    "no-hit-lru-scorer",
     "session-id-producer",
     "agent-identity",
     "encode-filter",
@@ -79,6 +78,8 @@ pub enum Plugin {
     PrefixProducer(Arc<ApproxPrefixProducer>),
     /// `cost-model-producer`.
     CostModel(Arc<cost_model::CostModel>),
+    /// `no-hit-lru-scorer` (a scorer that also records cold requests' picks).
+    NoHitLru(Arc<no_hit_lru::NoHitLru>),
     InflightProducer(inflight::InflightParams),
     /// `token-producer`: `None` for the estimate backend, else the render backend.
     TokenProducer(Option<crate::request::tokens::RenderConfig>),
@@ -109,6 +110,7 @@ impl Plugin {
     fn as_scorer(&self) -> Option<Arc<dyn Scorer>> {
         match self {
             Plugin::Scorer(s) => Some(s.clone()),
+            Plugin::NoHitLru(s) => Some(s.clone()),
             Plugin::Session(s) if !s.is_filter() => Some(s.clone()),
             _ => None,
         }
@@ -212,6 +214,14 @@ pub fn construct(
         load_scorers::ACTIVE_REQUEST_TYPE => Plugin::Scorer(Arc::new(ActiveRequestScorer {
             params: params(parameters, path)?,
         })),
+        load_scorers::LOAD_AWARE_TYPE => {
+            let p: load_scorers::LoadAwareParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(load_scorers::LoadAwareScorer::new(&p)))
+        }
+        no_hit_lru::TYPE => {
+            let p: no_hit_lru::NoHitLruParams = params(parameters, path)?;
+            Plugin::NoHitLru(Arc::new(no_hit_lru::NoHitLru::new(&p)))
+        }
         lora_affinity_scorer::TYPE => {
             let _: NoParams = params(parameters, path)?;
             Plugin::Scorer(Arc::new(LoraAffinityScorer))

@@ -138,8 +138,40 @@ fn unknown_plugin_type_named() {
 
 #[test]
 fn not_yet_plugin_says_so() {
-    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: no-hit-lru-scorer\n").unwrap_err().to_string();
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: latency-scorer\n").unwrap_err().to_string();
     assert!(e.contains("does not implement yet"), "{e}");
+}
+
+#[test]
+fn llm_ds_load_aware_and_no_hit_lru_scorers_load() {
+    // The shape of llm-d's inference-scheduling guide: the no-hit LRU scorer brings the prefix
+    // producer it reads and records cold requests' picks.
+    let b = load(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n\
+         - type: queue-scorer\n- type: kv-cache-utilization-scorer\n- type: prefix-cache-scorer\n\
+         - type: no-hit-lru-scorer\n  parameters: {lruSize: 64, prefillProfile: prefill}\n\
+         - type: load-aware-scorer\n  parameters: {threshold: 10}\n\
+         schedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n    weight: 2\n\
+         \x20 - pluginRef: kv-cache-utilization-scorer\n    weight: 2\n\
+         \x20 - pluginRef: prefix-cache-scorer\n    weight: 3\n\
+         \x20 - pluginRef: no-hit-lru-scorer\n    weight: 2\n\
+         \x20 - pluginRef: load-aware-scorer\n",
+    )
+    .unwrap();
+    assert!(
+        b.summary
+            .contains("producers=[approx-prefix-cache-producer, no-hit-lru-scorer]"),
+        "{}",
+        b.summary
+    );
+    assert!(
+        b.summary.contains("no-hit-lru-scorer(no-hit-lru-scorer)*2")
+            && b.summary.contains("load-aware-scorer(load-aware-scorer)*1"),
+        "{}",
+        b.summary
+    );
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: load-aware-scorer\n  parameters: {queueThreshold: 3}\n").unwrap_err().to_string();
+    assert!(e.contains("queueThreshold"), "{e}");
 }
 
 #[test]
