@@ -135,17 +135,26 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
                 None => return Err(ConfigError::invalid("schedulingProfiles: no profile")),
             }
         }
+        HandlerSpec::Pd(spec) => {
+            let decode = find_profile(
+                &profiles,
+                &spec.decode,
+                &format!("{PD_PROFILE_HANDLER}: parameters.decodeProfile"),
+            )?;
+            // No prefill profile: llm-d ran the decode profile alone.
+            let prefill = profiles
+                .iter()
+                .find(|p| p.name == spec.prefill)
+                .map(|p| (p.clone(), spec.decider));
+            Handler::Disagg { decode, prefill }
+        }
         HandlerSpec::Disagg(params) => {
             let find = |name: &str, key: &str| {
-                profiles
-                    .iter()
-                    .find(|p| p.name == name)
-                    .cloned()
-                    .ok_or_else(|| {
-                        ConfigError::invalid(format!(
-                            "{DISAGG_PROFILE_HANDLER}: parameters.profiles.{key} names `{name}`, which is not a scheduling profile"
-                        ))
-                    })
+                find_profile(
+                    &profiles,
+                    name,
+                    &format!("{DISAGG_PROFILE_HANDLER}: parameters.profiles.{key}"),
+                )
             };
             let decode = find(&params.profiles.decode, "decode")?;
             if params.deciders.encode.is_some() {
@@ -546,4 +555,17 @@ fn build_profile(
         scorers,
         picker: picker.unwrap_or_else(|| default_picker.clone()),
     })
+}
+
+/// The scheduling profile named `name`, or an error naming the parameter (`what`) that names it.
+fn find_profile(profiles: &[Profile], name: &str, what: &str) -> Result<Profile, ConfigError> {
+    profiles
+        .iter()
+        .find(|p| p.name == name)
+        .cloned()
+        .ok_or_else(|| {
+            ConfigError::invalid(format!(
+                "{what} names `{name}`, which is not a scheduling profile"
+            ))
+        })
 }

@@ -42,6 +42,13 @@ use crate::scheduling::{Filter, NoParams, Picker, PickerParams, Producer, Scorer
 
 pub const SINGLE_PROFILE_HANDLER: &str = "single-profile-handler";
 pub const DISAGG_PROFILE_HANDLER: &str = "disagg-profile-handler";
+/// llm-d's deprecated P/D handler: a decode profile, then the prefill profile when the uncached
+/// part of the prompt is at least `threshold` characters.
+pub const PD_PROFILE_HANDLER: &str = "pd-profile-handler";
+/// llm-d's deprecated plugins that wrote the prefill (and encode) pick into the request headers;
+/// the P/D handler does it now.
+pub const DEPRECATED_HEADER_HANDLERS: [&str; 2] =
+    ["prefill-header-handler", "disagg-headers-handler"];
 pub const METRICS_DATA_SOURCE: &str = "metrics-data-source";
 pub const CORE_METRICS_EXTRACTOR: &str = "core-metrics-extractor";
 pub const PARSERS: [&str; 4] = [
@@ -94,6 +101,8 @@ pub enum Plugin {
     /// A flow-control policy or saturation detector: used through `flowControl` references, not by
     /// the scheduler. Its parameters are validated at construction.
     FlowControl,
+    /// A deprecated plugin whose work another one does now (validated, warned about, inert).
+    Superseded,
 }
 
 impl Plugin {
@@ -286,6 +295,29 @@ pub fn construct(
         DISAGG_PROFILE_HANDLER => {
             Plugin::ProfileHandler(HandlerSpec::Disagg(params(parameters, path)?))
         }
+        PD_PROFILE_HANDLER => {
+            let p: PdProfileParams = params(parameters, path)?;
+            let spec = p.into_spec(path)?;
+            tracing::warn!(
+                "{path}: `{PD_PROFILE_HANDLER}` is deprecated (llm-d); loaded as \
+                 `{DISAGG_PROFILE_HANDLER}` with {}",
+                match spec.decider {
+                    PdDecider::Always => "every request disaggregated (threshold 0)".to_string(),
+                    PdDecider::PrefixBased {
+                        non_cached_tokens, ..
+                    } => format!("a prefix-based decider at {non_cached_tokens} uncached tokens"),
+                }
+            );
+            Plugin::ProfileHandler(HandlerSpec::Pd(spec))
+        }
+        t if DEPRECATED_HEADER_HANDLERS.contains(&t) => {
+            let _: HeaderHandlerParams = params(parameters, path)?;
+            tracing::warn!(
+                "{path}: `{t}` is deprecated (llm-d): the P/D profile handler sets \
+                 `x-prefiller-host-port` itself; the plugin is accepted and does nothing"
+            );
+            Plugin::Superseded
+        }
         PREFIX_BASED_PD_DECIDER => {
             let p: PrefixDeciderParams = params(parameters, path)?;
             Plugin::Decider(PdDecider::PrefixBased {
@@ -363,6 +395,102 @@ pub fn construct(
 pub enum HandlerSpec {
     Single,
     Disagg(DisaggParams),
+    /// The deprecated `pd-profile-handler`, as a decode profile, an optional prefill profile and
+    /// the decider its threshold amounts to.
+    Pd(PdSpec),
+}
+
+#[derive(Debug, Clone)]
+pub struct PdSpec {
+    pub decode: String,
+    pub prefill: String,
+    pub decider: PdDecider,
+}
+
+/// `pd-profile-handler` parameters (llm-d's names and defaults).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PdProfileParams {
+    /// Uncached prompt characters from which a request is disaggregated (0: always).
+    #[serde(default)]
+    pub threshold: i64,
+    #[serde(default = "d_decode")]
+    pub decode_profile: String,
+    #[serde(default = "d_prefill")]
+    pub prefill_profile: String,
+    /// Which prefix plugin's state to read: there is one prefix match per request here.
+    #[serde(default)]
+    pub prefix_plugin_type: Option<String>,
+    #[serde(default)]
+    pub prefix_plugin_name: Option<String>,
+    /// llm-d converted prefix blocks to characters with it; our match is in tokens already.
+    #[serde(default = "d_hash_block_size")]
+    pub hash_block_size: i64,
+    /// Data-parallel rank port (0: off).
+    #[serde(default)]
+    pub primary_port: i64,
+}
+
+fn d_decode() -> String {
+    "decode".into()
+}
+fn d_prefill() -> String {
+    "prefill".into()
+}
+fn d_hash_block_size() -> i64 {
+    64
+}
+
+impl PdProfileParams {
+    /// llm-d disaggregated when `(1 − hit share) × prompt characters ≥ threshold`; at its own
+    /// estimate of 4 characters a token that is `uncached tokens ≥ ⌈threshold / 4⌉` — the
+    /// prefix-based decider. A threshold of 0 disaggregated every request.
+    fn into_spec(self, path: &str) -> Result<PdSpec, ConfigError> {
+        let field = |k: &str, message: String| ConfigError::Field {
+            path: format!("{path}.{k}"),
+            message,
+        };
+        if self.threshold < 0 {
+            return Err(field(
+                "threshold",
+                format!("must be >= 0, got {}", self.threshold),
+            ));
+        }
+        if self.hash_block_size <= 0 {
+            return Err(field(
+                "hashBlockSize",
+                format!("must be > 0, got {}", self.hash_block_size),
+            ));
+        }
+        if self.primary_port != 0 {
+            return Err(field(
+                "primaryPort",
+                "data-parallel rank routing is not implemented by this build yet".into(),
+            ));
+        }
+        let decider = match self.threshold {
+            0 => PdDecider::Always,
+            t => PdDecider::PrefixBased {
+                non_cached_tokens: (t as usize).div_ceil(4),
+                prompt_tokens: 0,
+            },
+        };
+        Ok(PdSpec {
+            decode: self.decode_profile,
+            prefill: self.prefill_profile,
+            decider,
+        })
+    }
+}
+
+/// `prefill-header-handler` / `disagg-headers-handler` parameters (accepted, unused).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HeaderHandlerParams {
+    #[serde(default)]
+    pub prefill_profile: Option<String>,
+    #[serde(default)]
+    pub encode_profile: Option<String>,
 }
 
 /// `disagg-profile-handler` parameters (llm-d's names and defaults).

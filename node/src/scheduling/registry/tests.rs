@@ -403,6 +403,93 @@ fn prefix_based_pd_decider_splits_only_uncached_prompts() {
     assert_eq!(s.schedule(&r, &cs, &mut rng).unwrap().prefill, None);
 }
 
+/// llm-d's deprecated P/D configuration, as deployed guides still write it: `pd-profile-handler`
+/// with a character threshold and `prefill-header-handler`, loaded as the disaggregating handler
+/// with the prefix-based decider at ⌈threshold / 4⌉ uncached tokens.
+#[test]
+fn deprecated_pd_profile_handler_loads_as_the_disagg_handler() {
+    const OLD: &str = "apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: pd-profile-handler
+  parameters: {threshold: 400, hashBlockSize: 5}
+- type: prefill-header-handler
+- type: prefill-filter
+- type: decode-filter
+- type: prefix-cache-scorer
+- type: queue-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: prefill
+  plugins: [{pluginRef: prefill-filter}, {pluginRef: queue-scorer}, {pluginRef: max-score-picker}]
+- name: decode
+  plugins: [{pluginRef: decode-filter}, {pluginRef: prefix-cache-scorer, weight: 2}, {pluginRef: queue-scorer}, {pluginRef: max-score-picker}]
+";
+    let built = crate::scheduling::build(&EndpointPickerConfig::from_yaml(OLD).unwrap()).unwrap();
+    assert!(
+        built
+            .summary
+            .contains("disagg-profile-handler decode: profile=decode")
+            && built
+                .summary
+                .contains("prefill when prefix-based-pd-decider: profile=prefill"),
+        "{}",
+        built.summary
+    );
+    let s = built.scheduler;
+    let cs = pd_pods();
+    let mut rng = rand::rng();
+    let mut r = req();
+    // 2048 bytes = 512 estimate tokens, uncached: ≥ 100 → prefilled on p2, decoded on d1.
+    let long =
+        crate::request::parse::Prompt::Text((0..2048u32).map(|i| b'a' + (i % 19) as u8).collect());
+    r.prompt = &long;
+    let d = s.schedule(&r, &cs, &mut rng).unwrap();
+    assert_eq!((d.picked.clone(), d.prefill), (vec![0], Some(3)));
+    // 96 bytes = 24 tokens < 100: decode only.
+    let short = crate::request::parse::Prompt::Text(vec![b'q'; 96]);
+    r.prompt = &short;
+    assert_eq!(s.schedule(&r, &cs, &mut rng).unwrap().prefill, None);
+
+    // Threshold 0 (llm-d's default): every request is disaggregated; without a prefill profile,
+    // decode only.
+    let always = OLD.replace("{threshold: 400, hashBlockSize: 5}", "{}");
+    let s = crate::scheduling::build(&EndpointPickerConfig::from_yaml(&always).unwrap())
+        .unwrap()
+        .scheduler;
+    assert_eq!(s.schedule(&r, &cs, &mut rng).unwrap().prefill, Some(3));
+    let decode_only = OLD.replace("- name: prefill\n", "- name: unused\n");
+    let built =
+        crate::scheduling::build(&EndpointPickerConfig::from_yaml(&decode_only).unwrap()).unwrap();
+    assert!(
+        built.summary.contains("no prefill decider"),
+        "{}",
+        built.summary
+    );
+    let newer = OLD.replace(
+        "- type: prefill-header-handler\n",
+        "- type: disagg-headers-handler\n  parameters: {prefillProfile: prefill}\n",
+    );
+    assert!(crate::scheduling::build(&EndpointPickerConfig::from_yaml(&newer).unwrap()).is_ok());
+    // llm-d's own refusals, and data-parallel ports (not built) are refused with their reason.
+    for (params, what) in [
+        ("{threshold: -1}", "threshold"),
+        ("{hashBlockSize: 0}", "hashBlockSize"),
+        ("{primaryPort: 8200}", "data-parallel"),
+        ("{thresold: 3}", "thresold"),
+    ] {
+        let e = crate::scheduling::build(
+            &EndpointPickerConfig::from_yaml(
+                &OLD.replace("{threshold: 400, hashBlockSize: 5}", params),
+            )
+            .unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(what), "{params}: {e}");
+    }
+}
+
 #[test]
 fn disagg_config_errors_are_clear() {
     let e = crate::scheduling::build(
