@@ -466,6 +466,7 @@ pub async fn serve(
     };
     let ctx = Arc::new(PickerContext {
         store,
+        agent: built.agent,
         scheduler: built.scheduler,
         inflight: built.inflight.clone(),
         metrics: metrics.clone(),

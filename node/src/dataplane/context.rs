@@ -27,6 +27,9 @@ pub struct PickerContext {
     pub gate: Arc<dyn Gate>,
     /// `InferenceObjective` name → priority (`--objectives-file`, or watched from Kubernetes).
     pub objectives: Arc<Live<Objectives>>,
+    /// Where an agent's session id is read (`agent-identity`): the fairness id of a request that
+    /// names none.
+    pub agent: crate::request::meta::AgentIdentity,
     /// Honour the proxy's subset hint (`--disable-endpoint-subset-filter` turns it off).
     pub subset_filter: bool,
     /// `InferenceModelRewrite` rules (`--model-rewrites-file`, or watched from Kubernetes).

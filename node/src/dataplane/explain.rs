@@ -59,6 +59,7 @@ pub async fn dry_run(ctx: &PickerContext, run: DryRun) -> Result<Explanation, Re
         parsed,
         &headers,
         &ctx.objectives.get(),
+        &ctx.agent,
         &ctx.rewrites.get(),
         tenant.as_deref(),
     );

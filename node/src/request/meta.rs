@@ -30,6 +30,34 @@ pub const AGENT_SESSION_HEADERS: [&str; 4] = [
     "session_id",
 ];
 
+/// llm-d's `agent-identity`: the request's agent session id, from the operator's
+/// `additionalSessionHeaders` first, then the agents' own headers ([`AGENT_SESSION_HEADERS`]).
+/// It is the fairness id of a request that names none, and a session-affinity source.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentIdentity {
+    /// Lower-cased header names checked before the built-in ones.
+    additional: Vec<String>,
+}
+
+impl AgentIdentity {
+    pub fn new(additional: &[String]) -> Self {
+        AgentIdentity {
+            additional: additional.iter().map(|h| h.to_ascii_lowercase()).collect(),
+        }
+    }
+
+    /// The first non-empty session header.
+    pub fn session<'a>(&self, headers: &'a HashMap<String, String>) -> Option<&'a str> {
+        self.additional
+            .iter()
+            .map(String::as_str)
+            .chain(AGENT_SESSION_HEADERS)
+            .filter_map(|n| headers.get(n))
+            .map(|v| v.trim())
+            .find(|v| !v.is_empty())
+    }
+}
+
 /// Headers a client must not be able to smuggle to the model server.
 pub const CONTROL_HEADERS: [&str; 8] = [
     FAIRNESS_ID_HEADER,
@@ -160,9 +188,13 @@ impl RequestMeta {
         }
     }
 
-    pub fn from_headers(headers: &HashMap<String, String>, objectives: &Objectives) -> Self {
+    pub fn from_headers(
+        headers: &HashMap<String, String>,
+        objectives: &Objectives,
+        agent: &AgentIdentity,
+    ) -> Self {
         let fairness_id = first_header(headers, &[FAIRNESS_ID_HEADER, FAIRNESS_ID_ALIAS])
-            .or_else(|| first_header(headers, &AGENT_SESSION_HEADERS))
+            .or_else(|| agent.session(headers))
             .unwrap_or(DEFAULT_FAIRNESS_ID)
             .to_string();
         let objective =
@@ -201,7 +233,7 @@ mod tests {
     #[test]
     fn meta_from_headers_with_aliases_and_defaults() {
         let obj = Objectives::new([("premium".to_string(), 10)].into_iter().collect());
-        let m = RequestMeta::from_headers(&headers(&[]), &obj);
+        let m = RequestMeta::from_headers(&headers(&[]), &obj, &AgentIdentity::default());
         assert_eq!(m.fairness_id, "default-flow");
         assert_eq!((m.priority, m.slo_ttft_ms), (0, None));
         let m = RequestMeta::from_headers(
@@ -211,6 +243,7 @@ mod tests {
                 ("x-slo-ttft-ms", "250"),
             ]),
             &obj,
+            &AgentIdentity::default(),
         );
         assert_eq!(m.fairness_id, "team-a");
         assert_eq!(
@@ -226,11 +259,17 @@ mod tests {
                 ("x-llm-d-slo-ttft-ms", "-3"),
             ]),
             &obj,
+            &AgentIdentity::default(),
         );
         assert_eq!((m.fairness_id.as_str(), m.priority), ("new", 0));
         // agent identity: an agent's session header when no fairness id is given
         let agent = |pairs: &[(&str, &str)]| {
-            RequestMeta::from_headers(&headers(pairs), &Objectives::default()).fairness_id
+            RequestMeta::from_headers(
+                &headers(pairs),
+                &Objectives::default(),
+                &AgentIdentity::default(),
+            )
+            .fairness_id
         };
         assert_eq!(agent(&[("x-claude-code-session-id", "cc-1")]), "cc-1");
         assert_eq!(
@@ -245,6 +284,18 @@ mod tests {
         );
         assert_eq!(agent(&[("session-id", "  ")]), "default-flow");
         assert_eq!(m.slo_ttft_ms, None);
+        // `additionalSessionHeaders` come before the built-in ones (names in any case).
+        let extra = AgentIdentity::new(&["X-Conversation".to_string()]);
+        let h = headers(&[("x-conversation", "conv-9"), ("session-id", "s")]);
+        assert_eq!(
+            RequestMeta::from_headers(&h, &Objectives::default(), &extra).fairness_id,
+            "conv-9"
+        );
+        assert_eq!(
+            extra.session(&headers(&[("session-id", "s")])),
+            Some("s"),
+            "the built-in headers still count"
+        );
     }
 
     #[test]

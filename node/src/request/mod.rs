@@ -106,6 +106,7 @@ impl Request {
         parsed: Option<ParsedRequest>,
         headers: &HashMap<String, String>,
         objectives: &Objectives,
+        agent: &meta::AgentIdentity,
         rewrites: &ModelRewrites,
         tenant: Option<&tenant::Tenant>,
     ) -> Request {
@@ -125,7 +126,7 @@ impl Request {
             target_model: target.to_string(),
             meta: match tenant {
                 Some(t) => RequestMeta::granted(&t.fairness_id, t.objective.as_deref(), objectives),
-                None => RequestMeta::from_headers(headers, objectives),
+                None => RequestMeta::from_headers(headers, objectives, agent),
             },
             parsed,
         }

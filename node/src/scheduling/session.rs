@@ -28,13 +28,13 @@ use serde::Deserialize;
 use super::{Filter, RequestData, SchedRequest, Scorer};
 use crate::config::ConfigError;
 use crate::datalayer::store::Candidate;
-use crate::request::meta::AGENT_SESSION_HEADERS;
+use crate::request::meta::AgentIdentity;
 
 pub const SCORER_TYPE: &str = "session-affinity-scorer";
 pub const FILTER_TYPE: &str = "session-affinity-filter";
 pub const DEFAULT_TOKEN_HEADER: &str = "x-session-token";
 pub const DEFAULT_SESSION_ID_HEADER: &str = "x-session-id";
-/// The request attribute holding the agent's session id (its headers: [`AGENT_SESSION_HEADERS`]).
+/// The request attribute holding the agent's session id ([`AgentIdentity`]).
 pub const AGENT_IDENTITY: &str = "agent-identity";
 /// Namespace of pod names in tokens (endpoints come from a file, without Kubernetes namespaces).
 const TOKEN_NAMESPACE: &str = "default";
@@ -272,6 +272,8 @@ pub struct SessionAffinity {
     /// `profileName`: pin the pod of that profile (e.g. the prefill pick); default the primary.
     pub profile: Option<String>,
     bindings: Mutex<Bindings>,
+    /// The `agent-identity` plugin's headers (its built-in ones when none is configured).
+    agent: std::sync::OnceLock<AgentIdentity>,
 }
 
 impl std::fmt::Debug for SessionAffinity {
@@ -315,6 +317,7 @@ impl SessionAffinity {
             spec,
             profile,
             bindings: Mutex::new(Bindings::default()),
+            agent: std::sync::OnceLock::new(),
         })
     }
 
@@ -329,6 +332,12 @@ impl SessionAffinity {
         }
     }
 
+    /// Read the `agent-identity` source with the configured plugin's headers (set once, when
+    /// the configuration is built).
+    pub fn use_agent_identity(&self, agent: AgentIdentity) {
+        let _ = self.agent.set(agent);
+    }
+
     fn session_id<'a>(&self, req: &'a SchedRequest<'_>, sources: &[Source]) -> Option<&'a str> {
         sources.iter().find_map(|s| match s {
             Source::Header(h) => req
@@ -336,12 +345,10 @@ impl SessionAffinity {
                 .get(h)
                 .map(|v| v.trim())
                 .filter(|v| !v.is_empty()),
-            Source::AgentIdentity => AGENT_SESSION_HEADERS.iter().find_map(|h| {
-                req.headers
-                    .get(*h)
-                    .map(|v| v.trim())
-                    .filter(|v| !v.is_empty())
-            }),
+            Source::AgentIdentity => match self.agent.get() {
+                Some(a) => a.session(req.headers),
+                None => AgentIdentity::default().session(req.headers),
+            },
         })
     }
 

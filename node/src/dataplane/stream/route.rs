@@ -73,6 +73,7 @@ impl StreamState {
             parsed,
             &self.headers,
             &ctx.objectives.get(),
+            &ctx.agent,
             &ctx.rewrites.get(),
             tenant.as_deref(),
         );

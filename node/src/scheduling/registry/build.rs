@@ -14,6 +14,9 @@ pub struct Built {
     pub admission: AdmissionConfig,
     /// The `vllm_http` token producer, when the request needs engine tokens.
     pub render: Option<crate::request::tokens::RenderConfig>,
+    /// Where agents' session ids are read (`agent-identity`; its built-in headers when not
+    /// configured).
+    pub agent: AgentIdentity,
     /// Effective configuration, for the start-up log line.
     pub summary: String,
 }
@@ -424,6 +427,26 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         metrics_source.interval.as_deref().unwrap_or("base tick"),
     ) + " "
         + &admission.summary();
+    // Agent identity: the configured headers (one instance), for flow control's fairness id and
+    // the session-affinity plugins' `agent-identity` source.
+    let agents: Vec<&AgentIdentity> = instances
+        .iter()
+        .filter_map(|(_, _, p)| match p {
+            Plugin::AgentIdentity(a) => Some(a),
+            _ => None,
+        })
+        .collect();
+    if agents.len() > 1 {
+        return Err(ConfigError::invalid(
+            "plugins: more than one `agent-identity` configured",
+        ));
+    }
+    let agent = agents.first().map(|a| (*a).clone()).unwrap_or_default();
+    for (_, _, p) in &instances {
+        if let Plugin::Session(s) = p {
+            s.use_agent_identity(agent.clone());
+        }
+    }
     // Session-affinity instances the profiles use: they record decisions and write tokens back.
     let sessions: Vec<Arc<session::SessionAffinity>> = instances
         .iter()
@@ -466,6 +489,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         inflight,
         admission,
         render,
+        agent,
         summary,
     })
 }

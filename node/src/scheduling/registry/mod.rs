@@ -15,6 +15,7 @@ use serde::Deserialize;
 use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 use crate::datalayer::inflight::InflightTracker;
 use crate::request::admission::AdmissionConfig;
+use crate::request::meta::AgentIdentity;
 use crate::request::tokens;
 use crate::scheduling::cost_model;
 use crate::scheduling::filters::{self, LabelSelectorFilter, UtilizationFilter};
@@ -37,6 +38,7 @@ use crate::scheduling::scheduler::{
     WeightedScorer,
 };
 use crate::scheduling::session;
+use crate::scheduling::session::AGENT_IDENTITY;
 use crate::scheduling::weighted_random_picker::{self, WeightedRandomPicker};
 use crate::scheduling::{Filter, NoParams, Picker, PickerParams, Producer, Scorer, params};
 
@@ -62,7 +64,6 @@ pub const PARSERS: [&str; 4] = [
 /// with a message saying so, rather than "unknown type".
 const NOT_YET: &[&str] = &[
     "session-id-producer",
-    "agent-identity",
     "encode-filter",
     "always-disagg-multimodal-decider",
     "data-parallel-profile-handler",
@@ -103,6 +104,17 @@ pub enum Plugin {
     FlowControl,
     /// A deprecated plugin whose work another one does now (validated, warned about, inert).
     Superseded,
+    /// `agent-identity`: where agents' session ids are read.
+    AgentIdentity(AgentIdentity),
+}
+
+/// `agent-identity` parameters.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AgentIdentityParams {
+    /// Header names checked, in order, before the agents' own.
+    #[serde(default)]
+    pub additional_session_headers: Vec<String>,
 }
 
 impl Plugin {
@@ -309,6 +321,18 @@ pub fn construct(
                 }
             );
             Plugin::ProfileHandler(HandlerSpec::Pd(spec))
+        }
+        AGENT_IDENTITY => {
+            let p: AgentIdentityParams = params(parameters, path)?;
+            for (k, h) in p.additional_session_headers.iter().enumerate() {
+                if h.is_empty() || !h.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
+                    return Err(ConfigError::Field {
+                        path: format!("{path}.additionalSessionHeaders[{k}]"),
+                        message: format!("`{h}` is not a header name"),
+                    });
+                }
+            }
+            Plugin::AgentIdentity(AgentIdentity::new(&p.additional_session_headers))
         }
         t if DEPRECATED_HEADER_HANDLERS.contains(&t) => {
             let _: HeaderHandlerParams = params(parameters, path)?;

@@ -556,3 +556,73 @@ fn the_precise_producer_replaces_the_approximate_one_and_brings_engine_tokens() 
     let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: precise-prefix-cache-producer\n- type: approx-prefix-cache-producer\n- type: prefix-cache-scorer\n").unwrap_err();
     assert!(e.to_string().contains("configure one"), "{e}");
 }
+
+/// `agent-identity` with `additionalSessionHeaders`: the operator's header is the agent session
+/// (flow control's fairness id) and the session-affinity plugins' `agent-identity` source.
+#[test]
+fn agent_identity_headers_reach_fairness_and_session_affinity() {
+    let b = load(
+        "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: agent-identity
+  parameters: {additionalSessionHeaders: [X-Conversation]}
+- type: session-affinity-filter
+  parameters: {strategy: session_id, sessionIdConfig: {sources: [{attribute: agent-identity}]}}
+- type: queue-scorer
+schedulingProfiles:
+- name: default
+  plugins: [{pluginRef: session-affinity-filter}, {pluginRef: queue-scorer}]
+",
+    )
+    .unwrap();
+    let headers: std::collections::HashMap<String, String> =
+        [("x-conversation".to_string(), "conv-1".to_string())]
+            .into_iter()
+            .collect();
+    assert_eq!(b.agent.session(&headers), Some("conv-1"));
+    let s = b.scheduler;
+    let mut r = req();
+    r.headers = &headers;
+    // The first turn goes to the idle pod b and binds the conversation there; when b's queue
+    // grows, the filter still keeps only b.
+    let idle_b = vec![
+        cand("a", metrics(3.0, 0.0, 0.0), false),
+        cand("b", metrics(0.0, 0.0, 0.0), false),
+    ];
+    let d = s.schedule(&r, &idle_b, &mut rand::rng()).unwrap();
+    assert_eq!(d.picked, vec![1]);
+    s.pre_request(&r, &d, &idle_b);
+    let busy_b = vec![
+        cand("a", metrics(0.0, 0.0, 0.0), false),
+        cand("b", metrics(9.0, 0.0, 0.0), false),
+    ];
+    assert_eq!(
+        s.schedule(&r, &busy_b, &mut rand::rng()).unwrap().picked,
+        vec![1]
+    );
+    // Without the plugin, the header means nothing: the conversation is not bound.
+    let plain = load(
+        "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: session-affinity-filter
+  parameters: {strategy: session_id, sessionIdConfig: {sources: [{attribute: agent-identity}]}}
+- type: queue-scorer
+",
+    )
+    .unwrap();
+    assert_eq!(plain.agent.session(&headers), None);
+    let s = plain.scheduler;
+    let d = s.schedule(&r, &idle_b, &mut rand::rng()).unwrap();
+    s.pre_request(&r, &d, &idle_b);
+    assert_eq!(
+        s.schedule(&r, &busy_b, &mut rand::rng()).unwrap().picked,
+        vec![0]
+    );
+    // Bad header names and a second instance are refused.
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: agent-identity\n  parameters: {additionalSessionHeaders: ['a b']}\n").unwrap_err().to_string();
+    assert!(e.contains("additionalSessionHeaders[0]"), "{e}");
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: agent-identity\n- {name: again, type: agent-identity}\n").unwrap_err().to_string();
+    assert!(e.contains("more than one"), "{e}");
+}
