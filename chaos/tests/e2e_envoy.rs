@@ -79,12 +79,21 @@ async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
         ("/v1/chat/completions", true),
         ("/v1/completions", false),
         ("/v1/completions", true),
+        ("/v1/responses", false),
+        ("/v1/responses", true),
+        ("/v1/messages/count_tokens", false),
     ] {
-        let body = if path.ends_with("chat/completions") {
-            chat(stream, "hello there")
-        } else {
+        let body = match path {
+            "/v1/chat/completions" => chat(stream, "hello there"),
+            // The Responses API reports usage in its final object / `response.completed` event.
+            "/v1/responses" => json!({"model": "sim-model", "instructions": "You are terse.",
+                "input": "hello there", "max_output_tokens": 8, "stream": stream}),
+            "/v1/messages/count_tokens" => json!({"model": "sim-model",
+                "messages": [{"role": "user", "content": "how many tokens is this"}]}),
             // No stream_options: the EPP asks for usage itself (the client sees the extra chunk).
-            json!({"model": "sim-model", "prompt": "once upon a time", "max_tokens": 8, "stream": stream})
+            _ => {
+                json!({"model": "sim-model", "prompt": "once upon a time", "max_tokens": 8, "stream": stream})
+            }
         };
         let resp = client
             .post(format!("{}{path}", c.envoy.url()))
@@ -107,12 +116,30 @@ async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
             "served by {pod} but the EPP chose {chosen}"
         );
         let text = resp.text().await.unwrap();
-        if stream {
-            assert!(text.contains("data: [DONE]"), "{text}");
-            assert!(text.contains("\"usage\""), "usage chunk missing: {text}");
-        } else {
-            let v: Value = serde_json::from_str(&text).unwrap();
-            assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+        match (path, stream) {
+            ("/v1/responses", true) => {
+                // Eight tokens of eight asked: `response.incomplete` (max_output_tokens) closes it.
+                let last = text.trim_end().rsplit("\n\n").next().unwrap();
+                let data: Value =
+                    serde_json::from_str(last.split_once("data: ").unwrap().1).unwrap();
+                assert_eq!(data["response"]["usage"]["output_tokens"], 8, "{text}");
+            }
+            ("/v1/responses", false) => {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(v["usage"]["output_tokens"], 8, "{v}");
+            }
+            ("/v1/messages/count_tokens", _) => {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                assert!(v["input_tokens"].as_u64().is_some_and(|n| n > 0), "{v}");
+            }
+            (_, true) => {
+                assert!(text.contains("data: [DONE]"), "{text}");
+                assert!(text.contains("\"usage\""), "usage chunk missing: {text}");
+            }
+            (_, false) => {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+            }
         }
     }
     // Usage from JSON and SSE bodies, seen by the observing stream, labelled by the routing one.
@@ -131,7 +158,7 @@ async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
         Duration::from_secs(5),
         || async {
             let m = c.epps[0].metrics().await.unwrap_or_default();
-            count(&m, "llm_d_epp_request_output_tokens") >= 5.0
+            count(&m, "llm_d_epp_request_output_tokens") >= 7.0
         },
     )
     .await;
@@ -158,10 +185,9 @@ async fn routes_streaming_and_non_streaming_to_the_chosen_pod() {
         "llm_d_epp_request_input_tokens",
         "llm_d_epp_request_output_tokens",
     ] {
-        assert!(
-            count(&m, name) >= 5.0,
-            "{name}: warm-up + 4 requests expected:\n{m}"
-        );
+        // The warm-up, four chat/completions and two Responses requests (count_tokens generates
+        // nothing and reports no usage).
+        assert_eq!(count(&m, name), 7.0, "{name}:\n{m}");
     }
     c.shutdown().await;
 }

@@ -107,7 +107,7 @@ impl UsageScanner {
             return;
         };
         let d = data.trim_ascii();
-        if !d.is_empty() && d != b"[DONE]" && !contains(d, b"\"choices\":[]") {
+        if carries_output(d) {
             self.events += 1;
         }
         if !contains(data, b"\"usage\"") {
@@ -119,14 +119,27 @@ impl UsageScanner {
     }
 
     fn absorb(&mut self, v: &Value) {
-        // OpenAI: top-level usage; Anthropic streaming: message_start.message.usage, message_delta.usage.
+        // OpenAI: top-level usage; Anthropic streaming: message_start.message.usage,
+        // message_delta.usage; Responses streaming: response.completed's response.usage.
         let usage = v
             .get("usage")
             .filter(|u| u.is_object())
-            .or_else(|| v.get("message").and_then(|m| m.get("usage")));
+            .or_else(|| v.get("message").and_then(|m| m.get("usage")))
+            .or_else(|| v.get("response").and_then(|r| r.get("usage")))
+            .filter(|u| u.is_object());
         let Some(u) = usage else { return };
         let n = |k: &str| u.get(k).and_then(Value::as_u64);
-        let got = if n("prompt_tokens").is_some() || n("completion_tokens").is_some() {
+        let got = if let Some(details) = u.get("input_tokens_details").filter(|d| d.is_object()) {
+            // Responses: `input_tokens` counts the cached ones too.
+            Usage {
+                input: n("input_tokens").unwrap_or(0),
+                output: n("output_tokens").unwrap_or(0),
+                cached: details
+                    .get("cached_tokens")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0),
+            }
+        } else if n("prompt_tokens").is_some() || n("completion_tokens").is_some() {
             Usage {
                 input: n("prompt_tokens").unwrap_or(0),
                 output: n("completion_tokens").unwrap_or(0),
@@ -152,6 +165,25 @@ impl UsageScanner {
         cur.output = cur.output.max(got.output);
         cur.cached = cur.cached.max(got.cached);
     }
+}
+
+/// Whether an SSE `data:` payload streamed output: an OpenAI chunk with choices, a Responses
+/// `*.delta` event, an Anthropic `content_block_delta` — not the envelope events around them
+/// (created, in progress, message start and stop, pings), nor the usage-only chunk or `[DONE]`.
+fn carries_output(d: &[u8]) -> bool {
+    if d.is_empty() || d == b"[DONE]" {
+        return false;
+    }
+    if contains(d, b"\"type\":\"response.") {
+        return contains(d, b".delta\"");
+    }
+    if contains(d, b"\"type\":\"message_")
+        || contains(d, b"\"type\":\"content_block_st")
+        || contains(d, b"\"type\":\"ping\"")
+    {
+        return false;
+    }
+    !contains(d, b"\"choices\":[]")
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -236,12 +268,42 @@ mod tests {
     }
 
     #[test]
+    fn responses_json_and_stream() {
+        let body = r#"{"id":"resp_1","object":"response","status":"completed","usage":{"input_tokens":90,"input_tokens_details":{"cached_tokens":64},"output_tokens":12,"total_tokens":102}}"#;
+        let want = Some(Usage {
+            input: 90,
+            output: 12,
+            cached: 64,
+        });
+        assert_eq!(scan("application/json", &[body]), want);
+        let events = [
+            "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"usage\":null}}\n\n",
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"a\"}\n\n",
+            "event: response.output_text.delta\ndata: {\"delta\":\"b\",\"type\":\"response.output_text.delta\"}\n\n",
+            "event: response.output_text.done\ndata: {\"type\":\"response.output_text.done\",\"text\":\"ab\"}\n\n",
+            "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"usage\":{\"input_tokens\":90,\"input_tokens_details\":{\"cached_tokens\":64},\"output_tokens\":12}}}\n\n",
+        ];
+        let mut s = UsageScanner::new(Some("text/event-stream"));
+        for e in &events[..4] {
+            s.feed(e.as_bytes());
+        }
+        assert_eq!(s.events(), 2, "only the deltas carried output");
+        s.feed(events[4].as_bytes());
+        assert_eq!(s.finish(), want);
+    }
+
+    #[test]
     fn anthropic_stream_and_message() {
         let stream = [
             "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"usage\":{\"input_tokens\":10,\"cache_read_input_tokens\":30,\"output_tokens\":1}}}\n\n",
             "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"usage\"}}\n\n",
             "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\n",
         ];
+        let mut s = UsageScanner::new(Some("text/event-stream"));
+        s.feed(stream[0].as_bytes());
+        s.feed(b"event: ping\ndata: {\"type\":\"ping\"}\n\n");
+        s.feed(stream[1].as_bytes());
+        assert_eq!(s.events(), 1, "only the content delta carried output");
         assert_eq!(
             scan("text/event-stream", &stream),
             Some(Usage {

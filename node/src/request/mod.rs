@@ -54,8 +54,8 @@ impl<T> Live<T> {
 }
 
 /// What the routing filter sends for paths no parser handles.
-const SUPPORTED_PATHS: &str =
-    "/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/messages, /inference/v1/generate";
+const SUPPORTED_PATHS: &str = "/v1/chat/completions, /v1/completions, /v1/embeddings, \
+     /v1/responses, /v1/messages, /v1/messages/count_tokens, /inference/v1/generate";
 
 /// The request path as the proxy reports it (`:path`, else the original or forwarded path).
 pub fn path(headers: &HashMap<String, String>) -> &str {
@@ -170,9 +170,9 @@ impl Request {
             body = edited;
         }
         if let Some(n) = max_output
-            && self.parsed.is_some()
-            && self.max_output() != Some(n)
-            && let Some(edited) = parse::with_max_output(&body, n)
+            && let Some(p) = &self.parsed
+            && p.max_output != Some(n)
+            && let Some(edited) = parse::with_max_output(p.kind, &body, n)
         {
             body = edited;
         }

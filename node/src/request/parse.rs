@@ -12,6 +12,10 @@ pub enum ApiKind {
     Completions,
     Embeddings,
     AnthropicMessages,
+    /// `/v1/messages/count_tokens`: routed like a message, generates nothing.
+    AnthropicCountTokens,
+    /// The OpenAI Responses API (`/v1/responses`).
+    Responses,
     VllmGenerate,
     /// Any other path, only when `passthrough-parser` is configured.
     Passthrough,
@@ -24,6 +28,8 @@ impl ApiKind {
             ApiKind::Completions => "completions",
             ApiKind::Embeddings => "embeddings",
             ApiKind::AnthropicMessages => "anthropic-messages",
+            ApiKind::AnthropicCountTokens => "anthropic-count-tokens",
+            ApiKind::Responses => "responses",
             ApiKind::VllmGenerate => "vllm-generate",
             ApiKind::Passthrough => "passthrough",
         }
@@ -39,6 +45,8 @@ pub fn kind_for_path(path: &str, passthrough: bool) -> Option<ApiKind> {
         "/v1/completions" | "/completions" => ApiKind::Completions,
         "/v1/embeddings" | "/embeddings" => ApiKind::Embeddings,
         "/v1/messages" => ApiKind::AnthropicMessages,
+        "/v1/messages/count_tokens" => ApiKind::AnthropicCountTokens,
+        "/v1/responses" | "/responses" => ApiKind::Responses,
         "/inference/v1/generate" | "/generate" => ApiKind::VllmGenerate,
         _ if passthrough => ApiKind::Passthrough,
         _ => return None,
@@ -136,12 +144,14 @@ pub fn with_model(body: &[u8], model: &str) -> Option<Vec<u8>> {
     serde_json::to_vec(&v).ok()
 }
 
-/// The body with its output maximum set to `n` (the field the client used, else `max_tokens`);
-/// `None` if it is not a JSON object.
-pub fn with_max_output(body: &[u8], n: u64) -> Option<Vec<u8>> {
+/// The body with its output maximum set to `n` (the Responses API's `max_output_tokens`, else
+/// the field the client used, else `max_tokens`); `None` if it is not a JSON object.
+pub fn with_max_output(kind: ApiKind, body: &[u8], n: u64) -> Option<Vec<u8>> {
     let mut v: Value = serde_json::from_slice(body).ok()?;
     let obj = v.as_object_mut()?;
-    let field = if obj.contains_key("max_completion_tokens") {
+    let field = if kind == ApiKind::Responses {
+        "max_output_tokens"
+    } else if obj.contains_key("max_completion_tokens") {
         "max_completion_tokens"
     } else {
         "max_tokens"
@@ -226,6 +236,39 @@ fn chat_prompt(obj: &serde_json::Map<String, Value>, system: Option<&Value>) -> 
             }
             push_content(&mut out, m.get("content"));
         }
+    }
+    out
+}
+
+/// Serialize a Responses request like a chat: tools, the instructions as the system turn, then
+/// each input item — a message's role and content, any other item (function calls and their
+/// outputs, reasoning) as its JSON. A string input is one user message.
+fn responses_prompt(obj: &serde_json::Map<String, Value>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4096);
+    if let Some(tools) = obj.get("tools") {
+        out.extend_from_slice(tools.to_string().as_bytes());
+    }
+    if let Some(Value::String(i)) = obj.get("instructions") {
+        out.extend_from_slice(b"system");
+        out.extend_from_slice(i.as_bytes());
+    }
+    match obj.get("input") {
+        Some(Value::String(t)) => {
+            out.extend_from_slice(b"user");
+            out.extend_from_slice(t.as_bytes());
+        }
+        Some(Value::Array(items)) => {
+            for item in items {
+                match item.get("role").and_then(Value::as_str) {
+                    Some(role) => {
+                        out.extend_from_slice(role.as_bytes());
+                        push_content(&mut out, item.get("content"));
+                    }
+                    None => out.extend_from_slice(item.to_string().as_bytes()),
+                }
+            }
+        }
+        _ => {}
     }
     out
 }
@@ -338,6 +381,40 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
                 None => return Err(field_err("max_tokens", "is required")),
             }
         }
+        ApiKind::AnthropicCountTokens => match obj.get("messages") {
+            Some(Value::Array(_)) => {}
+            Some(_) => return Err(field_err("messages", "must be an array")),
+            None => return Err(field_err("messages", "is required")),
+        },
+        ApiKind::Responses => {
+            match obj.get("input") {
+                Some(Value::String(_)) => {}
+                Some(Value::Array(items)) if items.iter().all(Value::is_object) => {}
+                Some(Value::Array(_)) => {
+                    return Err(field_err("input", "every item must be an object"));
+                }
+                Some(_) => return Err(field_err("input", "must be a string or a list of items")),
+                // A continuation may carry only its previous response.
+                None if obj
+                    .get("previous_response_id")
+                    .is_some_and(Value::is_string) => {}
+                None => return Err(field_err("input", "is required")),
+            }
+            for (f, what) in [
+                ("instructions", "must be a string"),
+                ("previous_response_id", "must be a string"),
+            ] {
+                if obj.get(f).is_some_and(|v| !v.is_string() && !v.is_null()) {
+                    return Err(field_err(f, what));
+                }
+            }
+            if obj
+                .get("max_output_tokens")
+                .is_some_and(|v| !v.is_null() && !v.as_u64().is_some_and(|n| n > 0))
+            {
+                return Err(field_err("max_output_tokens", "must be a positive integer"));
+            }
+        }
         ApiKind::VllmGenerate => match obj.get("token_ids") {
             Some(Value::Array(ids)) if ids.iter().all(Value::is_u64) => {}
             Some(_) => return Err(field_err("token_ids", "must be a list of token ids")),
@@ -347,7 +424,10 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
     }
     let prompt = match kind {
         ApiKind::ChatCompletions => Prompt::Text(chat_prompt(obj, None)),
-        ApiKind::AnthropicMessages => Prompt::Text(chat_prompt(obj, obj.get("system"))),
+        ApiKind::AnthropicMessages | ApiKind::AnthropicCountTokens => {
+            Prompt::Text(chat_prompt(obj, obj.get("system")))
+        }
+        ApiKind::Responses => Prompt::Text(responses_prompt(obj)),
         ApiKind::Completions => text_or_tokens(obj.get("prompt")),
         ApiKind::Embeddings => text_or_tokens(obj.get("input")),
         ApiKind::VllmGenerate => match obj.get("token_ids") {
@@ -376,7 +456,8 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         _ => None,
     };
     let max_output = match kind {
-        ApiKind::Embeddings => Some(0),
+        ApiKind::Embeddings | ApiKind::AnthropicCountTokens => Some(0),
+        ApiKind::Responses => obj.get("max_output_tokens").and_then(Value::as_u64),
         _ => ["max_completion_tokens", "max_tokens"]
             .iter()
             .find_map(|f| obj.get(*f).and_then(Value::as_u64)),
@@ -422,8 +503,10 @@ mod tests {
             Some(3)
         );
         assert_eq!(p(ApiKind::Embeddings, r#"{"input":"x"}"#), Some(0));
-        let edited: Value =
-            serde_json::from_slice(&with_max_output(both.as_bytes(), 4).unwrap()).unwrap();
+        let edited: Value = serde_json::from_slice(
+            &with_max_output(ApiKind::ChatCompletions, both.as_bytes(), 4).unwrap(),
+        )
+        .unwrap();
         assert_eq!(
             (
                 edited["max_completion_tokens"].as_u64(),
@@ -431,10 +514,90 @@ mod tests {
             ),
             (Some(4), Some(9))
         );
-        let edited: Value =
-            serde_json::from_slice(&with_max_output(chat.as_bytes(), 5).unwrap()).unwrap();
+        let edited: Value = serde_json::from_slice(
+            &with_max_output(ApiKind::ChatCompletions, chat.as_bytes(), 5).unwrap(),
+        )
+        .unwrap();
         assert_eq!(edited["max_tokens"], 5);
-        assert!(with_max_output(b"[1]", 5).is_none());
+        assert!(with_max_output(ApiKind::ChatCompletions, b"[1]", 5).is_none());
+        let resp = r#"{"input":"x","max_output_tokens":300}"#;
+        assert_eq!(p(ApiKind::Responses, resp), Some(300));
+        let edited: Value = serde_json::from_slice(
+            &with_max_output(ApiKind::Responses, resp.as_bytes(), 64).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                edited["max_output_tokens"].as_u64(),
+                edited.get("max_tokens")
+            ),
+            (Some(64), None)
+        );
+        assert_eq!(
+            p(ApiKind::AnthropicCountTokens, r#"{"messages":[]}"#),
+            Some(0),
+            "count_tokens generates nothing"
+        );
+    }
+
+    #[test]
+    fn responses_requests_parse_like_a_chat() {
+        assert_eq!(
+            kind_for_path("/v1/responses", false),
+            Some(ApiKind::Responses)
+        );
+        assert_eq!(
+            kind_for_path("/v1/messages/count_tokens", false),
+            Some(ApiKind::AnthropicCountTokens)
+        );
+        let p = |b: &str| parse(ApiKind::Responses, b.as_bytes());
+        let text = |b: &str| match p(b).unwrap().prompt {
+            Prompt::Text(t) => String::from_utf8(t).unwrap(),
+            other => panic!("{other:?}"),
+        };
+        // A string input is one user turn; instructions are the system turn.
+        assert_eq!(
+            text(r#"{"model":"m","instructions":"be brief","input":"hi"}"#),
+            "systembe briefuserhi"
+        );
+        // Items: messages by role and content (string or parts), other items as their JSON; a
+        // later turn's serialization extends an earlier one's.
+        let first = r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"hi"}]}]}"#;
+        let later = r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"hi"}]},{"type":"function_call_output","call_id":"c","output":"42"},{"role":"user","content":"more"}],"stream":true}"#;
+        assert!(text(later).starts_with(&text(first)), "{}", text(later));
+        assert!(text(later).contains("function_call_output"));
+        let r = p(later).unwrap();
+        assert!(r.stream);
+        assert_eq!(
+            r.stream_options, None,
+            "Responses streams report usage themselves"
+        );
+        // A continuation may carry only its previous response.
+        assert!(p(r#"{"previous_response_id":"resp_1"}"#).is_ok());
+        for (bad, field) in [
+            (r#"{}"#, "input"),
+            (r#"{"input":7}"#, "input"),
+            (r#"{"input":["x"]}"#, "input"),
+            (r#"{"input":"x","instructions":3}"#, "instructions"),
+            (
+                r#"{"input":"x","max_output_tokens":0}"#,
+                "max_output_tokens",
+            ),
+            (
+                r#"{"input":"x","previous_response_id":false}"#,
+                "previous_response_id",
+            ),
+        ] {
+            let e = p(bad).unwrap_err().to_string();
+            assert!(e.contains(field), "{bad}: {e}");
+        }
+        let c = parse(
+            ApiKind::AnthropicCountTokens,
+            br#"{"model":"m","system":"s","messages":[{"role":"user","content":"q"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.prompt, Prompt::Text(b"systemsuserq".to_vec()));
+        assert!(parse(ApiKind::AnthropicCountTokens, br#"{"model":"m"}"#).is_err());
     }
 
     #[test]
