@@ -410,7 +410,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             }
             if obj
                 .get("max_output_tokens")
-                .is_some_and(|v| !v.is_null() && !v.as_u64().is_some_and(|n| n > 0))
+                .is_some_and(|v| !v.is_null() && v.as_u64().is_none_or(|n| n == 0))
             {
                 return Err(field_err("max_output_tokens", "must be a positive integer"));
             }
