@@ -103,6 +103,7 @@ fn bench_profile(c: &mut Criterion, profile: &str, config: &str) {
                     target_model: "m",
                     prompt: &p,
                     cache_salt: None,
+                    priority: 0,
                     headers: &headers,
                     tokens: None,
                 };
@@ -124,6 +125,7 @@ fn bench_profile(c: &mut Criterion, profile: &str, config: &str) {
             target_model: "m",
             prompt: &prompt,
             cache_salt: None,
+            priority: 0,
             headers: &headers,
             tokens: None,
         };

@@ -75,6 +75,7 @@ pub async fn dry_run(ctx: &PickerContext, run: DryRun) -> Result<Explanation, Re
         target_model: &req.target_model,
         prompt: req.prompt(),
         cache_salt: req.cache_salt(),
+        priority: req.meta.priority,
         headers: &headers,
         tokens: tokens.as_deref(),
     };

@@ -9,6 +9,7 @@
 //! every candidate; the profile's filters narrow the candidate indices, scorers score them, the
 //! picker orders them; after the answer is sent, producers record the decision (`pre_request`).
 
+pub mod admitter;
 pub mod cost_model;
 pub mod explain;
 pub mod filters;
@@ -47,6 +48,8 @@ pub struct SchedRequest<'a> {
     pub target_model: &'a str,
     pub prompt: &'a Prompt,
     pub cache_salt: Option<&'a str>,
+    /// The request's priority (its `InferenceObjective`'s; below 0 = sheddable).
+    pub priority: i32,
     pub headers: &'a HashMap<String, String>,
     /// The prompt as the engine tokenizes it, when a token producer backend that has the model's
     /// tokenizer ran (`vllm_http`); `None` with the tokenizer-free `estimate` backend.
@@ -266,6 +269,7 @@ pub(crate) mod testutil {
             target_model: "m",
             prompt: &NO_PROMPT,
             cache_salt: None,
+            priority: 0,
             headers: &NO_HEADERS,
             tokens: None,
         }

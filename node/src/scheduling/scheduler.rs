@@ -93,6 +93,8 @@ pub struct Scheduler {
     pub sessions: Vec<Arc<super::session::SessionAffinity>>,
     /// The prefill profile's name (a session plugin's `profileName` may point at it).
     pub prefill_profile: Option<String>,
+    /// Admitter plugins, asked in order after the producers.
+    pub admitters: Vec<Arc<dyn super::admitter::Admitter>>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -101,6 +103,9 @@ pub enum SchedError {
     NoCandidates,
     #[error("all endpoints were filtered out")]
     AllFiltered,
+    /// An admitter plugin turned the request away.
+    #[error("shed by {0}")]
+    NotAdmitted(&'static str),
 }
 
 /// The outcome: chosen candidate indices, best first, each candidate's total score (0 for
@@ -166,6 +171,13 @@ impl Scheduler {
             p.produce(req, candidates, &mut data);
         }
         trace.produced(&data);
+        if let Some(a) = self
+            .admitters
+            .iter()
+            .find(|a| !a.admit(req, candidates, rng))
+        {
+            return Err(SchedError::NotAdmitted(a.type_name()));
+        }
         let mut scores = vec![0.0; candidates.len()];
         let picked = run_profile(
             self.primary(),

@@ -134,6 +134,7 @@ impl StreamState {
             target_model: &req.target_model,
             prompt: req.prompt(),
             cache_salt: req.cache_salt(),
+            priority: req.meta.priority,
             headers: &self.headers,
             tokens: tokens.as_deref(),
         };
@@ -280,6 +281,9 @@ impl StreamState {
                     SchedError::AllFiltered => {
                         Rejection::saturated("every endpoint was filtered out")
                     }
+                    SchedError::NotAdmitted(by) => Rejection::saturated(format!(
+                        "shed by {by}: the pool is saturated and the request is sheddable"
+                    )),
                 });
             }
         };

@@ -390,6 +390,14 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         }
     }
     let admission = AdmissionConfig::from_config(cfg)?;
+    // Admitters, in configuration order.
+    let admitters: Vec<Arc<dyn Admitter>> = instances
+        .iter()
+        .filter_map(|(_, _, p)| match p {
+            Plugin::Admitter(a) => Some(a.clone()),
+            _ => None,
+        })
+        .collect();
 
     let profiles_summary = match &handler {
         Handler::Single(p) => describe_profile(p),
@@ -426,7 +434,19 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         metrics_source.path,
         metrics_source.interval.as_deref().unwrap_or("base tick"),
     ) + " "
-        + &admission.summary();
+        + &admission.summary()
+        + &if admitters.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " admitters=[{}]",
+                admitters
+                    .iter()
+                    .map(|a| a.type_name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
     // Agent identity: the configured headers (one instance), for flow control's fairness id and
     // the session-affinity plugins' `agent-identity` source.
     let agents: Vec<&AgentIdentity> = instances
@@ -484,6 +504,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             cost_model,
             sessions,
             prefill_profile,
+            admitters,
         },
         metrics_source,
         inflight,

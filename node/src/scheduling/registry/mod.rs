@@ -17,6 +17,7 @@ use crate::datalayer::inflight::InflightTracker;
 use crate::request::admission::AdmissionConfig;
 use crate::request::meta::AgentIdentity;
 use crate::request::tokens;
+use crate::scheduling::admitter::{self, Admitter};
 use crate::scheduling::cost_model;
 use crate::scheduling::filters::{self, LabelSelectorFilter, UtilizationFilter};
 use crate::scheduling::inflight::{self, InflightProducer};
@@ -69,7 +70,6 @@ const NOT_YET: &[&str] = &[
     "data-parallel-profile-handler",
     "header-profile-handler",
     "latency-slo-admitter",
-    "probabilistic-admitter",
     "predicted-latency-producer",
     "latency-scorer",
 ];
@@ -106,6 +106,8 @@ pub enum Plugin {
     Superseded,
     /// `agent-identity`: where agents' session ids are read.
     AgentIdentity(AgentIdentity),
+    /// An admitter (`probabilistic-admitter`): asked after the producers, before the profiles.
+    Admitter(Arc<dyn Admitter>),
 }
 
 /// `agent-identity` parameters.
@@ -321,6 +323,11 @@ pub fn construct(
                 }
             );
             Plugin::ProfileHandler(HandlerSpec::Pd(spec))
+        }
+        admitter::PROBABILISTIC_TYPE => {
+            let p: admitter::ProbabilisticParams = params(parameters, path)?;
+            p.validate(path)?;
+            Plugin::Admitter(Arc::new(admitter::ProbabilisticAdmitter { params: p }))
         }
         AGENT_IDENTITY => {
             let p: AgentIdentityParams = params(parameters, path)?;

@@ -626,3 +626,57 @@ plugins:
     let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: agent-identity\n- {name: again, type: agent-identity}\n").unwrap_err().to_string();
     assert!(e.contains("more than one"), "{e}");
 }
+
+/// `probabilistic-admitter`: loads with llm-d's parameters, refuses bad ones, and sheds only
+/// sheddable requests — at full saturation every one, answered as `NotAdmitted`.
+#[test]
+fn probabilistic_admitter_sheds_sheddable_requests() {
+    let b = load(
+        "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: probabilistic-admitter
+  parameters: {queueDepthThreshold: 4, power: 3, k: 100}
+- type: random-picker
+- type: utilization-detector
+  parameters: {queueDepthThreshold: 999999999, kvCacheUtilThreshold: 1.0}
+saturationDetector:
+  pluginRef: utilization-detector
+",
+    )
+    .unwrap();
+    assert!(
+        b.summary.contains("admitters=[probabilistic-admitter]"),
+        "{}",
+        b.summary
+    );
+    let s = b.scheduler;
+    let full = vec![cand("a", metrics(4.0, 0.0, 0.0), false)];
+    let mut r = req();
+    r.priority = -1;
+    assert_eq!(
+        s.schedule(&r, &full, &mut rand::rng()).unwrap_err(),
+        SchedError::NotAdmitted("probabilistic-admitter")
+    );
+    r.priority = 0;
+    assert_eq!(
+        s.schedule(&r, &full, &mut rand::rng()).unwrap().picked,
+        vec![0]
+    );
+    let idle = vec![cand("a", metrics(0.0, 0.0, 0.0), false)];
+    r.priority = -1;
+    assert!(s.schedule(&r, &idle, &mut rand::rng()).is_ok());
+    for bad in [
+        "{power: 0}",
+        "{k: -1}",
+        "{kvCacheUtilThreshold: 1.5}",
+        "{shed: 1}",
+    ] {
+        let e = load(&format!(
+            "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: probabilistic-admitter\n  parameters: {bad}\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("plugins[0].parameters"), "{bad}: {e}");
+    }
+}
