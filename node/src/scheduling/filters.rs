@@ -11,6 +11,7 @@ use crate::datalayer::store::Candidate;
 pub const LABEL_SELECTOR_TYPE: &str = "label-selector-filter";
 pub const DECODE_TYPE: &str = "decode-filter";
 pub const PREFILL_TYPE: &str = "prefill-filter";
+pub const ENCODE_TYPE: &str = "encode-filter";
 pub const UTILIZATION_TYPE: &str = "utilization-filter";
 /// The P/D role label.
 pub const ROLE_LABEL: &str = "llm-d.ai/role";
@@ -109,6 +110,15 @@ pub fn prefill_filter() -> RoleFilter {
             "both",
             "encode-prefill-decode",
         ],
+        keep_unlabeled: false,
+    }
+}
+
+/// `encode-filter`: encode-capable roles only (multimodal encoders).
+pub fn encode_filter() -> RoleFilter {
+    RoleFilter {
+        type_name: ENCODE_TYPE,
+        roles: &["encode", "encode-prefill", "encode-prefill-decode"],
         keep_unlabeled: false,
     }
 }
@@ -291,10 +301,19 @@ mod tests {
             cand_at("d", "127.0.0.1:2", None, false, &[(ROLE_LABEL, "decode")]),
             cand_at("both", "127.0.0.1:3", None, false, &[(ROLE_LABEL, "both")]),
             cand_at("none", "127.0.0.1:4", None, false, &[]),
+            cand_at("e", "127.0.0.1:5", None, false, &[(ROLE_LABEL, "encode")]),
+            cand_at(
+                "epd",
+                "127.0.0.1:6",
+                None,
+                false,
+                &[(ROLE_LABEL, "encode-prefill-decode")],
+            ),
         ];
         let d = RequestData::default();
-        assert_eq!(run(&decode_filter(), &d, &cs), vec![1, 2, 3]);
-        assert_eq!(run(&prefill_filter(), &d, &cs), vec![0, 2]);
+        assert_eq!(run(&decode_filter(), &d, &cs), vec![1, 2, 3, 5]);
+        assert_eq!(run(&prefill_filter(), &d, &cs), vec![0, 2, 5]);
+        assert_eq!(run(&encode_filter(), &d, &cs), vec![4, 5]);
     }
 
     #[test]

@@ -65,7 +65,6 @@ pub const PARSERS: [&str; 4] = [
 /// with a message saying so, rather than "unknown type".
 const NOT_YET: &[&str] = &[
     "session-id-producer",
-    "encode-filter",
     "always-disagg-multimodal-decider",
     "data-parallel-profile-handler",
     "header-profile-handler",
@@ -280,6 +279,10 @@ pub fn construct(
         filters::PREFILL_TYPE => {
             let _: NoParams = params(parameters, path)?;
             Plugin::Filter(Arc::new(filters::prefill_filter()))
+        }
+        filters::ENCODE_TYPE => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Filter(Arc::new(filters::encode_filter()))
         }
         filters::UTILIZATION_TYPE => Plugin::Filter(Arc::new(UtilizationFilter {
             params: params(parameters, path)?,
