@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
 use chaos::workloads;
+use serde_json::Value;
 use sim::SimConfig;
 use sim::loadgen::{self, LoadConfig};
 
@@ -58,6 +59,45 @@ impl Run {
     }
 }
 
+/// Every pod's KV-event stream subscribed and its first replay (from 0) done, so the workload's
+/// first events are not raced by the subscriptions themselves.
+async fn subscribed(c: &LocalCluster) {
+    let pods: Vec<String> = c.sim.pods().iter().map(|p| p.addr.to_string()).collect();
+    chaos::wait::until(
+        "every pod's KV events subscribed",
+        Duration::from_secs(10),
+        || async {
+            let Ok(v) = c.epp(0).unwrap().admin_json("/debug/kv-events").await else {
+                return false;
+            };
+            let subs = &v["subscriptions"];
+            pods.iter()
+                .all(|p| subs[p].is_object() && subs[p]["replaying"] == false)
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// Per pod: gaps, resyncs and restarts of its KV-event stream (what explains a misprediction).
+async fn recoveries(c: &LocalCluster) -> Vec<(String, u64, u64, u64)> {
+    let v = c
+        .epp(0)
+        .unwrap()
+        .admin_json("/debug/kv-events")
+        .await
+        .unwrap();
+    let n = |p: &Value, k: &str| p[k].as_u64().unwrap_or(0);
+    v["subscriptions"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, p)| (k.clone(), n(p, "gaps"), n(p, "resyncs"), n(p, "restarts")))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 async fn run(c: &LocalCluster) -> Run {
     c.wait_for_pods().await.unwrap();
     let report = loadgen::run(&load(), &c.envoy.url()).await.unwrap();
@@ -88,7 +128,11 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
     })
     .await
     .unwrap();
+    c.wait_for_pods().await.unwrap();
+    subscribed(&c).await;
     let precise = run(&c).await;
+    // (pod, gaps, resyncs, restarts) of every stream: a resync loses what the pod held.
+    let streams = recoveries(&c).await;
     let m = c.epp(0).unwrap().metrics().await.unwrap();
     let removed = m
         .lines()
@@ -162,6 +206,7 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
         );
     }
     eprintln!("engine evictions seen by the index: {removed} blocks; render calls {renders}");
+    eprintln!("KV-event streams (pod, gaps, resyncs, restarts): {streams:?}");
     let r = &precise.report;
     assert_eq!((r.errors, r.requests), (0, 24 * 5), "{r:?}");
     assert!(
@@ -173,7 +218,8 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
     assert_eq!(precise.observed, r.cached_tokens, "{precise:?}");
     assert!(
         precise.error() <= 0.02,
-        "precise prediction error {:.2}% > 2%: {precise:?}",
+        "precise prediction error {:.2}% > 2%: {precise:?}; streams (pod, gaps, resyncs, \
+         restarts): {streams:?}",
         precise.error() * 100.0
     );
     assert!(
