@@ -420,7 +420,11 @@ impl FlowControlConfig {
                     plugins,
                     name,
                     "flowControl.usageLimitPolicyPluginRef",
-                    &[STATIC_USAGE_LIMIT, crate::policy::PRIORITY_HOLDBACK],
+                    &[
+                        STATIC_USAGE_LIMIT,
+                        crate::policy::PRIORITY_HOLDBACK,
+                        crate::policy::SOFT_REFLECTIVE_CEILING,
+                    ],
                 )?;
                 UsageLimit::from_plugin(ty, params, &ppath)?
             }

@@ -67,12 +67,13 @@ pub use outcome::{
     DROPPED_REASON_HEADER, DropReason, DropResponse, LegacyAdmission, legacy_admission,
 };
 pub use policy::{
-    Charge, FairnessPolicy, HoldbackDomain, HoldbackShape, OrderingPolicy, PriorityHoldbackParams,
-    StaticUsageLimitParams, UsageLimit, WeightedFairnessParams,
+    BandPosition, Charge, FairnessPolicy, HoldbackDomain, HoldbackShape, OrderingPolicy,
+    PriorityHoldbackParams, StaticUsageLimitParams, UsageLimit, WeightedFairnessParams,
 };
 pub use policy::{
-    EDF_ORDERING, FCFS_ORDERING, GLOBAL_STRICT_FAIRNESS, PRIORITY_HOLDBACK, ROUND_ROBIN_FAIRNESS,
-    SLO_DEADLINE_ORDERING, STATIC_USAGE_LIMIT, WEIGHTED_FAIRNESS,
+    EDF_ORDERING, FCFS_ORDERING, GLOBAL_STRICT_FAIRNESS, PRIORITY_HOLDBACK,
+    PRIORITY_THEN_TIME_EVICTION_ORDER, ROUND_ROBIN_FAIRNESS, SHEDDABLE_EVICTION_FILTER,
+    SLO_DEADLINE_ORDERING, SOFT_REFLECTIVE_CEILING, STATIC_USAGE_LIMIT, WEIGHTED_FAIRNESS,
 };
 pub use saturation::{CONCURRENCY_DETECTOR, UTILIZATION_DETECTOR};
 pub use saturation::{

@@ -17,6 +17,12 @@ pub const EDF_ORDERING: &str = "edf-ordering-policy";
 pub const SLO_DEADLINE_ORDERING: &str = "slo-deadline-ordering-policy";
 pub const STATIC_USAGE_LIMIT: &str = "static-usage-limit-policy";
 pub const PRIORITY_HOLDBACK: &str = "priority-holdback-policy";
+pub const SOFT_REFLECTIVE_CEILING: &str = "soft-reflective-ceiling-policy";
+/// llm-d's eviction plugins; the eviction this crate implements is exactly theirs (only
+/// sheddable requests are revocable; lowest priority first, then the newest dispatch), so naming
+/// them is accepted and changes nothing.
+pub const SHEDDABLE_EVICTION_FILTER: &str = "sheddable-eviction-filter";
+pub const PRIORITY_THEN_TIME_EVICTION_ORDER: &str = "priority-then-time-eviction-order-policy";
 
 /// How a band picks the next flow to serve.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -199,6 +205,37 @@ pub enum UsageLimit {
     /// `priority-holdback-policy`: lower bands get lower ceilings, keeping headroom for the higher
     /// ones.
     PriorityHoldback(PriorityHoldbackParams),
+    /// `soft-reflective-ceiling-policy` (no parameters): band `i` of `n` (highest first) reaches
+    /// its reflective ceiling `1 − i·sat/(n − 1)` as saturation rises; from there on every such
+    /// band is open on one dispatch cycle in `round(sat / (1 − sat))` (a tick shared by all bands,
+    /// so gating stays monotone in rank) and closed from saturation 1. The top band is never
+    /// gated below saturation 1.
+    SoftReflective,
+}
+
+/// Where a band stands among the bands: what its ceiling depends on.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BandPosition {
+    /// 0 = highest priority.
+    pub rank: usize,
+    /// Bands in all.
+    pub n: usize,
+    pub priority: i32,
+    /// The lowest and highest priorities among them.
+    pub lowest: i32,
+    pub highest: i32,
+}
+
+/// The soft-reflective policy's cycle state at saturation `sat`: whether this dispatch cycle is
+/// one of the open ones. The tick advances only while some band alternates (`1 − sat ≤ sat < 1`).
+pub fn soft_reflective_cycle(tick: &mut u64, sat: f64) -> bool {
+    if !(sat >= 1.0 - sat && sat < 1.0) {
+        return false;
+    }
+    // 1e-9 guards the division when saturation is very near 1.
+    let period = (sat / (1.0 - sat + 1e-9)).round().max(1.0) as u64;
+    *tick = tick.wrapping_add(1);
+    (*tick).is_multiple_of(period)
 }
 
 impl Default for UsageLimit {
@@ -231,10 +268,15 @@ impl UsageLimit {
                 p.validate(path)?;
                 Ok(UsageLimit::PriorityHoldback(p))
             }
+            SOFT_REFLECTIVE_CEILING => {
+                decode_params::<NoParams>(parameters, path)?;
+                Ok(UsageLimit::SoftReflective)
+            }
             _ => Err(ConfigError::WrongPluginKind {
                 path: path.to_string(),
                 type_name: type_name.to_string(),
-                expected: "usage limit policy (static-usage-limit-policy, priority-holdback-policy)",
+                expected: "usage limit policy (static-usage-limit-policy, priority-holdback-policy, \
+                           soft-reflective-ceiling-policy)",
             }),
         }
     }
@@ -243,14 +285,32 @@ impl UsageLimit {
         match self {
             UsageLimit::Static(p) => p.validate(path),
             UsageLimit::PriorityHoldback(p) => p.validate(path),
+            UsageLimit::SoftReflective => Ok(()),
         }
     }
 
-    /// The ceiling of the band at `rank` (0 = highest priority) among `n` bands whose priorities
-    /// span `lowest..=highest`.
-    pub fn ceiling(&self, rank: usize, n: usize, priority: i32, lowest: i32, highest: i32) -> f64 {
+    /// The ceiling of the band at `at` when the pool's saturation is `sat` and the soft-reflective
+    /// cycle is `open` (see [`soft_reflective_cycle`]; the other policies ignore both): the band
+    /// is gated while `sat >= ceiling`.
+    pub fn ceiling(&self, at: BandPosition, sat: f64, open: bool) -> f64 {
+        let BandPosition {
+            rank,
+            n,
+            priority,
+            lowest,
+            highest,
+        } = at;
         match self {
             UsageLimit::Static(p) => p.threshold,
+            UsageLimit::SoftReflective => {
+                if rank == 0 || n < 2 || sat < 1.0 - rank as f64 * sat / (n - 1) as f64 {
+                    1.0
+                } else if sat >= 1.0 || !open {
+                    0.0
+                } else {
+                    1.0
+                }
+            }
             UsageLimit::PriorityHoldback(p) => {
                 let span = p.max_ceiling - p.min_ceiling;
                 let position = match p.domain {

@@ -17,6 +17,16 @@ fn bands3() -> Vec<flowctl::BandConfig> {
         .collect()
 }
 
+fn at(rank: usize, n: usize, priority: i32, lowest: i32, highest: i32) -> flowctl::BandPosition {
+    flowctl::BandPosition {
+        rank,
+        n,
+        priority,
+        lowest,
+        highest,
+    }
+}
+
 fn dispatched(out: &[Outcome]) -> Vec<u64> {
     out.iter()
         .filter_map(|o| match o {
@@ -34,21 +44,21 @@ fn rank_ceilings_interpolate_between_max_and_min() {
         min_ceiling: 0.5,
         max_ceiling: 1.0,
     });
-    assert_eq!(limit.ceiling(0, 3, 10, -10, 10), 1.0);
-    assert_eq!(limit.ceiling(1, 3, 0, -10, 10), 0.75);
-    assert_eq!(limit.ceiling(2, 3, -10, -10, 10), 0.5);
+    assert_eq!(limit.ceiling(at(0, 3, 10, -10, 10), 0.0, false), 1.0);
+    assert_eq!(limit.ceiling(at(1, 3, 0, -10, 10), 0.0, false), 0.75);
+    assert_eq!(limit.ceiling(at(2, 3, -10, -10, 10), 0.0, false), 0.5);
     // One band: the maximum.
-    assert_eq!(limit.ceiling(0, 1, 7, 7, 7), 1.0);
+    assert_eq!(limit.ceiling(at(0, 1, 7, 7, 7), 0.0, false), 1.0);
     let by_value = UsageLimit::PriorityHoldback(PriorityHoldbackParams {
         domain: HoldbackDomain::Value,
         ..match limit {
             UsageLimit::PriorityHoldback(p) => p,
-            UsageLimit::Static(_) => unreachable!(),
+            _ => unreachable!(),
         }
     });
     // Priorities 100, 90, 0: by value the middle band sits near the top.
-    assert_eq!(by_value.ceiling(1, 3, 90, 0, 100), 0.95);
-    assert_eq!(by_value.ceiling(2, 3, 0, 0, 100), 0.5);
+    assert_eq!(by_value.ceiling(at(1, 3, 90, 0, 100), 0.0, false), 0.95);
+    assert_eq!(by_value.ceiling(at(2, 3, 0, 0, 100), 0.0, false), 0.5);
 }
 
 /// Four slots on one endpoint; ceilings 1.0 / 0.75 / 0.5 for priorities 10 / 0 / -10. The

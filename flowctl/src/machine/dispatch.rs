@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use super::state::*;
 use super::*;
 use crate::outcome::DropReason;
-use crate::policy::OrderingPolicy;
+use crate::policy::{BandPosition, OrderingPolicy, UsageLimit, soft_reflective_cycle};
 use crate::saturation::{ConcurrencyDetector, SaturationDetector};
 
 /// Saturation for one dispatch run: constant, or recomputed from the in-flight ledger.
@@ -325,30 +325,37 @@ impl FlowController {
             return;
         }
         let probe = self.probe(now);
+        if self.config.usage_limit == UsageLimit::SoftReflective {
+            let sat = probe.eval(&self.totals);
+            self.reflect_open = soft_reflective_cycle(&mut self.reflect_tick, sat);
+        }
         self.dispatch_loop(&probe, out);
         if self.evict(now, &probe, out) {
             self.dispatch_loop(&probe, out);
         }
     }
 
-    /// The usage-limit ceiling of band `b` (see [`UsageLimit::ceiling`]).
-    pub(super) fn ceiling(&self, b: u32) -> f64 {
+    /// The usage-limit ceiling of band `b` at saturation `sat` (see [`UsageLimit::ceiling`]).
+    pub(super) fn ceiling(&self, b: u32, sat: f64) -> f64 {
         let n = self.band_order.len();
         let rank = self.band_order.iter().position(|&x| x == b).unwrap_or(0);
         let prio = |i: Option<&u32>| {
             i.and_then(|&x| self.bands.get(x as usize))
                 .map_or(0, |band| band.priority)
         };
-        let highest = prio(self.band_order.first());
-        let lowest = prio(self.band_order.last());
-        let priority = self.bands.get(b as usize).map_or(0, |band| band.priority);
-        self.config
-            .usage_limit
-            .ceiling(rank, n, priority, lowest, highest)
+        let at = BandPosition {
+            rank,
+            n,
+            priority: self.bands.get(b as usize).map_or(0, |band| band.priority),
+            lowest: prio(self.band_order.last()),
+            highest: prio(self.band_order.first()),
+        };
+        self.config.usage_limit.ceiling(at, sat, self.reflect_open)
     }
 
-    /// The ceiling a band of `priority` has or would have (ranked among the existing bands).
-    pub(super) fn ceiling_for(&self, priority: i32) -> f64 {
+    /// The ceiling a band of `priority` has or would have (ranked among the existing bands) at
+    /// saturation `sat`.
+    pub(super) fn ceiling_for(&self, priority: i32, sat: f64) -> f64 {
         let pos = self.band_order.binary_search_by(|&b| {
             let p = self.bands.get(b as usize).map_or(i32::MIN, |b| b.priority);
             priority.cmp(&p)
@@ -361,17 +368,21 @@ impl FlowController {
             i.and_then(|&x| self.bands.get(x as usize))
                 .map(|b| b.priority)
         };
-        let highest = prio(self.band_order.first()).map_or(priority, |p| p.max(priority));
-        let lowest = prio(self.band_order.last()).map_or(priority, |p| p.min(priority));
-        self.config
-            .usage_limit
-            .ceiling(rank, n, priority, lowest, highest)
+        let at = BandPosition {
+            rank,
+            n,
+            priority,
+            lowest: prio(self.band_order.last()).map_or(priority, |p| p.min(priority)),
+            highest: prio(self.band_order.first()).map_or(priority, |p| p.max(priority)),
+        };
+        self.config.usage_limit.ceiling(at, sat, self.reflect_open)
     }
 
     /// Whether the highest waiting band is gated at the current saturation (`None`: nothing waits).
     pub(super) fn top_band_gated(&self, probe: &Probe) -> Option<(u32, bool)> {
         let b = self.top_waiting_band()?;
-        Some((b, probe.eval(&self.totals) >= self.ceiling(b)))
+        let sat = probe.eval(&self.totals);
+        Some((b, sat >= self.ceiling(b, sat)))
     }
 
     pub(super) fn dispatch_loop(&mut self, probe: &Probe, out: &mut Vec<Outcome>) {
@@ -495,7 +506,10 @@ impl FlowController {
         };
         let mut evicted = 0;
         // Re-check before each revocation: evict only while still saturated.
-        while evicted < ev.max_per_decision && probe.eval(&self.totals) >= self.ceiling(top_band) {
+        while evicted < ev.max_per_decision && {
+            let sat = probe.eval(&self.totals);
+            sat >= self.ceiling(top_band, sat)
+        } {
             let Some(&(priority, _, id)) = self.evictable.first() else {
                 break;
             };

@@ -238,6 +238,12 @@ pub struct FlowController {
     arrivals: BTreeSet<(Nanos, RequestId)>,
     /// In-flight sheddable requests: (priority, MAX - dispatch seq, id) — lowest priority, then newest.
     evictable: BTreeSet<(i32, u64, RequestId)>,
+    /// `soft-reflective-ceiling-policy`: its cycle tick, and whether the current dispatch cycle
+    /// is an open one.
+    #[serde(default)]
+    reflect_tick: u64,
+    #[serde(default)]
+    reflect_open: bool,
 }
 
 impl FlowController {
@@ -263,6 +269,8 @@ impl FlowController {
             deadlines: BTreeSet::new(),
             arrivals: BTreeSet::new(),
             evictable: BTreeSet::new(),
+            reflect_tick: 0,
+            reflect_open: false,
         };
         let priorities: Vec<i32> = fc.config.bands.iter().map(|b| b.priority).collect();
         for p in priorities {
@@ -416,7 +424,8 @@ impl FlowController {
             inflight_requests: self.totals.inflight_requests.saturating_add(margin),
             ..self.totals
         };
-        probe.eval(&totals) < self.ceiling_for(priority)
+        let sat = probe.eval(&totals);
+        sat < self.ceiling_for(priority, sat)
     }
 
     /// The pool's request capacity when the detector counts requests (the concurrency detector

@@ -406,8 +406,14 @@ pub fn construct(
             flowctl::OrderingPolicy::from_plugin(type_name, parameters, path)?;
             Plugin::FlowControl
         }
-        flowctl::STATIC_USAGE_LIMIT | flowctl::PRIORITY_HOLDBACK => {
+        flowctl::STATIC_USAGE_LIMIT
+        | flowctl::PRIORITY_HOLDBACK
+        | flowctl::SOFT_REFLECTIVE_CEILING => {
             flowctl::UsageLimit::from_plugin(type_name, parameters, path)?;
+            Plugin::FlowControl
+        }
+        flowctl::SHEDDABLE_EVICTION_FILTER | flowctl::PRIORITY_THEN_TIME_EVICTION_ORDER => {
+            let _: NoParams = params(parameters, path)?;
             Plugin::FlowControl
         }
         t if NOT_YET.contains(&t) => {

@@ -680,3 +680,36 @@ saturationDetector:
         assert!(e.contains("plugins[0].parameters"), "{bad}: {e}");
     }
 }
+
+/// llm-d's flow-control plugin types all load: the soft-reflective ceiling as the usage limit,
+/// and the eviction filter and order (the eviction built in).
+#[test]
+fn llm_ds_ceiling_and_eviction_plugins_load() {
+    let yaml = "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+featureGates: [flowControl]
+plugins:
+- {name: soft, type: soft-reflective-ceiling-policy}
+- type: sheddable-eviction-filter
+- type: priority-then-time-eviction-order-policy
+- type: queue-scorer
+flowControl:
+  usageLimitPolicyPluginRef: soft
+  enableEviction: true
+";
+    let b = load(yaml).unwrap();
+    match &b.admission {
+        crate::request::admission::AdmissionConfig::FlowControl(c) => {
+            assert_eq!(c.usage_limit, flowctl::UsageLimit::SoftReflective);
+            assert!(c.eviction.enabled);
+        }
+        other => panic!("{other:?}"),
+    }
+    let e = load(&yaml.replace(
+        "{name: soft, type: soft-reflective-ceiling-policy}",
+        "{name: soft, type: soft-reflective-ceiling-policy, parameters: {threshold: 0.5}}",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("threshold"), "{e}");
+}
