@@ -212,6 +212,24 @@ impl LocalLedger {
         self.book.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Admit or refuse `ask` now — or, `waiting` for a slot, `None` while every slot is held.
+    fn try_admit(&self, ask: Ask<'_>, waiting: bool) -> Option<Result<Granted, NotAdmitted>> {
+        let mut book = self.book();
+        let full = ask
+            .limits
+            .concurrency
+            .is_some_and(|c| book.in_flight(ask.tenant, ask.limit_key) >= c);
+        if waiting && full {
+            return None;
+        }
+        let r = book.admit(now(), ask).map_err(NotAdmitted::Quota);
+        if r.is_ok() {
+            let n = book.in_flight(ask.tenant, ask.limit_key);
+            self.billing.in_flight(ask.tenant, ask.limit_key, n);
+        }
+        Some(r)
+    }
+
     fn limits_of(&self, tenant: &str, model: &str) -> Limits {
         self.tenants
             .get()
@@ -222,28 +240,22 @@ impl LocalLedger {
 
 impl QuotaLedger for LocalLedger {
     fn admit<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Granted, NotAdmitted>> {
+        // The fast path: a free slot (or no concurrency limit) decides at once.
+        if let Some(r) = self.try_admit(ask, true) {
+            return futures::future::ready(r).boxed();
+        }
         async move {
             let grace = tokio::time::Instant::now() + CONCURRENCY_GRACE;
             loop {
+                // Every slot is held: wait (bounded) for one to be given back. Registered before
+                // the re-check, so a release in between is not missed.
                 let freed = self.freed.notified();
                 tokio::pin!(freed);
                 freed.as_mut().enable();
-                {
-                    let mut book = self.book();
-                    let full = ask
-                        .limits
-                        .concurrency
-                        .is_some_and(|c| book.in_flight(ask.tenant, ask.limit_key) >= c);
-                    if !full || tokio::time::Instant::now() >= grace {
-                        let r = book.admit(now(), ask).map_err(NotAdmitted::Quota);
-                        if r.is_ok() {
-                            let n = book.in_flight(ask.tenant, ask.limit_key);
-                            self.billing.in_flight(ask.tenant, ask.limit_key, n);
-                        }
-                        return r;
-                    }
+                let waiting = tokio::time::Instant::now() < grace;
+                if let Some(r) = self.try_admit(ask, waiting) {
+                    return r;
                 }
-                // Every slot is held: wait (bounded) for one to be given back.
                 let _ = tokio::time::timeout_at(grace, freed).await;
             }
         }
