@@ -466,11 +466,21 @@ async fn raft(epp: &EppProcess) -> Option<(u64, Vec<u64>, u64, u64)> {
     ))
 }
 
+/// How long a cluster of the rendered replicas may take to form.
+const FORM_WITHIN: Duration = Duration::from_secs(30);
+
 /// Until every replica agrees on one leader among exactly `voters` and has committed past
-/// `after` (the liveness heartbeats commit every 500 ms: the cluster is writing); the smallest
-/// commit index then.
-async fn formed(replicas: &[&EppProcess], voters: &[u64], after: u64, what: &str) -> u64 {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+/// `after` (the liveness heartbeats commit every 500 ms: the cluster is writing), within
+/// `within`; the smallest commit index then. On failure, each replica's Raft metrics are shown
+/// (state, term, vote, log): what a replica that never joined was doing.
+async fn formed(
+    replicas: &[&EppProcess],
+    voters: &[u64],
+    after: u64,
+    within: Duration,
+    what: &str,
+) -> u64 {
+    let deadline = std::time::Instant::now() + within;
     loop {
         let mut views = Vec::new();
         for r in replicas {
@@ -485,11 +495,19 @@ async fn formed(replicas: &[&EppProcess], voters: &[u64], after: u64, what: &str
                 return views.iter().map(|v| v.3).min().unwrap_or(0);
             }
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: the replicas do not agree on a leader of voters {voters:?} committing past \
-             {after}: {views:?}"
-        );
+        if std::time::Instant::now() >= deadline {
+            let mut raw = Vec::new();
+            for r in replicas {
+                raw.push(match r.cluster_view().await {
+                    Ok(v) => v["raft"]["metrics"].to_string(),
+                    Err(e) => format!("no view: {e}"),
+                });
+            }
+            panic!(
+                "{what}: the replicas do not agree on a leader of voters {voters:?} committing \
+                 past {after}: {views:?}; their Raft metrics: {raw:#?}"
+            );
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -510,7 +528,7 @@ async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
         site.start(&docs, 2).await,
     ];
     let all: Vec<&EppProcess> = replicas.iter().collect();
-    let committed = formed(&all, &[1, 2, 3], 0, "the cluster forms").await;
+    let committed = formed(&all, &[1, 2, 3], 0, FORM_WITHIN, "the cluster forms").await;
     for r in &replicas {
         site.routes(r, "routes").await;
     }
@@ -541,6 +559,7 @@ async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
         &all,
         &[1, 2, 3],
         committed,
+        FORM_WITHIN,
         "the cluster re-forms and commits",
     )
     .await;
@@ -553,15 +572,26 @@ async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
     // a longer log — overwrites that: one cluster, nothing committed lost.
     let mut replicas = replicas;
     let all: Vec<&EppProcess> = replicas.iter().collect();
-    let committed = formed(&all, &[1, 2, 3], 0, "before pod 0 loses its volume").await;
+    let committed = formed(
+        &all,
+        &[1, 2, 3],
+        0,
+        FORM_WITHIN,
+        "before pod 0 loses its volume",
+    )
+    .await;
     replicas[0].kill9().await.unwrap();
     std::fs::remove_dir_all(site.dir.path().join("pvc").join(format!("{FULL}-0"))).unwrap();
     replicas[0] = site.start(&docs, 0).await;
     let all: Vec<&EppProcess> = replicas.iter().collect();
+    // Convergence is the claim, not its speed: a bootstrapping replica's own elections can
+    // make the others step down once before it is caught up (two CI runs under the whole
+    // suite's load took longer than 30 s).
     formed(
         &all,
         &[1, 2, 3],
         committed,
+        2 * FORM_WITHIN,
         "pod 0 back with an empty volume, in the same cluster",
     )
     .await;
@@ -679,7 +709,7 @@ async fn the_statefulset_scales_up_and_down_under_traffic() {
         site.start(&three, 2).await,
     ];
     let all: Vec<&EppProcess> = replicas.iter().collect();
-    formed(&all, &[1, 2, 3], 0, "three form").await;
+    formed(&all, &[1, 2, 3], 0, FORM_WITHIN, "three form").await;
     let service = Service::start(&site.pod, 3);
     for (i, r) in replicas.iter().enumerate() {
         site.routes(r, "routes").await;
@@ -688,7 +718,14 @@ async fn the_statefulset_scales_up_and_down_under_traffic() {
 
     replicas.push(site.start(&four, 3).await);
     let all: Vec<&EppProcess> = replicas.iter().collect();
-    formed(&all, &[1, 2, 3, 4], 0, "the fourth joins as a voter").await;
+    formed(
+        &all,
+        &[1, 2, 3, 4],
+        0,
+        FORM_WITHIN,
+        "the fourth joins as a voter",
+    )
+    .await;
     site.routes(&replicas[3], "the fourth routes").await;
     service.add(3, &replicas[3]);
 
@@ -696,13 +733,27 @@ async fn the_statefulset_scales_up_and_down_under_traffic() {
     let mut fourth = replicas.pop().unwrap();
     service.stop_pod(3, &mut fourth).await;
     let all: Vec<&EppProcess> = replicas.iter().collect();
-    formed(&all, &[1, 2, 3], 0, "pod 3 left the membership").await;
+    formed(
+        &all,
+        &[1, 2, 3],
+        0,
+        FORM_WITHIN,
+        "pod 3 left the membership",
+    )
+    .await;
     // The rolling update, highest ordinal first, each pod ready before the next goes.
     for i in [2, 1, 0] {
         service.stop_pod(i, &mut replicas[i]).await;
         replicas[i] = site.start(&three, i).await;
         let all: Vec<&EppProcess> = replicas.iter().collect();
-        formed(&all, &[1, 2, 3], 0, &format!("pod {i} rejoined")).await;
+        formed(
+            &all,
+            &[1, 2, 3],
+            0,
+            FORM_WITHIN,
+            &format!("pod {i} rejoined"),
+        )
+        .await;
         site.routes(&replicas[i], "routes after its restart").await;
         service.add(i, &replicas[i]);
     }
@@ -716,11 +767,18 @@ async fn the_statefulset_scales_up_and_down_under_traffic() {
     // A 4th that crashes: the three (configured for three) remove it after the grace period.
     replicas.push(site.start(&four, 3).await);
     let all: Vec<&EppProcess> = replicas.iter().collect();
-    formed(&all, &[1, 2, 3, 4], 0, "a fourth joins again").await;
+    formed(&all, &[1, 2, 3, 4], 0, FORM_WITHIN, "a fourth joins again").await;
     replicas[3].kill9().await.unwrap();
     replicas.pop();
     let all: Vec<&EppProcess> = replicas.iter().collect();
-    formed(&all, &[1, 2, 3], 0, "the crashed member removed").await;
+    formed(
+        &all,
+        &[1, 2, 3],
+        0,
+        FORM_WITHIN,
+        "the crashed member removed",
+    )
+    .await;
     for r in &replicas {
         site.routes(r, "routes after scaling down").await;
     }
