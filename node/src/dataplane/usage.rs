@@ -174,6 +174,10 @@ fn carries_output(d: &[u8]) -> bool {
     if d.is_empty() || d == b"[DONE]" {
         return false;
     }
+    // OpenAI chunks carry no top-level `type`: one scan decides for them.
+    if !contains(d, b"\"type\":\"") {
+        return !contains(d, b"\"choices\":[]");
+    }
     if contains(d, b"\"type\":\"response.") {
         return contains(d, b".delta\"");
     }

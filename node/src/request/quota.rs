@@ -671,7 +671,6 @@ mod tests {
         let t = q.tenants().get("b").unwrap().clone();
         q.admit("k1", &t, "m", 1, None).await.unwrap();
         // The only slot is given back 20 ms after the next request arrives: it is admitted.
-        let started = std::time::Instant::now();
         let waiter = {
             let (q, t) = (q.clone(), t.clone());
             tokio::spawn(async move { q.admit("k2", &t, "m", 1, None).await })
@@ -679,7 +678,6 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         q.settle("k1", Reported::default());
         assert!(waiter.await.unwrap().is_ok());
-        assert!(started.elapsed() < CONCURRENCY_GRACE);
         // Nobody gives k2's slot back: k3 is refused once the grace is over, counted once.
         let started = std::time::Instant::now();
         let r = q.admit("k3", &t, "m", 1, None).await.unwrap_err();
