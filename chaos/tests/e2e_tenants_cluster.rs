@@ -10,7 +10,9 @@
 //! each enforcing their own book would have served A up to three times that — and come close to
 //! it (the quota is used, not stranded in idle slices). After the run every replica's ledger is
 //! the same, and it has every request a client saw answered: nothing settled is lost with the
-//! killed replica.
+//! killed replica — except what that replica admitted in its last report window (admissions are
+//! reported in batches: a 10 ms linger plus the proposal in flight) and Envoy still served: at most
+//! [`UNREPORTED`] of A's requests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
@@ -28,6 +30,9 @@ const TPM_A: u64 = 12_000;
 const TPM_B: u64 = 4_000;
 const RUN: Duration = Duration::from_secs(20);
 const MAX_TOKENS: u64 = 32;
+/// A's requests the killed replica may have admitted and not yet reported when it died (its
+/// share of A's 8 clients, ~100 ms a request, over a report window of a few tens of ms).
+const UNREPORTED: u64 = 3;
 
 fn tenants_yaml() -> String {
     let h = node::request::tenant::hash_key;
@@ -243,7 +248,7 @@ async fn quotas_hold_cluster_wide_with_skewed_arrival_and_a_replica_killed() {
     let same = loop {
         let (l0, l1) = (ledger(&c, 0).await, ledger(&c, 1).await);
         let req = |t: &str| l0.iter().find(|(n, _, _)| n == t).map_or(0, |e| e.1);
-        if l0 == l1 && req("team-a") >= a_ok && req("team-b") > b_ok {
+        if l0 == l1 && req("team-a") + UNREPORTED >= a_ok && req("team-b") > b_ok {
             break l0;
         }
         assert!(
@@ -252,7 +257,14 @@ async fn quotas_hold_cluster_wide_with_skewed_arrival_and_a_replica_killed() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    println!("ledger: {same:?}");
+    let in_ledger = same
+        .iter()
+        .find(|(n, _, _)| n == "team-a")
+        .map_or(0, |e| e.1);
+    println!(
+        "ledger: {same:?} (A: {} answered requests missing, the killed replica's unreported admissions)",
+        a_ok.saturating_sub(in_ledger)
+    );
     // Log entries per request decided (the survivors' proposals, and the requests they admitted
     // or refused).
     let (mut entries, mut decided) = (0.0, 0.0);

@@ -8,6 +8,14 @@
 //! by the EPP's request key (`dataplane::usage::RouteInfo::key`), so the response may be observed on a different ext_proc stream than the one
 //! that routed it. Entries whose response is never seen are dropped by [`InflightTracker::sweep`].
 //!
+//! The ledger also knows which prompt blocks are *being* prefilled: a request routed here records
+//! the blocks it brings to its pod (its prompt past what the pod already held) until its first
+//! response bytes. A later request whose prefix match on that pod ends in such blocks would not
+//! find them cached yet — an engine caches blocks once computed — so
+//! [`InflightTracker::pending_matches`] tells how much of each match is still only promised. (The
+//! other replicas' pending blocks are not shared: their routing shows in the prefix index and in
+//! their load.)
+//!
 //! Cluster mode: the other replicas' load comes from the replicated ledger with cluster-wide flow
 //! control, else from what each replica reports of its own ledger with its scrape fan-out.
 //! The cluster room publishes, through a [`RemoteLoadFeed`], the others' per-endpoint load and
@@ -93,18 +101,56 @@ pub fn remote_load() -> (RemoteLoadFeed, RemoteLoad) {
     )
 }
 
+/// Most blocks one request records as being prefilled (a longer prompt records its first ones).
+const MAX_PENDING_BLOCKS: usize = 4096;
+
 #[derive(Debug)]
 struct Entry {
     endpoint: String,
     tokens: u64,
     tokens_released: bool,
+    /// Blocks this request brings to its pod, until its first response bytes.
+    blocks: Vec<u64>,
     at: Instant,
 }
+
+/// Per endpoint: blocks being prefilled there, with how many requests bring each.
+type Pending = HashMap<String, HashMap<u64, u32>>;
 
 #[derive(Debug, Default)]
 struct State {
     by_request: HashMap<String, Entry>,
     per_endpoint: HashMap<String, InflightLoad>,
+    pending: Pending,
+}
+
+fn add_pending(pending: &mut Pending, endpoint: &str, blocks: &[u64]) {
+    if blocks.is_empty() {
+        return;
+    }
+    let set = pending.entry(endpoint.to_string()).or_default();
+    for &b in blocks {
+        *set.entry(b).or_default() += 1;
+    }
+}
+
+/// `blocks` are no longer brought to `endpoint` by one request; `computed`: that request was
+/// prefilled, so they are cached there whoever else brings them too.
+fn remove_pending(pending: &mut Pending, endpoint: &str, blocks: &[u64], computed: bool) {
+    let Some(set) = pending.get_mut(endpoint) else {
+        return;
+    };
+    for b in blocks {
+        if let Some(n) = set.get_mut(b) {
+            *n -= 1;
+            if *n == 0 || computed {
+                set.remove(b);
+            }
+        }
+    }
+    if set.is_empty() {
+        pending.remove(endpoint);
+    }
 }
 
 impl State {
@@ -118,6 +164,9 @@ impl State {
             if load.requests == 0 && load.tokens == 0 && load.prefilling == 0 {
                 self.per_endpoint.remove(&e.endpoint);
             }
+        }
+        if !e.tokens_released {
+            remove_pending(&mut self.pending, &e.endpoint, &e.blocks, false);
         }
     }
 
@@ -162,6 +211,18 @@ impl InflightTracker {
     }
 
     pub fn reserve(&self, request_id: &str, endpoint: &str, tokens: u64) {
+        self.reserve_prefill(request_id, endpoint, tokens, Vec::new());
+    }
+
+    /// [`Self::reserve`], recording `blocks` (the prompt's block hashes the pod did not hold) as
+    /// being prefilled on `endpoint` until the first response bytes.
+    pub fn reserve_prefill(
+        &self,
+        request_id: &str,
+        endpoint: &str,
+        tokens: u64,
+        mut blocks: Vec<u64>,
+    ) {
         let mut st = self.lock();
         if st.by_request.contains_key(request_id) {
             return; // a retry of the same request id: charged once
@@ -170,12 +231,15 @@ impl InflightTracker {
         load.requests += 1;
         load.tokens += tokens;
         load.prefilling += 1;
+        blocks.truncate(MAX_PENDING_BLOCKS);
+        add_pending(&mut st.pending, endpoint, &blocks);
         st.by_request.insert(
             request_id.to_string(),
             Entry {
                 endpoint: endpoint.to_string(),
                 tokens,
                 tokens_released: false,
+                blocks,
                 at: Instant::now(),
             },
         );
@@ -187,6 +251,7 @@ impl InflightTracker {
         let State {
             by_request,
             per_endpoint,
+            pending,
         } = &mut *st;
         if let Some(e) = by_request.get_mut(request_id)
             && !e.tokens_released
@@ -196,6 +261,7 @@ impl InflightTracker {
                 load.tokens = load.tokens.saturating_sub(e.tokens);
                 load.prefilling = load.prefilling.saturating_sub(1);
             }
+            remove_pending(pending, &e.endpoint, &std::mem::take(&mut e.blocks), true);
         }
     }
 
@@ -213,6 +279,7 @@ impl InflightTracker {
             if !e.tokens_released {
                 load.tokens += e.tokens;
                 load.prefilling += 1;
+                add_pending(&mut st.pending, endpoint, &e.blocks);
             }
             e.endpoint = endpoint.to_string();
         }
@@ -257,6 +324,43 @@ impl InflightTracker {
                     Some(r) => local.plus(*r),
                     None => local,
                 }
+            })
+            .collect()
+    }
+
+    /// Per endpoint, how many of the `matched[i]` leading blocks of `hashes` matched there are
+    /// still being prefilled by a request routed before (0: the whole match is cached). The
+    /// blocks a request brings form one run of its chain, so the first pending block is found by
+    /// bisection.
+    pub fn pending_matches<'a>(
+        &self,
+        endpoints: impl IntoIterator<Item = &'a str>,
+        hashes: &[u64],
+        matched: &[usize],
+    ) -> Vec<usize> {
+        let st = self.lock();
+        endpoints
+            .into_iter()
+            .zip(matched)
+            .map(|(ep, &m)| {
+                let m = m.min(hashes.len());
+                let Some(set) = st.pending.get(ep).filter(|_| m > 0) else {
+                    return 0;
+                };
+                if !set.contains_key(&hashes[m - 1]) {
+                    return 0;
+                }
+                // The first pending block: hashes[lo - 1] cached (or lo == 0), hashes[hi] pending.
+                let (mut lo, mut hi) = (0, m - 1);
+                while lo < hi {
+                    let mid = (lo + hi) / 2;
+                    if set.contains_key(&hashes[mid]) {
+                        hi = mid;
+                    } else {
+                        lo = mid + 1;
+                    }
+                }
+                m - lo
             })
             .collect()
     }
@@ -357,6 +461,34 @@ mod tests {
         assert_eq!(t.sweep(Duration::ZERO), 1);
         assert_eq!(t.load("a"), InflightLoad::default());
         assert_eq!(t.tracked_requests(), 0);
+    }
+
+    #[test]
+    fn blocks_being_prefilled_are_not_yet_a_match() {
+        let t = InflightTracker::default();
+        let chain: Vec<u64> = (1..=10).collect();
+        // r1 brings blocks 4..10 to pod a (it matched 3 there).
+        t.reserve_prefill("r1", "a", 448, chain[3..].to_vec());
+        let eps = ["a", "b"];
+        // A request matching 8 blocks on a (3 cached + 5 pending) and 2 on b.
+        assert_eq!(t.pending_matches(eps, &chain, &[8, 2]), vec![5, 0]);
+        // A match that ends in cached blocks is whole.
+        assert_eq!(t.pending_matches(eps, &chain, &[3, 0]), vec![0, 0]);
+        // A second request bringing the same blocks: they stay pending if r1 ends unprefilled…
+        t.reserve_prefill("r2", "a", 448, chain[3..].to_vec());
+        t.reserve_prefill("r3", "a", 448, chain[3..].to_vec());
+        t.finish("r1");
+        assert_eq!(t.pending_matches(eps, &chain, &[10, 0]), vec![7, 0]);
+        // …and are cached once either is prefilled.
+        t.release_tokens("r2");
+        assert_eq!(t.pending_matches(eps, &chain, &[10, 0]), vec![0, 0]);
+        // Moved to b by a fallback: pending there.
+        t.moved("r3", "b");
+        assert_eq!(t.pending_matches(eps, &chain, &[10, 10]), vec![0, 7]);
+        t.finish("r3");
+        t.finish("r2");
+        assert_eq!(t.pending_matches(eps, &chain, &[10, 10]), vec![0, 0]);
+        assert!(t.lock().pending.is_empty());
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! For candidate pod *i* and this request:
 //!
 //! ```text
-//! TTFT_i = a_i + s_i · U_i                 prefill of this request's uncached tokens (prefix match)
+//! TTFT_i = a_i + s_i · U_i                 prefill of this request's uncached tokens (prefix match;
+//!                                          blocks an earlier request is still prefilling there
+//!                                          count as uncached: a burst sharing a prompt spreads)
 //!        + q_i · Q_i                       the prefill work Q_i routed there and not yet done (an
 //!                                          engine that batches prefills shares its compute)
 //!        + d_i · R_i                       decode contention: the R_i requests running beside it
@@ -664,7 +666,7 @@ impl Producer for CostModel {
             .enumerate()
             .map(|(i, c)| {
                 let load = data.inflight.get(i).map(|l| (l.requests, l.tokens));
-                self.predict(&st, now, c, data.uncached_tokens(i) as u64, load)
+                self.predict(&st, now, c, data.prefill_tokens(i) as u64, load)
             })
             .collect();
     }
@@ -774,7 +776,7 @@ mod tests {
                 hashes: vec![],
             }),
             inflight,
-            predicted: vec![],
+            ..RequestData::default()
         }
     }
 
@@ -848,6 +850,32 @@ mod tests {
         for (got, want) in scores.iter().zip(want) {
             assert!((got - want).abs() < 1e-12, "{scores:?}");
         }
+    }
+
+    /// An engine whose concurrent prefills do not slow each other (q = 0, as learned on such a
+    /// pool): a pod matched only by blocks an earlier request is still prefilling is no cheaper
+    /// than a cold one, so the request goes to an idle pod instead of queueing behind it.
+    #[test]
+    fn a_match_still_being_prefilled_is_not_a_cache_hit() {
+        let m = model(false);
+        m.state.write().unwrap().fleet.fit.ms_per_queued_token = 0.0;
+        let a = cand_at("a", "10.0.0.1:1", gauges(1.0, 0.0), false, &[]);
+        let b = cand_at("b", "10.0.0.2:1", gauges(0.0, 0.0), false, &[]);
+        let cs = [a, b];
+        let mut rd = data(vec![15, 0], vec![load(1, 1000), load(0, 0)]);
+        m.produce(&req(), &cs, &mut rd);
+        // Believed cached: 1000 − 15·64 = 40 uncached tokens on a, against 1000 on b.
+        assert_eq!(rd.predicted[0].uncached_tokens, 40);
+        assert!(rd.predicted[0].cost_ms() < rd.predicted[1].cost_ms());
+        // 12 of the 15 matched blocks are still being prefilled on a: 40 + 12·64 = 808 to compute.
+        rd.pending = vec![12, 0];
+        m.produce(&req(), &cs, &mut rd);
+        assert_eq!(rd.predicted[0].uncached_tokens, 808);
+        // All of them: the whole prompt, and a is no cheaper than b (idle).
+        rd.pending = vec![15, 0];
+        m.produce(&req(), &cs, &mut rd);
+        assert_eq!(rd.predicted[0].uncached_tokens, 1000);
+        assert!(rd.predicted[0].cost_ms() >= rd.predicted[1].cost_ms());
     }
 
     /// A pod whose KV is taken by running requests pays for what a request would push out of it:

@@ -50,9 +50,13 @@ impl Producer for InflightProducer {
     }
 
     fn produce(&self, _req: &SchedRequest<'_>, candidates: &[Candidate], data: &mut RequestData) {
-        data.inflight = self
-            .tracker
-            .loads(candidates.iter().map(|c| c.endpoint.hostport.as_str()));
+        let endpoints = || candidates.iter().map(|c| c.endpoint.hostport.as_str());
+        data.inflight = self.tracker.loads(endpoints());
+        if let Some(p) = &data.prefix {
+            data.pending = self
+                .tracker
+                .pending_matches(endpoints(), &p.hashes, &p.matched);
+        }
     }
 
     fn pre_request(
@@ -63,7 +67,7 @@ impl Producer for InflightProducer {
         primary: usize,
         _prefill: Option<usize>,
     ) {
-        let uncached = data.uncached_tokens(primary) as u64;
+        let uncached = data.prefill_tokens(primary) as u64;
         let mut tokens = uncached;
         if self.params.add_estimated_output_tokens {
             let mut out = (data.prompt_tokens as f64 * self.params.output_ratio) as u64;
@@ -72,10 +76,21 @@ impl Producer for InflightProducer {
             }
             tokens += out;
         }
-        self.tracker.reserve(
+        // The blocks it brings to the pod: its chain past the part already cached there.
+        let blocks = data.prefix.as_ref().map_or(Vec::new(), |p| {
+            let cached = p
+                .matched
+                .get(primary)
+                .copied()
+                .unwrap_or(0)
+                .saturating_sub(data.pending.get(primary).copied().unwrap_or(0));
+            p.hashes.get(cached..).unwrap_or_default().to_vec()
+        });
+        self.tracker.reserve_prefill(
             req.request_id,
             &candidates[primary].endpoint.hostport,
             tokens,
+            blocks,
         );
     }
 }

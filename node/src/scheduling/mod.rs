@@ -77,6 +77,9 @@ pub struct RequestData {
     pub inflight: Vec<InflightLoad>,
     /// Predicted time to first token per candidate; empty unless the cost-model producer runs.
     pub predicted: Vec<Prediction>,
+    /// Of each candidate's matched blocks, those an earlier request is still prefilling there
+    /// (empty unless the in-flight producer runs after a prefix producer).
+    pub pending: Vec<usize>,
 }
 
 impl RequestData {
@@ -87,6 +90,18 @@ impl RequestData {
                 .prompt_tokens
                 .saturating_sub(p.matched.get(i).copied().unwrap_or(0) * p.block_size),
             None => self.prompt_tokens,
+        }
+    }
+
+    /// The tokens this request would prefill on candidate `i`: [`Self::uncached_tokens`] plus
+    /// the matched blocks not computed there yet (an earlier request is still prefilling them).
+    pub fn prefill_tokens(&self, i: usize) -> usize {
+        let pending = self.pending.get(i).copied().unwrap_or(0);
+        match &self.prefix {
+            Some(p) if pending > 0 => {
+                (self.uncached_tokens(i) + pending * p.block_size).min(self.prompt_tokens)
+            }
+            _ => self.uncached_tokens(i),
         }
     }
 }

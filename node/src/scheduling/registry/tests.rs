@@ -116,6 +116,59 @@ fn builtin_default_is_the_cost_model() {
     assert!(b.inflight.is_some() && b.scheduler.cost_model.is_some());
 }
 
+/// Eight requests sharing a 2k-token prompt, routed at once (no response yet) to four idle pods:
+/// the default profile spreads them two a pod, and it knows why — the pods that got one have not
+/// computed the prompt's blocks yet: their match is pending. Once the first request's response
+/// starts, its pod holds the prompt and the next request goes there.
+#[test]
+fn the_default_profile_spreads_a_burst_sharing_a_prompt() {
+    let b = build(&EndpointPickerConfig::builtin_default().unwrap()).unwrap();
+    let s = &b.scheduler;
+    let cs: Vec<_> = (1..=4)
+        .map(|i| {
+            cand_at(
+                &format!("p{i}"),
+                &format!("10.0.0.{i}:8000"),
+                metrics(0.0, 0.0, 0.0),
+                false,
+                &[],
+            )
+        })
+        .collect();
+    let text: Vec<u8> = (0..8192u32).map(|i| b'a' + (i % 23) as u8).collect();
+    let prompt = crate::request::parse::Prompt::Text(text);
+    let ids: Vec<String> = (0..9).map(|i| format!("burst-{i}")).collect();
+    let mut per_pod = [0; 4];
+    let mut first_pod = None;
+    for id in &ids[..8] {
+        let mut r = req();
+        r.prompt = &prompt;
+        r.request_id = id;
+        let d = s.schedule(&r, &cs, &mut rand::rng()).unwrap();
+        // Every match this request sees is an earlier one's prefill still under way.
+        let matched = &d.data.prefix.as_ref().unwrap().matched;
+        assert_eq!(&d.data.pending, matched, "{id}");
+        assert_eq!(d.data.prefill_tokens(d.picked[0]), 2048);
+        s.pre_request(&r, &d, &cs);
+        per_pod[d.picked[0]] += 1;
+        first_pod.get_or_insert(d.picked[0]);
+    }
+    assert_eq!(per_pod, [2, 2, 2, 2], "the burst herded");
+    assert_eq!(
+        b.inflight.as_ref().unwrap().load("10.0.0.1:8000").tokens,
+        2 * 2048
+    );
+    // The first request's response starts: its pod holds the prompt now.
+    let tracker = b.inflight.as_ref().unwrap();
+    tracker.release_tokens(&ids[0]);
+    let mut r = req();
+    r.prompt = &prompt;
+    r.request_id = &ids[8];
+    let d = s.schedule(&r, &cs, &mut rand::rng()).unwrap();
+    assert_eq!(Some(d.picked[0]), first_pod, "{:?}", d.data.predicted);
+    assert_eq!(d.data.pending[d.picked[0]], 0);
+}
+
 #[test]
 fn affinity_filter_on_the_cost_model_injects_it() {
     let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {type: prefix-cache-affinity-filter, parameters: {ttftSource: costModel}}\n- type: queue-scorer\n").unwrap();
