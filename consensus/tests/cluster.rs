@@ -233,6 +233,82 @@ async fn restarted_node_reopens_its_data_and_catches_up() {
     cluster.shutdown().await;
 }
 
+/// The lowest member — the one that bootstraps a new cluster — back with an empty data dir
+/// while the others run: it finds the running cluster, does not bootstrap a rival one (no vote
+/// for itself, no election disturbing the leader) and the leader brings it up to date.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lowest_member_back_with_an_empty_log_rejoins_without_an_election() {
+    let _serial = SERIAL.lock().await;
+    let mut cluster = Cluster::start(3).await;
+    let mut leader = cluster.wait_leader(WAIT).await;
+    if leader == 1 {
+        cluster.stop(1).await;
+        cluster.wait_leader(WAIT).await;
+        cluster.restart(1).await;
+        leader = cluster.wait_leader(WAIT).await;
+    }
+    assert_ne!(leader, 1);
+    propose_all(
+        &cluster,
+        &[leader],
+        (0..100).map(|i| format!("a{i}")).collect(),
+    )
+    .await;
+    let term = cluster.node(leader).metrics().await.term;
+
+    cluster.stop(1).await;
+    cluster.dirs.insert(1, tempfile::tempdir().unwrap());
+    cluster.restart(1).await;
+    // Watch node 1 from its start: did it bootstrap, or ever vote for itself?
+    let mut rx = cluster.node(1).raft().metrics();
+    let self_votes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let watcher = tokio::spawn({
+        let seen = self_votes.clone();
+        async move {
+            loop {
+                let (vote, membership, leader) = {
+                    let m = rx.borrow_and_update();
+                    (m.vote, *m.membership_config.log_id(), m.current_leader)
+                };
+                if vote.leader_id().voted_for() == Some(1) {
+                    seen.lock().unwrap().push(format!("vote {vote}"));
+                }
+                // A bootstrap writes a membership before any leader is heard of; joining, the
+                // membership comes with the leader's log.
+                if membership.is_some() && leader.is_none() {
+                    seen.lock()
+                        .unwrap()
+                        .push(format!("membership {membership:?} without a leader"));
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    let index = leader_applied(&cluster, leader).await;
+    cluster.wait_all_applied(index, WAIT).await;
+    let logs = cluster.logs().await;
+    assert_eq!(logs[&1], logs[&leader]);
+    assert_eq!(logs[&1].len(), 100);
+    let m = cluster.node(1).metrics().await;
+    assert_eq!((m.leader, m.voters.clone()), (Some(leader), vec![1, 2, 3]));
+    // A second more for a late campaign.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    watcher.abort();
+    assert_eq!(
+        *self_votes.lock().unwrap(),
+        Vec::<String>::new(),
+        "node 1 bootstrapped or campaigned"
+    );
+    assert_eq!(
+        cluster.node(leader).metrics().await.term,
+        term,
+        "the leader was disturbed"
+    );
+    cluster.shutdown().await;
+}
+
 fn compact_often(cfg: &mut ConsensusConfig) {
     cfg.snapshot.logs_since_last = 50;
     cfg.snapshot.keep_logs_after_snapshot = 0;

@@ -485,6 +485,18 @@ impl<S: StateMachine> ConsensusNode<S> {
         if initialized {
             return Ok(());
         }
+        // An empty log on the lowest member is a new cluster — or this member came back without
+        // its volume to a cluster that runs on. Initializing then would start a rival history
+        // whose elections disturb the leader until its log is overwritten; uninitialized, it runs
+        // no elections and the leader brings it up to date.
+        if let Some(peer) = self.running_peer().await {
+            tracing::info!(
+                node_id = inner.id,
+                peer,
+                "empty log, but the cluster runs: waiting for its leader"
+            );
+            return Ok(());
+        }
         let members: BTreeMap<NodeId, BasicNode> = inner
             .config
             .initial_members
@@ -505,6 +517,26 @@ impl<S: StateMachine> ConsensusNode<S> {
                 reason: e.to_string(),
             }),
         }
+    }
+
+    /// A configured peer that has a log (a cluster exists), asked all at once within the RPC
+    /// timeout; `None` when none has one or none answers (a new cluster starting).
+    async fn running_peer(&self) -> Option<NodeId> {
+        let inner = &self.inner;
+        let asks = inner
+            .config
+            .initial_members
+            .iter()
+            .filter(|(id, _)| **id != inner.id)
+            .map(|(id, addr)| async move {
+                let st = self.remote_status(*id, addr).await.ok()?;
+                (st.metrics.last_log_index.is_some() || st.metrics.term > 0).then_some(*id)
+            });
+        futures::future::join_all(asks)
+            .await
+            .into_iter()
+            .flatten()
+            .next()
     }
 
     /// A channel to the peer at `addr` (an advertised peer address) with this node's peer TLS and

@@ -117,13 +117,25 @@ impl Cluster {
     }
 
     /// Restarts a stopped node from its data dir on its old address.
+    /// The store's file lock may outlive the stopped node by a moment: retried for 5 s.
     pub async fn restart(&mut self, id: NodeId) {
         let addr = self.addrs[&id].clone();
-        let listener = TcpListener::bind(&addr).await.unwrap();
-        let mut cfg = config(id, &self.dirs[&id], &self.members);
-        (self.tweak)(&mut cfg);
-        let node = Node::start(cfg, listener).await.unwrap();
-        self.nodes.insert(id, node);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let listener = TcpListener::bind(&addr).await.unwrap();
+            let mut cfg = config(id, &self.dirs[&id], &self.members);
+            (self.tweak)(&mut cfg);
+            match Node::start(cfg, listener).await {
+                Ok(node) => {
+                    self.nodes.insert(id, node);
+                    return;
+                }
+                Err(e) if Instant::now() < deadline && e.to_string().contains("lock") => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("node {id} did not restart: {e}"),
+            }
+        }
     }
 
     pub fn node(&self, id: NodeId) -> &Node {
