@@ -143,6 +143,11 @@ impl Request {
         self.parsed.as_ref().map_or(&NONE, |p| &p.prompt)
     }
 
+    /// The prompt carries images, audio or video.
+    pub fn multimodal(&self) -> bool {
+        self.parsed.as_ref().is_some_and(|p| p.multimodal)
+    }
+
     pub fn cache_salt(&self) -> Option<&str> {
         self.parsed.as_ref().and_then(|p| p.cache_salt.as_deref())
     }

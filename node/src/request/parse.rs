@@ -92,6 +92,8 @@ pub struct ParsedRequest {
     /// The most output tokens the request asks for (`max_completion_tokens`, else `max_tokens`;
     /// 0 for embeddings, which generate nothing).
     pub max_output: Option<u64>,
+    /// The prompt carries images, audio or video ([`has_media`]).
+    pub multimodal: bool,
 }
 
 /// A streaming OpenAI request's `stream_options`.
@@ -329,6 +331,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             cache_salt: None,
             stream_options: None,
             max_output: None,
+            multimodal: false,
         });
     }
     let v: Value = serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
@@ -462,6 +465,13 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             .iter()
             .find_map(|f| obj.get(*f).and_then(Value::as_u64)),
     };
+    let multimodal = match kind {
+        ApiKind::ChatCompletions | ApiKind::AnthropicMessages | ApiKind::AnthropicCountTokens => {
+            has_media(obj.get("messages"))
+        }
+        ApiKind::Responses => has_media(obj.get("input")),
+        _ => false,
+    };
     Ok(ParsedRequest {
         kind,
         model,
@@ -470,12 +480,89 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         cache_salt,
         stream_options,
         max_output,
+        multimodal,
     })
+}
+
+/// Content parts that are media (what llm-d's `always-disagg-multimodal-decider` reacts to):
+/// OpenAI chat `image_url`, `video_url`, `input_audio`, `audio_url`; Anthropic `image` (also
+/// inside a `tool_result`); Responses `input_image`, `input_audio`.
+const MEDIA_PARTS: [&str; 6] = [
+    "image_url",
+    "video_url",
+    "input_audio",
+    "audio_url",
+    "image",
+    "input_image",
+];
+
+/// Whether any message (or Responses item) of `messages` has a media content part.
+fn has_media(messages: Option<&Value>) -> bool {
+    fn parts_have_media(content: Option<&Value>, depth: u8) -> bool {
+        let Some(Value::Array(parts)) = content else {
+            return false;
+        };
+        parts.iter().any(|p| {
+            p.get("type")
+                .and_then(Value::as_str)
+                .is_some_and(|t| MEDIA_PARTS.contains(&t))
+                || (depth == 0 && parts_have_media(p.get("content"), 1))
+        })
+    }
+    let Some(Value::Array(items)) = messages else {
+        return false;
+    };
+    items.iter().any(|m| parts_have_media(m.get("content"), 0))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn media_parts_make_a_request_multimodal() {
+        let mm = |kind, body: &str| parse(kind, body.as_bytes()).unwrap().multimodal;
+        let chat = |part: &str| {
+            format!(
+                r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"x"}},{part}]}}]}}"#
+            )
+        };
+        for part in [
+            r#"{"type":"image_url","image_url":{"url":"http://i/1.png"}}"#,
+            r#"{"type":"input_audio","input_audio":{"data":"AAA","format":"wav"}}"#,
+            r#"{"type":"video_url","video_url":{"url":"http://v/1.mp4"}}"#,
+        ] {
+            assert!(mm(ApiKind::ChatCompletions, &chat(part)), "{part}");
+        }
+        assert!(!mm(
+            ApiKind::ChatCompletions,
+            &chat(r#"{"type":"text","text":"y"}"#)
+        ));
+        assert!(!mm(
+            ApiKind::ChatCompletions,
+            r#"{"messages":[{"role":"user","content":"image_url"}]}"#
+        ));
+        // Anthropic: an image block, or one inside a tool result.
+        let image =
+            r#"{"type":"image","source":{"type":"base64","media_type":"image/png","data":"AA"}}"#;
+        assert!(mm(
+            ApiKind::AnthropicMessages,
+            &format!(r#"{{"max_tokens":5,"messages":[{{"role":"user","content":[{image}]}}]}}"#)
+        ));
+        assert!(mm(
+            ApiKind::AnthropicMessages,
+            &format!(
+                r#"{{"max_tokens":5,"messages":[{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"t","content":[{image}]}}]}}]}}"#
+            )
+        ));
+        // Responses: an input_image part.
+        assert!(mm(
+            ApiKind::Responses,
+            r#"{"input":[{"role":"user","content":[{"type":"input_image","image_url":"http://i/2.png"}]}]}"#
+        ));
+        assert!(!mm(ApiKind::Responses, r#"{"input":"describe an image"}"#));
+        assert!(!mm(ApiKind::Completions, r#"{"prompt":"image_url"}"#));
+    }
 
     #[test]
     fn paths() {

@@ -54,6 +54,8 @@ pub struct SchedRequest<'a> {
     /// The prompt as the engine tokenizes it, when a token producer backend that has the model's
     /// tokenizer ran (`vllm_http`); `None` with the tokenizer-free `estimate` backend.
     pub tokens: Option<&'a [u32]>,
+    /// The prompt carries images, audio or video.
+    pub multimodal: bool,
 }
 
 /// Prefix-cache match of the request on every candidate (llm-d's `PrefixCacheMatchInfo`).
@@ -287,6 +289,7 @@ pub(crate) mod testutil {
             priority: 0,
             headers: &NO_HEADERS,
             tokens: None,
+            multimodal: false,
         }
     }
 

@@ -37,6 +37,9 @@ pub enum PdDecider {
     },
     /// `always-disagg-pd-decider`.
     Always,
+    /// `always-disagg-multimodal-decider`: disaggregate requests whose prompt carries images,
+    /// audio or video.
+    Multimodal,
 }
 
 impl PdDecider {
@@ -44,13 +47,15 @@ impl PdDecider {
         match self {
             PdDecider::PrefixBased { .. } => PREFIX_BASED_PD_DECIDER,
             PdDecider::Always => ALWAYS_DISAGG_PD_DECIDER,
+            PdDecider::Multimodal => ALWAYS_DISAGG_MULTIMODAL_DECIDER,
         }
     }
 
     /// Decide for the request routed to decode candidate `decode`.
-    pub fn disaggregate(&self, data: &RequestData, decode: usize) -> bool {
+    pub fn disaggregate(&self, req: &SchedRequest<'_>, data: &RequestData, decode: usize) -> bool {
         match *self {
             PdDecider::Always => true,
+            PdDecider::Multimodal => req.multimodal,
             PdDecider::PrefixBased {
                 non_cached_tokens,
                 prompt_tokens,
@@ -65,6 +70,7 @@ impl PdDecider {
 
 pub const PREFIX_BASED_PD_DECIDER: &str = "prefix-based-pd-decider";
 pub const ALWAYS_DISAGG_PD_DECIDER: &str = "always-disagg-pd-decider";
+pub const ALWAYS_DISAGG_MULTIMODAL_DECIDER: &str = "always-disagg-multimodal-decider";
 
 /// The profile handler.
 #[derive(Debug, Clone)]
@@ -76,6 +82,14 @@ pub enum Handler {
     Disagg {
         decode: Profile,
         prefill: Option<(Profile, PdDecider)>,
+    },
+    /// `header-profile-handler` (llm-d, alpha): the request header `header` names the profile to
+    /// run, `default` when it is absent or empty; with a single profile, that one whatever the
+    /// header says.
+    Header {
+        header: String,
+        default: String,
+        profiles: Vec<Profile>,
     },
 }
 
@@ -106,6 +120,9 @@ pub enum SchedError {
     /// An admitter plugin turned the request away.
     #[error("shed by {0}")]
     NotAdmitted(&'static str),
+    /// `header-profile-handler`: no profile has the name the request asked for.
+    #[error("no scheduling profile `{0}`")]
+    NoProfile(String),
 }
 
 /// The outcome: chosen candidate indices, best first, each candidate's total score (0 for
@@ -120,24 +137,44 @@ pub struct Decision {
 }
 
 impl Scheduler {
-    /// The primary profile (the single one, or the decode profile).
+    /// The primary profile (the single one, the decode profile, or the header handler's default
+    /// — its first profile when the default names none).
     pub fn primary(&self) -> &Profile {
         match &self.handler {
             Handler::Single(p) => p,
             Handler::Disagg { decode, .. } => decode,
+            Handler::Header {
+                default, profiles, ..
+            } => profiles
+                .iter()
+                .find(|p| p.name == *default)
+                .unwrap_or(&profiles[0]),
         }
     }
 
-    /// Every profile, primary first.
-    pub fn profiles(&self) -> impl Iterator<Item = &Profile> {
-        let prefill = match &self.handler {
-            Handler::Disagg {
-                prefill: Some((p, _)),
-                ..
-            } => Some(p),
-            _ => None,
+    /// The profile that routes `req` (the primary one but with the header handler).
+    fn profile_for(&self, req: &SchedRequest<'_>) -> Result<&Profile, SchedError> {
+        let Handler::Header {
+            header,
+            default,
+            profiles,
+        } = &self.handler
+        else {
+            return Ok(self.primary());
         };
-        std::iter::once(self.primary()).chain(prefill)
+        if let [only] = profiles.as_slice() {
+            return Ok(only);
+        }
+        let name = req
+            .headers
+            .get(header)
+            .map(|v| v.trim())
+            .filter(|v| !v.is_empty())
+            .unwrap_or(default);
+        profiles
+            .iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| SchedError::NoProfile(name.chars().take(64).collect()))
     }
 
     pub fn schedule(
@@ -180,7 +217,7 @@ impl Scheduler {
         }
         let mut scores = vec![0.0; candidates.len()];
         let picked = run_profile(
-            self.primary(),
+            self.profile_for(req)?,
             req,
             &data,
             candidates,
@@ -194,7 +231,7 @@ impl Scheduler {
             ..
         } = &self.handler
         {
-            let split = decider.disaggregate(&data, picked[0]);
+            let split = decider.disaggregate(req, &data, picked[0]);
             trace.decided(decider, split);
             if split {
                 let mut unused = vec![0.0; candidates.len()];
@@ -350,6 +387,7 @@ pub(crate) fn clamped(s: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduling::testutil::req;
 
     #[test]
     fn pd_decider_formula() {
@@ -368,22 +406,33 @@ mod tests {
             non_cached_tokens: 400,
             prompt_tokens: 0,
         };
+        let r = req();
         // 1000 − 10·64 = 360 uncached on pod 0 (< 400), 1000 on pod 1.
-        assert!(!d.disaggregate(&data, 0));
-        assert!(d.disaggregate(&data, 1));
+        assert!(!d.disaggregate(&r, &data, 0));
+        assert!(d.disaggregate(&r, &data, 1));
         let gated = PdDecider::PrefixBased {
             non_cached_tokens: 400,
             prompt_tokens: 2000,
         };
         assert!(
-            !gated.disaggregate(&data, 1),
+            !gated.disaggregate(&r, &data, 1),
             "prompt below the promptTokens gate"
         );
         let never = PdDecider::PrefixBased {
             non_cached_tokens: 0,
             prompt_tokens: 0,
         };
-        assert!(!never.disaggregate(&data, 1), "nonCachedTokens 0 = never");
-        assert!(PdDecider::Always.disaggregate(&data, 0));
+        assert!(
+            !never.disaggregate(&r, &data, 1),
+            "nonCachedTokens 0 = never"
+        );
+        assert!(PdDecider::Always.disaggregate(&r, &data, 0));
+        // The multimodal decider: media in the prompt, whatever the cache holds.
+        assert!(!PdDecider::Multimodal.disaggregate(&r, &data, 1));
+        let media = SchedRequest {
+            multimodal: true,
+            ..req()
+        };
+        assert!(PdDecider::Multimodal.disaggregate(&media, &data, 0));
     }
 }

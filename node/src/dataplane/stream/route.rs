@@ -137,6 +137,7 @@ impl StreamState {
             priority: req.meta.priority,
             headers: &self.headers,
             tokens: tokens.as_deref(),
+            multimodal: req.multimodal(),
         };
         let decision = match self.schedule(&sched, &candidates, ticket, t0) {
             Ok(d) => d,
@@ -283,6 +284,10 @@ impl StreamState {
                     }
                     SchedError::NotAdmitted(by) => Rejection::saturated(format!(
                         "shed by {by}: the pool is saturated and the request is sheddable"
+                    )),
+                    // llm-d answers 429 too (its scheduler fails); the message says why.
+                    SchedError::NoProfile(name) => Rejection::saturated(format!(
+                        "no scheduling profile `{name}` (header-profile-handler)"
                     )),
                 });
             }

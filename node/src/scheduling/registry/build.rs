@@ -189,6 +189,24 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             };
             Handler::Disagg { decode, prefill }
         }
+        HandlerSpec::Header(params) => {
+            if profiles.is_empty() {
+                return Err(ConfigError::invalid("schedulingProfiles: no profile"));
+            }
+            if profiles.len() > 1 && !profiles.iter().any(|p| p.name == params.default_profile) {
+                tracing::warn!(
+                    "{HEADER_PROFILE_HANDLER}: no profile named `{}` (defaultProfile): requests \
+                     without the `{}` header will be refused",
+                    params.default_profile,
+                    params.header_name
+                );
+            }
+            Handler::Header {
+                header: params.header_name.trim().to_ascii_lowercase(),
+                default: params.default_profile.trim().to_string(),
+                profiles,
+            }
+        }
     };
     let has_decider = matches!(
         handler,
@@ -202,6 +220,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         Handler::Disagg { decode, prefill } => std::iter::once(decode.clone())
             .chain(prefill.as_ref().map(|(p, _)| p.clone()))
             .collect(),
+        Handler::Header { profiles, .. } => profiles.clone(),
     };
 
     // Data producers: the configured ones, plus llm-d's defaults for every consumer that needs one.
@@ -414,6 +433,18 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             }
             s
         }
+        Handler::Header {
+            header,
+            default,
+            profiles,
+        } => format!(
+            "{HEADER_PROFILE_HANDLER} (header {header}, default {default}) {}",
+            profiles
+                .iter()
+                .map(|p| format!("{}: {}", p.name, describe_profile(p)))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ),
     };
     let summary = format!(
         "producers=[{}] tokens={} {} metrics={}://<pod>{} every {}",

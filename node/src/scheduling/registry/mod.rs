@@ -35,8 +35,8 @@ use crate::scheduling::prefix::{
 use crate::scheduling::queue_scorer::{self, QueueScorer};
 use crate::scheduling::random_picker::{self, RandomPicker};
 use crate::scheduling::scheduler::{
-    ALWAYS_DISAGG_PD_DECIDER, Handler, PREFIX_BASED_PD_DECIDER, PdDecider, Profile, Scheduler,
-    WeightedScorer,
+    ALWAYS_DISAGG_MULTIMODAL_DECIDER, ALWAYS_DISAGG_PD_DECIDER, Handler, PREFIX_BASED_PD_DECIDER,
+    PdDecider, Profile, Scheduler, WeightedScorer,
 };
 use crate::scheduling::session;
 use crate::scheduling::session::AGENT_IDENTITY;
@@ -45,6 +45,7 @@ use crate::scheduling::{Filter, NoParams, Picker, PickerParams, Producer, Scorer
 
 pub const SINGLE_PROFILE_HANDLER: &str = "single-profile-handler";
 pub const DISAGG_PROFILE_HANDLER: &str = "disagg-profile-handler";
+pub const HEADER_PROFILE_HANDLER: &str = "header-profile-handler";
 /// llm-d's deprecated P/D handler: a decode profile, then the prefill profile when the uncached
 /// part of the prompt is at least `threshold` characters.
 pub const PD_PROFILE_HANDLER: &str = "pd-profile-handler";
@@ -65,9 +66,7 @@ pub const PARSERS: [&str; 4] = [
 /// with a message saying so, rather than "unknown type".
 const NOT_YET: &[&str] = &[
     "session-id-producer",
-    "always-disagg-multimodal-decider",
     "data-parallel-profile-handler",
-    "header-profile-handler",
     "latency-slo-admitter",
     "predicted-latency-producer",
     "latency-scorer",
@@ -312,6 +311,16 @@ pub fn construct(
         DISAGG_PROFILE_HANDLER => {
             Plugin::ProfileHandler(HandlerSpec::Disagg(params(parameters, path)?))
         }
+        HEADER_PROFILE_HANDLER => {
+            let p: HeaderProfileParams = params(parameters, path)?;
+            if p.header_name.trim().is_empty() {
+                return Err(ConfigError::Field {
+                    path: format!("{path}.headerName"),
+                    message: "must name a header".into(),
+                });
+            }
+            Plugin::ProfileHandler(HandlerSpec::Header(p))
+        }
         PD_PROFILE_HANDLER => {
             let p: PdProfileParams = params(parameters, path)?;
             let spec = p.into_spec(path)?;
@@ -323,6 +332,7 @@ pub fn construct(
                     PdDecider::PrefixBased {
                         non_cached_tokens, ..
                     } => format!("a prefix-based decider at {non_cached_tokens} uncached tokens"),
+                    PdDecider::Multimodal => ALWAYS_DISAGG_MULTIMODAL_DECIDER.to_string(),
                 }
             );
             Plugin::ProfileHandler(HandlerSpec::Pd(spec))
@@ -362,6 +372,10 @@ pub fn construct(
         ALWAYS_DISAGG_PD_DECIDER => {
             let _: NoParams = params(parameters, path)?;
             Plugin::Decider(PdDecider::Always)
+        }
+        ALWAYS_DISAGG_MULTIMODAL_DECIDER => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Decider(PdDecider::Multimodal)
         }
         METRICS_DATA_SOURCE => {
             let p: MetricsSourceParams = params(parameters, path)?;
@@ -438,6 +452,21 @@ pub enum HandlerSpec {
     /// The deprecated `pd-profile-handler`, as a decode profile, an optional prefill profile and
     /// the decider its threshold amounts to.
     Pd(PdSpec),
+    Header(HeaderProfileParams),
+}
+
+/// `header-profile-handler` parameters (llm-d's names and defaults).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct HeaderProfileParams {
+    #[serde(default = "d_profile_header")]
+    pub header_name: String,
+    #[serde(default = "d_decode")]
+    pub default_profile: String,
+}
+
+fn d_profile_header() -> String {
+    "EPP-Profile".into()
 }
 
 #[derive(Debug, Clone)]

@@ -169,6 +169,75 @@ fn the_default_profile_spreads_a_burst_sharing_a_prompt() {
     assert_eq!(d.data.pending[d.picked[0]], 0);
 }
 
+/// `header-profile-handler`: the header (its name in any case) names the profile, the default
+/// profile runs without it, an unknown name is refused, and a single profile ignores it.
+#[test]
+fn the_header_profile_handler_runs_the_profile_the_request_names() {
+    let b = load(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n\
+         - {type: header-profile-handler, parameters: {headerName: X-Profile, defaultProfile: small}}\n\
+         - {name: small-pods, type: label-selector-filter, parameters: {matchLabels: {size: small}}}\n\
+         - {name: big-pods, type: label-selector-filter, parameters: {matchLabels: {size: big}}}\n\
+         - type: queue-scorer\n\
+         schedulingProfiles:\n\
+         - {name: small, plugins: [{pluginRef: small-pods}, {pluginRef: queue-scorer}]}\n\
+         - {name: big, plugins: [{pluginRef: big-pods}, {pluginRef: queue-scorer}]}\n",
+    )
+    .unwrap();
+    let s = &b.scheduler;
+    let cs = vec![
+        cand_at(
+            "s",
+            "10.0.0.1:8000",
+            metrics(0.0, 0.0, 0.0),
+            false,
+            &[("size", "small")],
+        ),
+        cand_at(
+            "b",
+            "10.0.0.2:8000",
+            metrics(0.0, 0.0, 0.0),
+            false,
+            &[("size", "big")],
+        ),
+    ];
+    let pick = |headers: &[(&str, &str)]| {
+        let h: std::collections::HashMap<String, String> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let mut r = req();
+        r.headers = &h;
+        s.schedule(&r, &cs, &mut rand::rng()).map(|d| d.picked[0])
+    };
+    assert_eq!(pick(&[]), Ok(0));
+    assert_eq!(pick(&[("x-profile", " big ")]), Ok(1));
+    assert_eq!(pick(&[("x-profile", "")]), Ok(0));
+    assert_eq!(
+        pick(&[("x-profile", "huge")]),
+        Err(SchedError::NoProfile("huge".into()))
+    );
+    assert_eq!(s.primary().name, "small");
+
+    // One profile: whatever the header says.
+    let one = load(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n\
+         - type: header-profile-handler\n- type: queue-scorer\n",
+    )
+    .unwrap();
+    let h = std::collections::HashMap::from([("epp-profile".to_string(), "nope".to_string())]);
+    let mut r = req();
+    r.headers = &h;
+    assert!(one.scheduler.schedule(&r, &cs, &mut rand::rng()).is_ok());
+    let e = load(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n\
+         - {type: header-profile-handler, parameters: {headerName: ' '}}\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("headerName"), "{e}");
+}
+
 #[test]
 fn affinity_filter_on_the_cost_model_injects_it() {
     let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {type: prefix-cache-affinity-filter, parameters: {ttftSource: costModel}}\n- type: queue-scorer\n").unwrap();
@@ -428,6 +497,27 @@ fn pd_pods() -> Vec<Candidate> {
             &[("llm-d.ai/role", "prefill")],
         ),
     ]
+}
+
+/// `always-disagg-multimodal-decider` as the prefill decider: a request with an image is
+/// prefilled on a prefill pod; a text-only one stays decode-only however uncached it is.
+#[test]
+fn the_multimodal_decider_splits_only_requests_with_media() {
+    let cfg = EndpointPickerConfig::from_yaml(&PD_CONFIG.replace(
+        "{name: pd, type: prefix-based-pd-decider, parameters: {nonCachedTokens: 100}}",
+        "{name: pd, type: always-disagg-multimodal-decider}",
+    ))
+    .unwrap();
+    let s = crate::scheduling::build(&cfg).unwrap().scheduler;
+    let cs = pd_pods();
+    let text: Vec<u8> = (0..2048u32).map(|i| b'a' + (i % 19) as u8).collect();
+    let prompt = crate::request::parse::Prompt::Text(text);
+    let mut r = req();
+    r.prompt = &prompt;
+    assert_eq!(s.schedule(&r, &cs, &mut rand::rng()).unwrap().prefill, None);
+    r.multimodal = true;
+    let d = s.schedule(&r, &cs, &mut rand::rng()).unwrap();
+    assert_eq!((d.picked[0], d.prefill), (0, Some(3)));
 }
 
 /// A long uncached prompt is prefilled on the least-queued prefill pod and decoded on a decode
