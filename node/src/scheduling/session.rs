@@ -8,8 +8,9 @@
 //!   response. The EPP hands it to Envoy in the `envoy.lb` dynamic metadata under the header's
 //!   name, and the route's `response_headers_to_add` sets it (see `deploy/local/envoy.template.yaml`)
 //!   — the response path stays observe-only. Stateless, so it works across Active-Active replicas.
-//! - `session_id` (stateful): an opaque id from configured sources (headers, or the `agent-identity`
-//!   attribute) bound server-side to the pod that served it, dropped after `evictionTtlSeconds`
+//! - `session_id` (stateful): an opaque id from configured sources (headers, the `agent-identity`
+//!   attribute, or the `session-id` attribute a `session-id-producer` reads from a header or a
+//!   cookie) bound server-side to the pod that served it, dropped after `evictionTtlSeconds`
 //!   unused. An unbound session expresses no preference; a bound one whose pod is not a candidate
 //!   migrates to the pod the request is routed to. The bindings live in this replica.
 //!
@@ -36,6 +37,10 @@ pub const DEFAULT_TOKEN_HEADER: &str = "x-session-token";
 pub const DEFAULT_SESSION_ID_HEADER: &str = "x-session-id";
 /// The request attribute holding the agent's session id ([`AgentIdentity`]).
 pub const AGENT_IDENTITY: &str = "agent-identity";
+/// The request attribute a `session-id-producer` writes ([`SessionIdSource`]).
+pub const SESSION_ID_ATTRIBUTE: &str = "session-id";
+/// llm-d's `session-id-producer` (its default instance name too).
+pub const SESSION_ID_PRODUCER: &str = "session-id-producer";
 /// Namespace of pod names in tokens (endpoints come from a file, without Kubernetes namespaces).
 const TOKEN_NAMESPACE: &str = "default";
 
@@ -82,6 +87,56 @@ struct SourceSpec {
 pub enum Source {
     Header(String),
     AgentIdentity,
+    /// The `session-id` attribute of the named `session-id-producer` instance.
+    Produced(String),
+}
+
+/// `session-id-producer` parameters: exactly one of them.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct SessionIdProducerParams {
+    header_name: Option<String>,
+    cookie_name: Option<String>,
+}
+
+/// What a `session-id-producer` reads: a request header, or a cookie of the `cookie` header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionIdSource {
+    Header(String),
+    Cookie(String),
+}
+
+impl SessionIdProducerParams {
+    pub fn source(&self, path: &str) -> Result<SessionIdSource, ConfigError> {
+        fn set(v: &Option<String>) -> Option<&str> {
+            v.as_deref().map(str::trim).filter(|v| !v.is_empty())
+        }
+        match (set(&self.header_name), set(&self.cookie_name)) {
+            (Some(h), None) => Ok(SessionIdSource::Header(header_name(h))),
+            (None, Some(c)) => Ok(SessionIdSource::Cookie(c.to_string())),
+            _ => Err(invalid(
+                path,
+                "exactly one of headerName or cookieName must be set",
+            )),
+        }
+    }
+}
+
+impl SessionIdSource {
+    /// The session id the request carries (trimmed; an empty one is none). A cookie is the first
+    /// `name=value` pair of that exact name.
+    pub fn read<'a>(&self, headers: &'a HashMap<String, String>) -> Option<&'a str> {
+        let v = match self {
+            SessionIdSource::Header(h) => headers.get(h)?.trim(),
+            SessionIdSource::Cookie(name) => {
+                headers.get("cookie")?.split(';').find_map(|pair| {
+                    let (k, v) = pair.trim().split_once('=')?;
+                    (k == name).then_some(v.trim())
+                })?
+            }
+        };
+        (!v.is_empty()).then_some(v)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -207,11 +262,18 @@ impl SessionParams {
                                 }
                             }
                         }
+                        (None, Some(a)) if a == SESSION_ID_ATTRIBUTE => Source::Produced(
+                            s.producer
+                                .as_deref()
+                                .filter(|p| !p.is_empty())
+                                .unwrap_or(SESSION_ID_PRODUCER)
+                                .to_string(),
+                        ),
                         (None, Some(a)) => {
                             return Err(invalid(
                                 &at,
                                 format!(
-                                    "attribute `{a}` is not produced by this build (supported: `{AGENT_IDENTITY}`)"
+                                    "attribute `{a}` is not produced by this build (supported: `{AGENT_IDENTITY}`, `{SESSION_ID_ATTRIBUTE}`)"
                                 ),
                             ));
                         }
@@ -274,6 +336,8 @@ pub struct SessionAffinity {
     bindings: Mutex<Bindings>,
     /// The `agent-identity` plugin's headers (its built-in ones when none is configured).
     agent: std::sync::OnceLock<AgentIdentity>,
+    /// The configuration's `session-id-producer` instances, by name.
+    producers: std::sync::OnceLock<HashMap<String, SessionIdSource>>,
 }
 
 impl std::fmt::Debug for SessionAffinity {
@@ -318,6 +382,7 @@ impl SessionAffinity {
             profile,
             bindings: Mutex::new(Bindings::default()),
             agent: std::sync::OnceLock::new(),
+            producers: std::sync::OnceLock::new(),
         })
     }
 
@@ -338,6 +403,26 @@ impl SessionAffinity {
         let _ = self.agent.set(agent);
     }
 
+    /// Read `session-id` sources with the configuration's `session-id-producer` instances (set
+    /// once, when the configuration is built); the producer names they miss.
+    pub fn use_session_id_producers(
+        &self,
+        producers: HashMap<String, SessionIdSource>,
+    ) -> Vec<String> {
+        let missing = match &self.spec {
+            StrategySpec::SessionId { sources, .. } => sources
+                .iter()
+                .filter_map(|s| match s {
+                    Source::Produced(p) if !producers.contains_key(p) => Some(p.clone()),
+                    _ => None,
+                })
+                .collect(),
+            StrategySpec::Encoded { .. } => Vec::new(),
+        };
+        let _ = self.producers.set(producers);
+        missing
+    }
+
     fn session_id<'a>(&self, req: &'a SchedRequest<'_>, sources: &[Source]) -> Option<&'a str> {
         sources.iter().find_map(|s| match s {
             Source::Header(h) => req
@@ -349,6 +434,7 @@ impl SessionAffinity {
                 Some(a) => a.session(req.headers),
                 None => AgentIdentity::default().session(req.headers),
             },
+            Source::Produced(name) => self.producers.get()?.get(name)?.read(req.headers),
         })
     }
 

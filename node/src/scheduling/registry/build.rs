@@ -493,9 +493,24 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         ));
     }
     let agent = agents.first().map(|a| (*a).clone()).unwrap_or_default();
-    for (_, _, p) in &instances {
+    let id_sources: HashMap<String, session::SessionIdSource> = instances
+        .iter()
+        .filter_map(|(name, _, p)| match p {
+            Plugin::SessionIdProducer(s) => Some((name.clone(), s.clone())),
+            _ => None,
+        })
+        .collect();
+    for (name, _, p) in &instances {
         if let Plugin::Session(s) = p {
             s.use_agent_identity(agent.clone());
+            if let Some(missing) = s.use_session_id_producers(id_sources.clone()).first() {
+                return Err(ConfigError::invalid(format!(
+                    "plugins `{name}`: a session source reads the `{}` attribute of `{missing}`, \
+                     which is not a `{}` plugin of this configuration",
+                    session::SESSION_ID_ATTRIBUTE,
+                    session::SESSION_ID_PRODUCER
+                )));
+            }
         }
     }
     // Session-affinity instances the profiles use: they record decisions and write tokens back.

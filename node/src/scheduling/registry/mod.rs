@@ -65,7 +65,6 @@ pub const PARSERS: [&str; 4] = [
 /// llm-d plugin types this build recognises but does not implement yet: a config naming one fails
 /// with a message saying so, rather than "unknown type".
 const NOT_YET: &[&str] = &[
-    "session-id-producer",
     "data-parallel-profile-handler",
     "latency-slo-admitter",
     "predicted-latency-producer",
@@ -104,6 +103,8 @@ pub enum Plugin {
     Superseded,
     /// `agent-identity`: where agents' session ids are read.
     AgentIdentity(AgentIdentity),
+    /// `session-id-producer`: the header or cookie a `session-id` session source reads.
+    SessionIdProducer(session::SessionIdSource),
     /// An admitter (`probabilistic-admitter`): asked after the producers, before the profiles.
     Admitter(Arc<dyn Admitter>),
 }
@@ -336,6 +337,10 @@ pub fn construct(
                 }
             );
             Plugin::ProfileHandler(HandlerSpec::Pd(spec))
+        }
+        session::SESSION_ID_PRODUCER => {
+            let p: session::SessionIdProducerParams = params(parameters, path)?;
+            Plugin::SessionIdProducer(p.source(path)?)
         }
         admitter::PROBABILISTIC_TYPE => {
             let p: admitter::ProbabilisticParams = params(parameters, path)?;

@@ -702,6 +702,79 @@ fn the_precise_producer_replaces_the_approximate_one_and_brings_engine_tokens() 
 
 /// `agent-identity` with `additionalSessionHeaders`: the operator's header is the agent session
 /// (flow control's fairness id) and the session-affinity plugins' `agent-identity` source.
+/// `session-id-producer`: the session id in a cookie binds the conversation (a `session-id`
+/// source naming the producer); a source naming no such producer is refused, and so are
+/// parameters that set both or neither of header and cookie.
+#[test]
+fn a_session_id_from_a_cookie_binds_the_session() {
+    let b = load(
+        "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {name: sid, type: session-id-producer, parameters: {cookieName: conv}}
+- type: session-affinity-filter
+  parameters: {strategy: session_id, sessionIdConfig: {sources: [{attribute: session-id, producer: sid}]}}
+- type: queue-scorer
+",
+    )
+    .unwrap();
+    let s = b.scheduler;
+    let with_cookie =
+        |c: &str| std::collections::HashMap::from([("cookie".to_string(), c.to_string())]);
+    let idle_b = vec![
+        cand("a", metrics(3.0, 0.0, 0.0), false),
+        cand("b", metrics(0.0, 0.0, 0.0), false),
+    ];
+    let busy_b = vec![
+        cand("a", metrics(0.0, 0.0, 0.0), false),
+        cand("b", metrics(9.0, 0.0, 0.0), false),
+    ];
+    let h = with_cookie("theme=dark; conv=c-42 ;x=1");
+    let mut r = req();
+    r.headers = &h;
+    let d = s.schedule(&r, &idle_b, &mut rand::rng()).unwrap();
+    assert_eq!(d.picked, vec![1]);
+    s.pre_request(&r, &d, &idle_b);
+    // Bound to b: kept there although b is busy now.
+    assert_eq!(
+        s.schedule(&r, &busy_b, &mut rand::rng()).unwrap().picked,
+        vec![1]
+    );
+    // Another conversation, or a cookie of another name, is not bound.
+    for other in ["conv=c-43", "xconv=c-42", "conv="] {
+        let h = with_cookie(other);
+        let mut r = req();
+        r.headers = &h;
+        assert_eq!(
+            s.schedule(&r, &busy_b, &mut rand::rng()).unwrap().picked,
+            vec![0],
+            "{other}"
+        );
+    }
+    let e = load(
+        "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: session-affinity-scorer
+  parameters: {strategy: session_id, sessionIdConfig: {sources: [{attribute: session-id}]}}
+",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("session-id-producer"), "{e}");
+    for params in ["{}", "{headerName: a, cookieName: b}", "{headerName: ' '}"] {
+        let e = load(&format!(
+            "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {{type: session-id-producer, parameters: {params}}}\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("exactly one of headerName or cookieName"),
+            "{params}: {e}"
+        );
+    }
+}
+
 #[test]
 fn agent_identity_headers_reach_fairness_and_session_affinity() {
     let b = load(
