@@ -106,7 +106,7 @@ fn bench_profile(c: &mut Criterion, profile: &str, config: &str) {
                     priority: 0,
                     headers: &headers,
                     tokens: None,
-                    multimodal: false,
+                    media: &[],
                 };
                 let d = sched.schedule(&r, &cands, &mut rng).unwrap();
                 sched.pre_request(
@@ -129,7 +129,7 @@ fn bench_profile(c: &mut Criterion, profile: &str, config: &str) {
             priority: 0,
             headers: &headers,
             tokens: None,
-            multimodal: false,
+            media: &[],
         };
         let d = sched.schedule(&req, &cands, &mut rng).unwrap();
         sched.pre_request(

@@ -78,7 +78,7 @@ pub async fn dry_run(ctx: &PickerContext, run: DryRun) -> Result<Explanation, Re
         priority: req.meta.priority,
         headers: &headers,
         tokens: tokens.as_deref(),
-        multimodal: req.multimodal(),
+        media: req.media(),
     };
     Ok(ctx.scheduler.explain(&sched, &candidates))
 }

@@ -143,9 +143,9 @@ impl Request {
         self.parsed.as_ref().map_or(&NONE, |p| &p.prompt)
     }
 
-    /// The prompt carries images, audio or video.
-    pub fn multimodal(&self) -> bool {
-        self.parsed.as_ref().is_some_and(|p| p.multimodal)
+    /// Hashes of the prompt's media parts (empty: text only).
+    pub fn media(&self) -> &[u64] {
+        self.parsed.as_ref().map_or(&[], |p| p.media.as_slice())
     }
 
     pub fn cache_salt(&self) -> Option<&str> {

@@ -92,8 +92,9 @@ pub struct ParsedRequest {
     /// The most output tokens the request asks for (`max_completion_tokens`, else `max_tokens`;
     /// 0 for embeddings, which generate nothing).
     pub max_output: Option<u64>,
-    /// The prompt carries images, audio or video ([`has_media`]).
-    pub multimodal: bool,
+    /// Hashes of the prompt's media parts — images, audio, video ([`media_hashes`]) — each once,
+    /// in order; empty for a text-only prompt.
+    pub media: Vec<u64>,
 }
 
 /// A streaming OpenAI request's `stream_options`.
@@ -331,7 +332,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             cache_salt: None,
             stream_options: None,
             max_output: None,
-            multimodal: false,
+            media: Vec::new(),
         });
     }
     let v: Value = serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
@@ -465,12 +466,12 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             .iter()
             .find_map(|f| obj.get(*f).and_then(Value::as_u64)),
     };
-    let multimodal = match kind {
+    let media = match kind {
         ApiKind::ChatCompletions | ApiKind::AnthropicMessages | ApiKind::AnthropicCountTokens => {
-            has_media(obj.get("messages"))
+            media_hashes(obj.get("messages"))
         }
-        ApiKind::Responses => has_media(obj.get("input")),
-        _ => false,
+        ApiKind::Responses => media_hashes(obj.get("input")),
+        _ => Vec::new(),
     };
     Ok(ParsedRequest {
         kind,
@@ -480,7 +481,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         cache_salt,
         stream_options,
         max_output,
-        multimodal,
+        media,
     })
 }
 
@@ -496,23 +497,38 @@ const MEDIA_PARTS: [&str; 6] = [
     "input_image",
 ];
 
-/// Whether any message (or Responses item) of `messages` has a media content part.
-fn has_media(messages: Option<&Value>) -> bool {
-    fn parts_have_media(content: Option<&Value>, depth: u8) -> bool {
+/// Most media parts hashed per request.
+const MAX_MEDIA: usize = 256;
+
+/// The media content parts of `messages` (or Responses items), hashed, each distinct asset once:
+/// the hash of the asset itself — the part's value under its type (`image_url`, …), or an
+/// Anthropic image's `source` — so the same image sent again hashes the same.
+fn media_hashes(messages: Option<&Value>) -> Vec<u64> {
+    fn collect(content: Option<&Value>, nested: bool, out: &mut Vec<u64>) {
         let Some(Value::Array(parts)) = content else {
-            return false;
+            return;
         };
-        parts.iter().any(|p| {
-            p.get("type")
-                .and_then(Value::as_str)
-                .is_some_and(|t| MEDIA_PARTS.contains(&t))
-                || (depth == 0 && parts_have_media(p.get("content"), 1))
-        })
+        for p in parts {
+            match p.get("type").and_then(Value::as_str) {
+                Some(t) if MEDIA_PARTS.contains(&t) => {
+                    let asset = p.get(t).or_else(|| p.get("source")).unwrap_or(p);
+                    let h = xxhash_rust::xxh3::xxh3_64(asset.to_string().as_bytes());
+                    if !out.contains(&h) && out.len() < MAX_MEDIA {
+                        out.push(h);
+                    }
+                }
+                _ if !nested => collect(p.get("content"), true, out),
+                _ => {}
+            }
+        }
     }
-    let Some(Value::Array(items)) = messages else {
-        return false;
-    };
-    items.iter().any(|m| parts_have_media(m.get("content"), 0))
+    let mut out = Vec::new();
+    if let Some(Value::Array(items)) = messages {
+        for m in items {
+            collect(m.get("content"), false, &mut out);
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -521,7 +537,7 @@ mod tests {
 
     #[test]
     fn media_parts_make_a_request_multimodal() {
-        let mm = |kind, body: &str| parse(kind, body.as_bytes()).unwrap().multimodal;
+        let mm = |kind, body: &str| !parse(kind, body.as_bytes()).unwrap().media.is_empty();
         let chat = |part: &str| {
             format!(
                 r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"x"}},{part}]}}]}}"#
@@ -562,6 +578,25 @@ mod tests {
         ));
         assert!(!mm(ApiKind::Responses, r#"{"input":"describe an image"}"#));
         assert!(!mm(ApiKind::Completions, r#"{"prompt":"image_url"}"#));
+        // One hash per distinct asset, the same whatever surrounds it.
+        let media = |body: &str| {
+            parse(ApiKind::ChatCompletions, body.as_bytes())
+                .unwrap()
+                .media
+        };
+        let img = |u: &str| format!(r#"{{"type":"image_url","image_url":{{"url":"{u}"}}}}"#);
+        let two = media(&format!(
+            r#"{{"messages":[{{"role":"user","content":[{},{}]}},{{"role":"user","content":[{}]}}]}}"#,
+            img("a"),
+            img("b"),
+            img("a")
+        ));
+        assert_eq!(two.len(), 2);
+        let again = media(&format!(
+            r#"{{"messages":[{{"role":"system","content":"s"}},{{"role":"user","content":[{{"type":"text","text":"t"}},{}]}}]}}"#,
+            img("b")
+        ));
+        assert_eq!(again, vec![two[1]]);
     }
 
     #[test]

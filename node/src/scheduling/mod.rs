@@ -18,6 +18,7 @@ pub mod kv_cache_scorer;
 pub mod load_scorers;
 pub mod lora_affinity_scorer;
 pub mod max_score_picker;
+pub mod mm_cache;
 pub mod no_hit_lru;
 pub mod precise;
 pub mod prefix;
@@ -54,8 +55,15 @@ pub struct SchedRequest<'a> {
     /// The prompt as the engine tokenizes it, when a token producer backend that has the model's
     /// tokenizer ran (`vllm_http`); `None` with the tokenizer-free `estimate` backend.
     pub tokens: Option<&'a [u32]>,
+    /// Hashes of the prompt's media parts — images, audio, video (empty: text only).
+    pub media: &'a [u64],
+}
+
+impl SchedRequest<'_> {
     /// The prompt carries images, audio or video.
-    pub multimodal: bool,
+    pub fn multimodal(&self) -> bool {
+        !self.media.is_empty()
+    }
 }
 
 /// Prefix-cache match of the request on every candidate (llm-d's `PrefixCacheMatchInfo`).
@@ -82,6 +90,9 @@ pub struct RequestData {
     /// Of each candidate's matched blocks, those an earlier request is still prefilling there
     /// (empty unless the in-flight producer runs after a prefix producer).
     pub pending: Vec<usize>,
+    /// Of the request's media assets, how many each candidate encoded recently (empty unless
+    /// `mm-embeddings-cache-producer` runs and the request has media).
+    pub media_matched: Vec<usize>,
 }
 
 impl RequestData {
@@ -289,7 +300,7 @@ pub(crate) mod testutil {
             priority: 0,
             headers: &NO_HEADERS,
             tokens: None,
-            multimodal: false,
+            media: &[],
         }
     }
 

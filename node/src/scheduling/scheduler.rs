@@ -55,7 +55,7 @@ impl PdDecider {
     pub fn disaggregate(&self, req: &SchedRequest<'_>, data: &RequestData, decode: usize) -> bool {
         match *self {
             PdDecider::Always => true,
-            PdDecider::Multimodal => req.multimodal,
+            PdDecider::Multimodal => req.multimodal(),
             PdDecider::PrefixBased {
                 non_cached_tokens,
                 prompt_tokens,
@@ -430,7 +430,7 @@ mod tests {
         // The multimodal decider: media in the prompt, whatever the cache holds.
         assert!(!PdDecider::Multimodal.disaggregate(&r, &data, 1));
         let media = SchedRequest {
-            multimodal: true,
+            media: &[7],
             ..req()
         };
         assert!(PdDecider::Multimodal.disaggregate(&media, &data, 0));

@@ -137,7 +137,7 @@ impl StreamState {
             priority: req.meta.priority,
             headers: &self.headers,
             tokens: tokens.as_deref(),
-            multimodal: req.multimodal(),
+            media: req.media(),
         };
         let decision = match self.schedule(&sched, &candidates, ticket, t0) {
             Ok(d) => d,

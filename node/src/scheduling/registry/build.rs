@@ -342,6 +342,19 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
     if let Some(c) = &cost_model {
         producers.push(c.clone());
     }
+    // The encoder-cache match: configured, or for a scorer that reads it (llm-d's default
+    // producer).
+    let configured_mm = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::MmCache(c) => Some(c.clone()),
+        _ => None,
+    });
+    match configured_mm {
+        Some(c) => producers.push(c),
+        None if uses(&[mm_cache::SCORER_TYPE]) => producers.push(Arc::new(mm_cache::MmCache::new(
+            &mm_cache::MmCacheParams::default(),
+        ))),
+        None => {}
+    }
     // No-hit LRU scorers record where cold requests went.
     for (_, _, p) in &instances {
         if let Plugin::NoHitLru(s) = p {

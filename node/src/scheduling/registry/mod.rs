@@ -27,6 +27,7 @@ use crate::scheduling::load_scorers::{
 };
 use crate::scheduling::lora_affinity_scorer::{self, LoraAffinityScorer};
 use crate::scheduling::max_score_picker::{self, MaxScorePicker};
+use crate::scheduling::mm_cache;
 use crate::scheduling::no_hit_lru;
 use crate::scheduling::precise;
 use crate::scheduling::prefix::{
@@ -83,6 +84,8 @@ pub enum Plugin {
     PrefixProducer(Arc<ApproxPrefixProducer>),
     /// `cost-model-producer`.
     CostModel(Arc<cost_model::CostModel>),
+    /// `mm-embeddings-cache-producer`.
+    MmCache(Arc<mm_cache::MmCache>),
     /// `no-hit-lru-scorer` (a scorer that also records cold requests' picks).
     NoHitLru(Arc<no_hit_lru::NoHitLru>),
     InflightProducer(inflight::InflightParams),
@@ -337,6 +340,14 @@ pub fn construct(
                 }
             );
             Plugin::ProfileHandler(HandlerSpec::Pd(spec))
+        }
+        mm_cache::PRODUCER_TYPE => {
+            let p: mm_cache::MmCacheParams = params(parameters, path)?;
+            Plugin::MmCache(Arc::new(mm_cache::MmCache::new(&p)))
+        }
+        mm_cache::SCORER_TYPE => {
+            let _: mm_cache::MmScorerParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(mm_cache::MmCacheScorer))
         }
         session::SESSION_ID_PRODUCER => {
             let p: session::SessionIdProducerParams = params(parameters, path)?;

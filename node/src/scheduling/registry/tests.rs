@@ -499,6 +499,54 @@ fn pd_pods() -> Vec<Candidate> {
     ]
 }
 
+/// `mm-embeddings-cache-scorer` alone: its producer is injected, and a request whose image a pod
+/// encoded before goes to that pod although the other is less loaded.
+#[test]
+fn the_encoder_cache_scorer_brings_an_image_back_to_its_pod() {
+    let b = load(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n\
+         - {type: mm-embeddings-cache-scorer, parameters: {producerName: mm-embeddings-cache-producer}}\n\
+         - type: queue-scorer\n\
+         schedulingProfiles:\n\
+         - {name: default, plugins: [{pluginRef: mm-embeddings-cache-scorer, weight: 2}, {pluginRef: queue-scorer}]}\n",
+    )
+    .unwrap();
+    let s = &b.scheduler;
+    assert!(
+        s.producers
+            .iter()
+            .any(|p| p.type_name() == "mm-embeddings-cache-producer")
+    );
+    let cs = vec![
+        cand_at("a", "10.0.0.1:8000", metrics(1.0, 0.0, 0.0), false, &[]),
+        cand_at("b", "10.0.0.2:8000", metrics(0.0, 0.0, 0.0), false, &[]),
+    ];
+    let mut r = req();
+    r.media = &[42];
+    let first = s.schedule(&r, &cs, &mut rand::rng()).unwrap();
+    assert_eq!(first.picked, vec![1], "b is idle");
+    // Route it to a instead (as a fallback would): a now holds the image.
+    s.pre_request(
+        &r,
+        &Decision {
+            picked: vec![0],
+            ..first
+        },
+        &cs,
+    );
+    let d = s.schedule(&r, &cs, &mut rand::rng()).unwrap();
+    assert_eq!(d.picked, vec![0], "{:?}", d.scores);
+    assert_eq!(d.data.media_matched, vec![1, 0]);
+    // Another image: the queue decides.
+    r.media = &[43];
+    assert_eq!(
+        s.schedule(&r, &cs, &mut rand::rng()).unwrap().picked,
+        vec![1]
+    );
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {type: mm-embeddings-cache-producer, parameters: {cacheSize: 1}}\n").unwrap_err().to_string();
+    assert!(e.contains("cacheSize"), "{e}");
+}
+
 /// `always-disagg-multimodal-decider` as the prefill decider: a request with an image is
 /// prefilled on a prefill pod; a text-only one stays decode-only however uncached it is.
 #[test]
@@ -515,7 +563,7 @@ fn the_multimodal_decider_splits_only_requests_with_media() {
     let mut r = req();
     r.prompt = &prompt;
     assert_eq!(s.schedule(&r, &cs, &mut rand::rng()).unwrap().prefill, None);
-    r.multimodal = true;
+    r.media = &[7];
     let d = s.schedule(&r, &cs, &mut rand::rng()).unwrap();
     assert_eq!((d.picked[0], d.prefill), (0, Some(3)));
 }
