@@ -13,7 +13,7 @@
 
 use serde::Deserialize;
 
-use super::SchedRequest;
+use super::{RequestData, SchedRequest};
 use crate::datalayer::store::Candidate;
 
 pub const PROBABILISTIC_TYPE: &str = "probabilistic-admitter";
@@ -21,10 +21,11 @@ pub const PROBABILISTIC_TYPE: &str = "probabilistic-admitter";
 /// Turns requests away before scheduling.
 pub trait Admitter: Send + Sync + std::fmt::Debug {
     fn type_name(&self) -> &'static str;
-    /// Whether `req` may go on to scheduling.
+    /// Whether `req` may go on to scheduling (`data`: what the producers computed).
     fn admit(
         &self,
         req: &SchedRequest<'_>,
+        data: &RequestData,
         candidates: &[Candidate],
         rng: &mut dyn rand::RngCore,
     ) -> bool;
@@ -116,6 +117,7 @@ impl Admitter for ProbabilisticAdmitter {
     fn admit(
         &self,
         req: &SchedRequest<'_>,
+        _data: &RequestData,
         candidates: &[Candidate],
         rng: &mut dyn rand::RngCore,
     ) -> bool {
@@ -177,15 +179,17 @@ mod tests {
         let mut r = req();
         let n = 20_000;
         r.priority = -1;
-        let refused = (0..n).filter(|_| !a.admit(&r, &cs, &mut rng)).count();
+        let refused = (0..n)
+            .filter(|_| !a.admit(&r, &RequestData::default(), &cs, &mut rng))
+            .count();
         let rate = refused as f64 / n as f64;
         assert!((rate - p).abs() < 0.015, "refused {rate} vs p {p}");
         r.priority = 0;
-        assert!((0..1000).all(|_| a.admit(&r, &cs, &mut rng)));
+        assert!((0..1000).all(|_| a.admit(&r, &RequestData::default(), &cs, &mut rng)));
         // Full saturation refuses every sheddable request; no candidates admit.
         let full = [cand("x", metrics(5.0, 0.0, 0.0), false)];
         r.priority = -5;
-        assert!((0..100).all(|_| !a.admit(&r, &full, &mut rng)));
-        assert!(a.admit(&r, &[], &mut rng));
+        assert!((0..100).all(|_| !a.admit(&r, &RequestData::default(), &full, &mut rng)));
+        assert!(a.admit(&r, &RequestData::default(), &[], &mut rng));
     }
 }

@@ -263,6 +263,46 @@ fn solve<const K: usize>(mut a: [[f64; K]; K], mut b: [f64; K]) -> Option<[f64; 
     x.iter().all(|v| v.is_finite()).then_some(x)
 }
 
+/// Longest time per output token a prediction or a sample may carry, ms.
+const MAX_TPOT_MS: f64 = 10_000.0;
+/// Samples (exponentially weighted) before the TPOT fit predicts anything.
+const TPOT_MIN_SAMPLES: f64 = 4.0;
+
+/// Time per output token after the first, `t0 + t1 · running`, fitted over the fleet's streamed
+/// responses (forgotten like the TTFT fit); no prediction before [`TPOT_MIN_SAMPLES`].
+#[derive(Debug, Clone, Default)]
+struct Tpot {
+    xtx: [[f64; 2]; 2],
+    xty: [f64; 2],
+    weight: f64,
+    fit: Option<[f64; 2]>,
+}
+
+impl Tpot {
+    fn add(&mut self, running: f64, y: f64, keep: f64) {
+        let x = [1.0, running];
+        for r in 0..2 {
+            self.xty[r] = self.xty[r] * keep + x[r] * y;
+            for c in 0..2 {
+                self.xtx[r][c] = self.xtx[r][c] * keep + x[r] * x[c];
+            }
+        }
+        self.weight = self.weight * keep + 1.0;
+        if self.weight >= TPOT_MIN_SAMPLES {
+            // A light ridge on the slope: samples all at one batch size still fit a level.
+            let mut a = self.xtx;
+            a[1][1] += 1e-3 * self.weight;
+            self.fit = solve(a, self.xty)
+                .map(|t| [t[0].clamp(0.0, MAX_TPOT_MS), t[1].clamp(0.0, MAX_TPOT_MS)]);
+        }
+    }
+
+    fn predict(&self, running: u64) -> Option<f64> {
+        self.fit
+            .map(|[t0, t1]| (t0 + t1 * running as f64).min(MAX_TPOT_MS))
+    }
+}
+
 /// Plausible ranges of the fitted values.
 #[derive(Debug, Clone)]
 struct Bounds {
@@ -281,6 +321,7 @@ struct Fleet {
     /// Mean slot occupancy, ms (EWMA); `None` before the first sample.
     service_ms: Option<f64>,
     samples: u64,
+    tpot: Tpot,
 }
 
 /// What is learned about one pod: how much slower (> 1) or faster than the fleet's fit its
@@ -408,6 +449,8 @@ pub struct CostModel {
 pub struct CostModelView {
     pub fleet: LearnedView,
     pub pods: Vec<(String, LearnedView)>,
+    /// Time per output token, ms: `[t0, t1]` of `t0 + t1 · running` (none before samples).
+    pub tpot: Option<[f64; 2]>,
 }
 
 #[derive(Debug, Serialize)]
@@ -473,6 +516,7 @@ impl CostModel {
                     fit: prior,
                     service_ms: None,
                     samples: 0,
+                    tpot: Tpot::default(),
                 },
                 pods: HashMap::new(),
             }),
@@ -555,6 +599,12 @@ impl CostModel {
         }
     }
 
+    /// Predicted time per output token with `running` requests beside it, ms (the fleet's fit;
+    /// `None` before it has samples).
+    pub fn predict_tpot(&self, running: u64) -> Option<f64> {
+        self.read().fleet.tpot.predict(running)
+    }
+
     /// Learn from one observed response.
     fn learn(&self, obs: &Observation<'_>) {
         let keep = (-1.0 / self.params.memory_samples).exp();
@@ -593,6 +643,15 @@ impl CostModel {
         };
         ewma(&mut fleet.service_ms);
         fleet.samples += 1;
+        // Time per output token: the decode after the first token, over the tokens after it.
+        if let (Some(ttft), Some(out)) = (obs.ttft_ms, obs.output_tokens)
+            && (2..=MAX_TOKENS).contains(&out)
+            && obs.e2e_ms > ttft
+        {
+            let tpot = ((obs.e2e_ms - ttft) / (out - 1) as f64).min(MAX_TPOT_MS);
+            let running = obs.predicted.map_or(0, |p| p.running) as f64;
+            fleet.tpot.add(running, tpot, keep);
+        }
         let sample = match (obs.ttft_ms, obs.predicted) {
             // Only requests that found a free slot: the fit is of the engine, not of its queue.
             (Some(ttft), Some(p)) if p.queue_ms == 0.0 && ttft.is_finite() => {
@@ -645,6 +704,7 @@ impl CostModel {
         CostModelView {
             fleet: LearnedView::of(f.fit, 1.0, f.service_ms, f.samples),
             pods,
+            tpot: f.tpot.fit,
         }
     }
 }
@@ -878,6 +938,51 @@ mod tests {
         assert!(rd.predicted[0].cost_ms() >= rd.predicted[1].cost_ms());
     }
 
+    /// Time per output token: nothing before samples; then `t0 + t1 · running` from streamed
+    /// responses — here 10 ms alone plus 2 ms per request running beside it.
+    #[test]
+    fn learns_the_time_per_output_token() {
+        let m = model(true);
+        assert_eq!(m.predict_tpot(3), None);
+        for i in 0..200u64 {
+            let running = i % 5;
+            let tpot = 10.0 + 2.0 * running as f64;
+            let out = 33;
+            m.observed(&Observation {
+                pod: "10.0.0.1:1",
+                ttft_ms: Some(50.0),
+                e2e_ms: 50.0 + tpot * (out - 1) as f64,
+                prompt_tokens: Some(100),
+                cached_tokens: Some(0),
+                output_tokens: Some(out),
+                predicted: Some(Prediction {
+                    ttft_ms: 50.0,
+                    running,
+                    ..Prediction::default()
+                }),
+            });
+        }
+        for running in [0, 4, 8] {
+            let t = m.predict_tpot(running).unwrap();
+            let want = 10.0 + 2.0 * running as f64;
+            assert!((t - want).abs() < 0.1, "{running}: {t} vs {want}");
+        }
+        // Responses without a streamed first token, or with one output token, teach nothing.
+        let m = model(true);
+        for out in [Some(1), None] {
+            m.observed(&Observation {
+                pod: "10.0.0.1:1",
+                ttft_ms: Some(50.0),
+                e2e_ms: 500.0,
+                prompt_tokens: None,
+                cached_tokens: None,
+                output_tokens: out,
+                predicted: None,
+            });
+        }
+        assert_eq!(m.view().tpot, None);
+    }
+
     /// A pod whose KV is taken by running requests pays for what a request would push out of it:
     /// half the re-prefill of those tokens.
     #[test]
@@ -948,6 +1053,7 @@ mod tests {
                 // the usage says 50 of the predicted uncached tokens were cached after all
                 prompt_tokens: Some(uncached + 500),
                 cached_tokens: Some(500),
+                output_tokens: None,
                 predicted: Some(p),
             });
         }
@@ -1004,6 +1110,7 @@ mod tests {
                 e2e_ms: 500.0,
                 prompt_tokens: Some(uncached),
                 cached_tokens: Some(0),
+                output_tokens: None,
                 predicted: Some(Prediction {
                     ttft_ms: truth(uncached, queued) * slow,
                     uncached_tokens: uncached,
@@ -1104,6 +1211,7 @@ mod tests {
             e2e_ms: ttft + 100.0,
             prompt_tokens: Some(1000),
             cached_tokens: Some(0),
+            output_tokens: None,
             predicted: Some(Prediction {
                 ttft_ms: 1000.0,
                 uncached_tokens: 1000,
@@ -1154,6 +1262,7 @@ mod tests {
                 e2e_ms: e2e,
                 prompt_tokens: Some(u64::MAX),
                 cached_tokens: Some(0),
+                output_tokens: None,
                 predicted: Some(p),
             });
         }
@@ -1182,6 +1291,7 @@ mod tests {
                 e2e_ms: 5_300.0,
                 prompt_tokens: Some(100),
                 cached_tokens: Some(0),
+                output_tokens: None,
                 predicted: Some(Prediction {
                     queue_ms: 4_000.0,
                     ..Prediction::default()

@@ -15,6 +15,7 @@ pub mod explain;
 pub mod filters;
 pub mod inflight;
 pub mod kv_cache_scorer;
+pub mod latency;
 pub mod load_scorers;
 pub mod lora_affinity_scorer;
 pub mod max_score_picker;
@@ -93,6 +94,9 @@ pub struct RequestData {
     /// Of the request's media assets, how many each candidate encoded recently (empty unless
     /// `mm-embeddings-cache-producer` runs and the request has media).
     pub media_matched: Vec<usize>,
+    /// Each candidate's latency prediction against the request's SLOs (empty unless
+    /// `predicted-latency-producer` runs).
+    pub latency: Vec<latency::LatencyInfo>,
 }
 
 impl RequestData {
@@ -149,6 +153,8 @@ pub struct Observation<'a> {
     /// Prompt tokens and how many of them the pod had cached (from the response's usage).
     pub prompt_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
+    /// Output tokens (from the response's usage).
+    pub output_tokens: Option<u64>,
     /// What the cost model predicted when the request was routed.
     pub predicted: Option<Prediction>,
 }

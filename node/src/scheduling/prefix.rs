@@ -458,7 +458,18 @@ fn d_source() -> String {
 pub const TTFT_SOURCE_PREFILL: &str = "prefillThroughput";
 /// The cost model's prediction (`cost-model-producer`, injected when this is used).
 pub const TTFT_SOURCE_COST_MODEL: &str = "costModel";
-pub const TTFT_SOURCES: [&str; 2] = [TTFT_SOURCE_PREFILL, TTFT_SOURCE_COST_MODEL];
+/// llm-d's trained predictor; here the cost model's prediction too.
+pub const TTFT_SOURCE_LATENCY_PREDICTOR: &str = "latencyPredictor";
+pub const TTFT_SOURCES: [&str; 3] = [
+    TTFT_SOURCE_PREFILL,
+    TTFT_SOURCE_COST_MODEL,
+    TTFT_SOURCE_LATENCY_PREDICTOR,
+];
+
+/// The TTFT source is the cost model's prediction.
+pub fn ttft_from_cost_model(source: &str) -> bool {
+    source == TTFT_SOURCE_COST_MODEL || source == TTFT_SOURCE_LATENCY_PREDICTOR
+}
 
 /// Keeps the endpoints whose cached share of the prompt reaches the threshold ("sticky"), unless
 /// none does, the exploration coin says skip, or the best sticky endpoint's estimated TTFT exceeds
@@ -471,7 +482,7 @@ pub struct PrefixAffinityFilter {
 
 impl PrefixAffinityFilter {
     fn ttft_ms(&self, data: &RequestData, i: usize) -> f64 {
-        if self.params.ttft_source == TTFT_SOURCE_COST_MODEL
+        if ttft_from_cost_model(&self.params.ttft_source)
             && let Some(p) = data.predicted.get(i)
         {
             return p.ttft_ms;

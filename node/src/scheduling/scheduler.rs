@@ -211,7 +211,7 @@ impl Scheduler {
         if let Some(a) = self
             .admitters
             .iter()
-            .find(|a| !a.admit(req, candidates, rng))
+            .find(|a| !a.admit(req, &data, candidates, rng))
         {
             return Err(SchedError::NotAdmitted(a.type_name()));
         }

@@ -251,6 +251,7 @@ impl StreamState {
             e2e_ms: ms(Instant::now()),
             prompt_tokens: usage.map(|u| u.input),
             cached_tokens: usage.map(|u| u.cached),
+            output_tokens: usage.map(|u| u.output),
             predicted: info.cost,
         });
     }

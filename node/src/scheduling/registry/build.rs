@@ -240,9 +240,25 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
                 .as_ref()
                 .and_then(|v| v.get("ttftSource"))
                 .and_then(|v| v.as_str())
-                == Some(prefix::TTFT_SOURCE_COST_MODEL)
+                .is_some_and(prefix::ttft_from_cost_model)
     });
-    let needs_cost = affinity_on_cost || uses(&[cost_model::SCORER_TYPE]);
+    // The latency plugins read predictions the cost model makes.
+    let configured_latency = instances.iter().find_map(|(_, _, p)| match p {
+        Plugin::PredictedLatency(l) => Some(l.clone()),
+        _ => None,
+    });
+    let latency_admitter = instances.iter().any(
+        |(_, _, p)| matches!(p, Plugin::Admitter(a) if a.type_name() == latency::ADMITTER_TYPE),
+    );
+    let latency_params = match configured_latency {
+        Some(l) => Some(l),
+        None if latency_admitter || uses(&[latency::SCORER_TYPE, latency::TIER_FILTER_TYPE]) => {
+            Some(latency::LatencyParams::default())
+        }
+        None => None,
+    };
+    let needs_cost =
+        affinity_on_cost || latency_params.is_some() || uses(&[cost_model::SCORER_TYPE]);
     let needs_prefix = has_decider
         || needs_cost
         || uses(&[
@@ -341,6 +357,12 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
     };
     if let Some(c) = &cost_model {
         producers.push(c.clone());
+        if let Some(params) = latency_params {
+            producers.push(Arc::new(latency::PredictedLatency {
+                params,
+                cost: c.clone(),
+            }));
+        }
     }
     // The encoder-cache match: configured, or for a scorer that reads it (llm-d's default
     // producer).
@@ -643,6 +665,15 @@ fn build_profile(
                 }
                 picker = Some(p.clone());
             }
+            // Producers run for every request; llm-d's chart names one in its profile.
+            Plugin::PredictedLatency(_)
+            | Plugin::PrefixProducer(_)
+            | Plugin::PrecisePrefix(_)
+            | Plugin::CostModel(_)
+            | Plugin::InflightProducer(_)
+            | Plugin::TokenProducer(_)
+            | Plugin::MmCache(_)
+            | Plugin::SessionIdProducer(_) => {}
             _ => {
                 return Err(ConfigError::Field {
                     path,

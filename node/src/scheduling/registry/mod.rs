@@ -22,6 +22,7 @@ use crate::scheduling::cost_model;
 use crate::scheduling::filters::{self, LabelSelectorFilter, UtilizationFilter};
 use crate::scheduling::inflight::{self, InflightProducer};
 use crate::scheduling::kv_cache_scorer::{self, KvCacheScorer};
+use crate::scheduling::latency;
 use crate::scheduling::load_scorers::{
     self, ActiveRequestScorer, RunningRequestsScorer, TokenLoadScorer,
 };
@@ -65,12 +66,7 @@ pub const PARSERS: [&str; 4] = [
 
 /// llm-d plugin types this build recognises but does not implement yet: a config naming one fails
 /// with a message saying so, rather than "unknown type".
-const NOT_YET: &[&str] = &[
-    "data-parallel-profile-handler",
-    "latency-slo-admitter",
-    "predicted-latency-producer",
-    "latency-scorer",
-];
+const NOT_YET: &[&str] = &["data-parallel-profile-handler"];
 
 /// A constructed plugin instance.
 #[derive(Debug, Clone)]
@@ -86,6 +82,8 @@ pub enum Plugin {
     CostModel(Arc<cost_model::CostModel>),
     /// `mm-embeddings-cache-producer`.
     MmCache(Arc<mm_cache::MmCache>),
+    /// `predicted-latency-producer` (built on the cost model once the configuration is read).
+    PredictedLatency(latency::LatencyParams),
     /// `no-hit-lru-scorer` (a scorer that also records cold requests' picks).
     NoHitLru(Arc<no_hit_lru::NoHitLru>),
     InflightProducer(inflight::InflightParams),
@@ -340,6 +338,23 @@ pub fn construct(
                 }
             );
             Plugin::ProfileHandler(HandlerSpec::Pd(spec))
+        }
+        latency::PRODUCER_TYPE => {
+            let p: latency::LatencyParams = params(parameters, path)?;
+            p.validate(path)?;
+            Plugin::PredictedLatency(p)
+        }
+        latency::SCORER_TYPE => {
+            let p: latency::LatencyScorerParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(latency::LatencyScorer::new(&p, path)?))
+        }
+        latency::TIER_FILTER_TYPE => {
+            let p: latency::TierParams = params(parameters, path)?;
+            Plugin::Filter(Arc::new(latency::SloHeadroomTierFilter::new(&p, path)?))
+        }
+        latency::ADMITTER_TYPE => {
+            let _: latency::AdmitterParams = params(parameters, path)?;
+            Plugin::Admitter(Arc::new(latency::LatencySloAdmitter))
         }
         mm_cache::PRODUCER_TYPE => {
             let p: mm_cache::MmCacheParams = params(parameters, path)?;

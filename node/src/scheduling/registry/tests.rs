@@ -260,7 +260,7 @@ fn unknown_plugin_type_named() {
 
 #[test]
 fn not_yet_plugin_says_so() {
-    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: latency-scorer\n").unwrap_err().to_string();
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: data-parallel-profile-handler\n").unwrap_err().to_string();
     assert!(e.contains("does not implement yet"), "{e}");
 }
 
@@ -545,6 +545,140 @@ fn the_encoder_cache_scorer_brings_an_image_back_to_its_pod() {
     );
     let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {type: mm-embeddings-cache-producer, parameters: {cacheSize: 1}}\n").unwrap_err().to_string();
     assert!(e.contains("cacheSize"), "{e}");
+}
+
+/// llm-d's latency plugins on the cost model: the scorer sends a request to the pod predicted to
+/// meet its TTFT SLO; the admitter turns away a sheddable request no busy pod can serve in time;
+/// `ttftSource: latencyPredictor` reads the same predictions.
+#[test]
+fn the_latency_plugins_route_by_slo_headroom() {
+    let b = load(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n\
+         - {type: predicted-latency-producer, parameters: {sloBufferFactor: 1.2, streamingMode: true, contextTTL: 5m}}\n\
+         - {type: prefix-cache-affinity-filter, parameters: {ttftSource: latencyPredictor, maxTTFTPenaltyMs: 5000}}\n\
+         - {type: latency-scorer, parameters: {headroomSelectionStrategy: least}}\n\
+         - type: latency-slo-admitter\n",
+    )
+    .unwrap();
+    let s = &b.scheduler;
+    let producers: Vec<_> = s.producers.iter().map(|p| p.type_name()).collect();
+    assert_eq!(
+        producers,
+        vec![
+            "approx-prefix-cache-producer",
+            "inflight-load-producer",
+            "cost-model-producer",
+            "predicted-latency-producer"
+        ]
+    );
+    // a: 9 waiting beside 8 running (1.25 s of queue at the prior's 1 s slot); b: nearly idle.
+    let cs = vec![
+        cand_at("a", "10.0.0.1:8000", metrics(9.0, 8.0, 0.5), false, &[]),
+        cand_at("b", "10.0.0.2:8000", metrics(0.0, 1.0, 0.5), false, &[]),
+    ];
+    let text: Vec<u8> = (0..1024u32).map(|i| b'a' + (i % 23) as u8).collect();
+    let prompt = crate::request::parse::Prompt::Text(text);
+    let slo = |ms: &str| {
+        std::collections::HashMap::from([("x-llm-d-slo-ttft-ms".to_string(), ms.to_string())])
+    };
+    let h = slo("200");
+    let mut r = req();
+    r.prompt = &prompt;
+    r.headers = &h;
+    let d = s.schedule(&r, &cs, &mut rand::rng()).unwrap();
+    assert_eq!(d.picked, vec![1], "{:?}", d.data.latency);
+    assert!(!d.data.latency[0].ttft_valid && d.data.latency[1].ttft_valid);
+    assert!(d.data.latency[1].ttft_headroom > 0.0);
+    // No TPOT learned yet: valid, no headroom.
+    assert_eq!(
+        (d.data.latency[1].tpot_ms, d.data.latency[1].tpot_valid),
+        (None, true)
+    );
+    // A sheddable request with a TTFT SLO neither pod meets: refused; with priority 0, routed.
+    let h = slo("1");
+    r.headers = &h;
+    r.priority = -1;
+    assert_eq!(
+        s.schedule(&r, &cs, &mut rand::rng()).unwrap_err(),
+        SchedError::NotAdmitted("latency-slo-admitter")
+    );
+    r.priority = 0;
+    assert!(s.schedule(&r, &cs, &mut rand::rng()).is_ok());
+    for (params, key) in [
+        ("{sloBufferFactor: 0}", "sloBufferFactor"),
+        ("{contextTTL: soon}", "contextTTL"),
+    ] {
+        let e = load(&format!("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {{type: predicted-latency-producer, parameters: {params}}}\n")).unwrap_err().to_string();
+        assert!(e.contains(key), "{e}");
+    }
+    let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- {type: latency-scorer, parameters: {headroomSelectionStrategy: random}}\n").unwrap_err().to_string();
+    assert!(e.contains("least") && e.contains("most"), "{e}");
+}
+
+/// llm-d's Helm chart configuration with its latency predictor enabled (v0.10
+/// `routerlib/_config.yaml`), verbatim: it loads — a producer named in the profile included —
+/// and routes on the cost model's predictions.
+#[test]
+fn llm_ds_latency_predictor_chart_config_loads_and_routes() {
+    let b = load(
+        "apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: metrics-data-source
+  parameters: {scheme: http, path: /metrics, insecureSkipVerify: true}
+- type: core-metrics-extractor
+- type: predicted-latency-producer
+- name: strict-affinity-filter
+  type: prefix-cache-affinity-filter
+  parameters: {affinityThreshold: 0.99, ttftSource: latencyPredictor, maxTTFTPenaltyMs: 5000}
+- name: loose-affinity-filter
+  type: prefix-cache-affinity-filter
+  parameters: {affinityThreshold: 0.80, ttftSource: latencyPredictor, maxTTFTPenaltyMs: 5000}
+- type: latency-scorer
+- type: weighted-random-picker
+- type: slo-headroom-tier-filter
+- type: latency-slo-admitter
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: predicted-latency-producer
+  - pluginRef: strict-affinity-filter
+  - pluginRef: slo-headroom-tier-filter
+  - pluginRef: loose-affinity-filter
+  - pluginRef: latency-scorer
+  - pluginRef: weighted-random-picker
+",
+    )
+    .unwrap();
+    let s = &b.scheduler;
+    let filters: Vec<_> = s.primary().filters.iter().map(|f| f.type_name()).collect();
+    assert_eq!(
+        filters,
+        vec![
+            "prefix-cache-affinity-filter",
+            "slo-headroom-tier-filter",
+            "prefix-cache-affinity-filter"
+        ]
+    );
+    assert_eq!(s.admitters.len(), 1);
+    // A long queue on a: only b meets a 200 ms TTFT SLO, so the tier filter keeps b alone.
+    let cs = vec![
+        cand_at("a", "10.0.0.1:8000", metrics(9.0, 8.0, 0.5), false, &[]),
+        cand_at("b", "10.0.0.2:8000", metrics(0.0, 1.0, 0.5), false, &[]),
+    ];
+    let h =
+        std::collections::HashMap::from([("x-llm-d-slo-ttft-ms".to_string(), "200".to_string())]);
+    let mut r = req();
+    r.headers = &h;
+    let to_b = (0..100)
+        .filter(|_| s.schedule(&r, &cs, &mut rand::rng()).unwrap().picked[0] == 1)
+        .count();
+    // The tier filter explores the missing tier 1% of the time: a appears rarely (P(a ≥ 10 of
+    // 100) < 10⁻¹²).
+    assert!(to_b > 90, "{to_b} of 100 to b");
 }
 
 /// `always-disagg-multimodal-decider` as the prefill decider: a request with an image is
