@@ -25,11 +25,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use super::admitter::Admitter;
 use super::cost_model::CostModel;
-use super::{Filter, Producer, RequestData, SchedRequest, Scorer};
+use super::{Filter, LatencyInfo, Producer, RequestData, SchedRequest, Scorer};
 use crate::config::{ConfigError, parse_duration};
 use crate::datalayer::store::Candidate;
 
@@ -117,19 +117,6 @@ impl LatencyParams {
         }
         Ok(())
     }
-}
-
-/// One candidate's prediction against the request's SLOs (llm-d's `LatencyPredictionInfo`).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct LatencyInfo {
-    pub ttft_ms: f64,
-    pub tpot_ms: Option<f64>,
-    pub ttft_valid: bool,
-    pub tpot_valid: bool,
-    pub ttft_headroom: f64,
-    pub tpot_headroom: f64,
-    /// Requests this EPP has in flight on the pod.
-    pub dispatched: u64,
 }
 
 /// The request's SLO from the first of `names` that holds a positive number (0: none).

@@ -78,6 +78,19 @@ pub struct PrefixMatchInfo {
     pub hashes: Vec<u64>,
 }
 
+/// One candidate's prediction against the request's SLOs (llm-d's `LatencyPredictionInfo`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LatencyInfo {
+    pub ttft_ms: f64,
+    pub tpot_ms: Option<f64>,
+    pub ttft_valid: bool,
+    pub tpot_valid: bool,
+    pub ttft_headroom: f64,
+    pub tpot_headroom: f64,
+    /// Requests this EPP has in flight on the pod.
+    pub dispatched: u64,
+}
+
 /// Data produced for one request, aligned with the candidate list.
 #[derive(Debug, Clone, Default)]
 pub struct RequestData {
@@ -96,7 +109,7 @@ pub struct RequestData {
     pub media_matched: Vec<usize>,
     /// Each candidate's latency prediction against the request's SLOs (empty unless
     /// `predicted-latency-producer` runs).
-    pub latency: Vec<latency::LatencyInfo>,
+    pub latency: Vec<LatencyInfo>,
 }
 
 impl RequestData {
