@@ -43,9 +43,11 @@ pub mod hashing;
 mod idhash;
 pub mod kvevents;
 pub mod precise;
+pub mod replica;
 
 pub use approx::{ApproxIndex, PodDigest, PodId, PodMatch, PodState};
 pub use clock::Hlc;
 pub use crdt::{BoundedPodState, NameMismatch};
 pub use hashing::{BlockHasher, block_hashes_of_text, block_hashes_of_tokens};
 pub use precise::{PreciseIndex, PreciseMatch};
+pub use replica::{DeltaSink, Replicated};

@@ -19,6 +19,7 @@ use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
+use index::Replicated;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -169,6 +170,7 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> impl IntoResponse {
     if let Some(p) = &ctx.scheduler.prefix_index {
         ctx.metrics.set_prefix_size(p.entries());
     }
+    ctx.metrics.set_response_bindings(ctx.responses.len());
     let owned = ctx
         .store
         .endpoints()

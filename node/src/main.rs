@@ -130,6 +130,13 @@ struct ServeArgs {
     /// Ignore the proxy's subset hint (`envoy.lb.subset_hint` request metadata).
     #[arg(long)]
     disable_endpoint_subset_filter: bool,
+    /// How long a `/v1/responses` response stays bound to the pod that stored it: a follow-up
+    /// naming it as `previous_response_id` goes to that pod.
+    #[arg(long, default_value = "1h", value_parser = duration)]
+    response_affinity_ttl: Duration,
+    /// The most response bindings kept per pod (the newest; each ~50 bytes per replica).
+    #[arg(long, default_value_t = node::datalayer::responses::DEFAULT_PER_POD)]
+    response_affinity_per_pod: usize,
     /// Model-server metrics scrape tick.
     #[arg(long, default_value = "50ms", value_parser = duration)]
     refresh_metrics_interval: Duration,
@@ -551,6 +558,8 @@ fn main() -> anyhow::Result<()> {
                 model_rewrites_file: args.model_rewrites_file,
                 cluster: args.cluster.options(args.bind)?,
                 disable_subset_filter: args.disable_endpoint_subset_filter,
+                response_affinity_ttl: args.response_affinity_ttl,
+                response_affinity_per_pod: args.response_affinity_per_pod,
                 admin_token_file: args.admin_token_file,
                 tenants_file: args.tenants_file,
                 watch_tenants: args.watch_tenants,
@@ -620,6 +629,8 @@ fn options_for_validation(
         model_rewrites_file: None,
         cluster: None,
         disable_subset_filter: false,
+        response_affinity_ttl: node::datalayer::responses::DEFAULT_TTL,
+        response_affinity_per_pod: node::datalayer::responses::DEFAULT_PER_POD,
         admin_token_file: None,
         tenants_file: None,
         watch_tenants: false,

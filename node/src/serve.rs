@@ -26,6 +26,7 @@ use crate::config::{ConfigError, EndpointPickerConfig, parse_duration};
 use crate::datalayer::Datastore;
 use crate::datalayer::discovery::{FileDiscovery, Scraping};
 use crate::datalayer::inflight;
+use crate::datalayer::responses::ResponseBindings;
 use crate::datalayer::scraper::ScrapeConfig;
 use crate::dataplane::{ExtProcService, PickerContext};
 use crate::k8s::{ObjectWatch, PoolDiscovery, PoolRef};
@@ -92,6 +93,11 @@ pub struct ServeOptions {
     pub cluster: Option<ClusterOptions>,
     /// Ignore the proxy's subset hint (`--disable-endpoint-subset-filter`).
     pub disable_subset_filter: bool,
+    /// How long a Responses-API response stays bound to the pod that stored it
+    /// (`--response-affinity-ttl`).
+    pub response_affinity_ttl: Duration,
+    /// The most response bindings kept per pod, newest first (`--response-affinity-per-pod`).
+    pub response_affinity_per_pod: usize,
     /// Bearer token for mutating admin calls and unredacted `/debug` views; `None`: only
     /// callers on localhost are authorized (see `admin`).
     pub admin_token_file: Option<PathBuf>,
@@ -381,8 +387,13 @@ pub async fn serve(
             _ => None,
         },
     };
-    // Cluster mode: the peer exchange (scrape fan-out; prefix-index replication when on and an
-    // approximate prefix producer is configured).
+    // Where each stored Responses-API response lives (`previous_response_id` affinity).
+    let responses = Arc::new(ResponseBindings::new(
+        opts.response_affinity_ttl,
+        opts.response_affinity_per_pod,
+    ));
+    // Cluster mode: the peer exchange (scrape fan-out; the response bindings; prefix-index
+    // replication when on and an approximate prefix producer is configured).
     let gossip = opts.cluster.as_ref().map(|c| {
         store.shard.configure(c.node_id, c.scrape_owners);
         let producer = built
@@ -393,6 +404,7 @@ pub async fn serve(
         let g = Gossip::new(
             c.node_id,
             producer,
+            Some(responses.clone()),
             store.clone(),
             c.gossip.clone(),
             metrics.clone(),
@@ -476,6 +488,7 @@ pub async fn serve(
         gate,
         objectives,
         subset_filter: !opts.disable_subset_filter,
+        responses,
         rewrites,
         relay: relay.as_ref().map(|r| r.sender()),
         renderer,

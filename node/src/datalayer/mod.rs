@@ -8,7 +8,9 @@
 //! - [`scraper`]: one task per endpoint polling `/metrics`; requests never wait on it;
 //! - [`shard`]: cluster mode — which replicas scrape which pod (rendezvous owners, fan-out);
 //! - [`inflight`]: the in-flight ledger — requests and tokens sent to each endpoint and not yet
-//!   finished (cluster-wide in cluster mode, through a read-only feed of the others' load).
+//!   finished (cluster-wide in cluster mode, through a read-only feed of the others' load);
+//! - [`responses`]: which pod holds each stored Responses-API response (`previous_response_id`
+//!   affinity), replicated like the prefix index.
 
 pub mod discovery;
 pub mod endpoint;
@@ -16,6 +18,7 @@ pub mod extract;
 pub mod inflight;
 pub mod kvevents;
 pub mod promtext;
+pub mod responses;
 pub mod scraper;
 pub mod shard;
 pub mod store;

@@ -32,6 +32,8 @@ pub struct PickerContext {
     pub agent: crate::request::meta::AgentIdentity,
     /// Honour the proxy's subset hint (`--disable-endpoint-subset-filter` turns it off).
     pub subset_filter: bool,
+    /// Which pod holds each stored Responses-API response: a follow-up naming it goes there.
+    pub responses: Arc<crate::datalayer::responses::ResponseBindings>,
     /// `InferenceModelRewrite` rules (`--model-rewrites-file`, or watched from Kubernetes).
     pub rewrites: Arc<Live<ModelRewrites>>,
     /// Cluster mode without cluster-wide flow control: where the settlements of requests this

@@ -30,6 +30,8 @@ pub struct UsageScanner {
     usage: Option<Usage>,
     /// SSE data events that carried output (not the usage-only chunk, not `[DONE]`).
     events: u64,
+    /// A Responses-API response's `id` (the body's, or the stream's `response.*` events').
+    response_id: Option<String>,
 }
 
 impl UsageScanner {
@@ -86,6 +88,11 @@ impl UsageScanner {
         self.events
     }
 
+    /// The id of the Responses-API response seen (JSON body: known once [`Self::finish`]ed).
+    pub fn response_id(&self) -> Option<&str> {
+        self.response_id.as_deref()
+    }
+
     /// The body ended: the usage seen, if any.
     pub fn finish(&mut self) -> Option<Usage> {
         if self.sse {
@@ -95,6 +102,7 @@ impl UsageScanner {
             }
         } else if !self.overflow && !self.buf.is_empty() {
             if let Ok(v) = serde_json::from_slice::<Value>(&self.buf) {
+                self.response_id = response_id(Some(&v), false);
                 self.absorb(&v);
             }
             self.buf = Vec::new();
@@ -110,10 +118,16 @@ impl UsageScanner {
         if carries_output(d) {
             self.events += 1;
         }
-        if !contains(data, b"\"usage\"") {
+        // Responses streams name their response in `response.created` (and every event
+        // carrying the `response` object).
+        let names_response = self.response_id.is_none() && contains(data, b"\"response\":{");
+        if !names_response && !contains(data, b"\"usage\"") {
             return;
         }
         if let Ok(v) = serde_json::from_slice::<Value>(data.trim_ascii()) {
+            if names_response {
+                self.response_id = response_id(v.get("response"), true);
+            }
             self.absorb(&v);
         }
     }
@@ -165,6 +179,21 @@ impl UsageScanner {
         cur.output = cur.output.max(got.output);
         cur.cached = cur.cached.max(got.cached);
     }
+}
+
+/// The `id` of a Responses-API response object: a body says `"object": "response"` (chat
+/// completions have ids too); a stream event's `response` is one unless it says otherwise.
+fn response_id(v: Option<&Value>, in_stream: bool) -> Option<String> {
+    let v = v?;
+    match v.get("object").and_then(Value::as_str) {
+        Some("response") => {}
+        None if in_stream => {}
+        _ => return None,
+    }
+    v.get("id")
+        .and_then(Value::as_str)
+        .filter(|id| !id.is_empty() && id.len() <= 256)
+        .map(String::from)
 }
 
 /// Whether an SSE `data:` payload streamed output: an OpenAI chunk with choices, a Responses
@@ -280,6 +309,18 @@ mod tests {
             cached: 64,
         });
         assert_eq!(scan("application/json", &[body]), want);
+        let mut s = UsageScanner::new(Some("application/json"));
+        s.feed(body.as_bytes());
+        s.finish();
+        assert_eq!(s.response_id(), Some("resp_1"));
+        let mut chat = UsageScanner::new(Some("application/json"));
+        chat.feed(br#"{"id":"chatcmpl-1","object":"chat.completion","choices":[]}"#);
+        chat.finish();
+        assert_eq!(
+            chat.response_id(),
+            None,
+            "only Responses-API objects are bound"
+        );
         let events = [
             "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"usage\":null}}\n\n",
             "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"a\"}\n\n",
@@ -292,6 +333,7 @@ mod tests {
             s.feed(e.as_bytes());
         }
         assert_eq!(s.events(), 2, "only the deltas carried output");
+        assert_eq!(s.response_id(), Some("resp_1"), "named by response.created");
         s.feed(events[4].as_bytes());
         assert_eq!(s.finish(), want);
     }

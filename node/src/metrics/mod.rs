@@ -104,6 +104,12 @@ pub struct PluginLabels {
     pub plugin_type: String,
 }
 
+/// `response_affinity_total` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AffinityLabels {
+    pub outcome: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DisaggLabels {
     pub decision_type: String,
@@ -232,6 +238,8 @@ pub struct Metrics {
     disagg_decisions: Family<DisaggLabels, Counter>,
     model_rewrites: Family<RequestLabels, Counter>,
     served_by_fallback: Counter,
+    response_affinity: Family<AffinityLabels, Counter>,
+    response_bindings: Gauge,
     prefix_size: Family<PluginLabels, Gauge>,
     prefix_hit_ratio: Family<PluginLabels, Histogram, fn() -> Histogram>,
     prefix_hit_bytes: Family<PluginLabels, Histogram, fn() -> Histogram>,
@@ -444,6 +452,18 @@ impl Metrics {
             "Requests the proxy served from a fallback endpoint (the prefix index and in-flight load were corrected)",
             served_by_fallback.clone(),
         );
+        let response_affinity = Family::<AffinityLabels, Counter>::default();
+        registry.register(
+            "response_affinity",
+            "Responses-API follow-ups naming previous_response_id, by outcome: hit (sent to the pod holding it), pod_gone (that pod left the pool), expired (bound longer ago than the TTL), unknown (never bound here, or evicted) — all but hit are scheduled normally",
+            response_affinity.clone(),
+        );
+        let response_bindings = Gauge::default();
+        registry.register(
+            "response_bindings",
+            "Responses-API response id to pod bindings held (all pods, replicated)",
+            response_bindings.clone(),
+        );
         let model_rewrites = Family::<RequestLabels, Counter>::default();
         registry.register(
             "model_rewrite_decisions",
@@ -528,6 +548,8 @@ impl Metrics {
             disagg_decisions,
             model_rewrites,
             served_by_fallback,
+            response_affinity,
+            response_bindings,
             prefix_size,
             prefix_hit_ratio,
             prefix_hit_bytes,
@@ -650,6 +672,19 @@ impl Metrics {
 
     pub fn served_by_fallback(&self) {
         self.served_by_fallback.inc();
+    }
+
+    /// A `previous_response_id` lookup's outcome (`hit`, `pod_gone`, `expired`, `unknown`).
+    pub fn response_affinity(&self, outcome: &'static str) {
+        self.response_affinity
+            .get_or_create(&AffinityLabels {
+                outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+
+    pub fn set_response_bindings(&self, n: usize) {
+        self.response_bindings.set(n as i64);
     }
 
     pub fn model_rewrite(&self, model: &str, target: &str) {

@@ -148,6 +148,13 @@ impl Request {
         self.parsed.as_ref().map_or(&[], |p| p.media.as_slice())
     }
 
+    /// The stored response a Responses-API request continues.
+    pub fn previous_response_id(&self) -> Option<&str> {
+        self.parsed
+            .as_ref()
+            .and_then(|p| p.previous_response_id.as_deref())
+    }
+
     pub fn cache_salt(&self) -> Option<&str> {
         self.parsed.as_ref().and_then(|p| p.cache_salt.as_deref())
     }

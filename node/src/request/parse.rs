@@ -95,6 +95,9 @@ pub struct ParsedRequest {
     /// Hashes of the prompt's media parts — images, audio, video ([`media_hashes`]) — each once,
     /// in order; empty for a text-only prompt.
     pub media: Vec<u64>,
+    /// A Responses-API follow-up's `previous_response_id`: the conversation's state lives on the
+    /// pod that stored that response.
+    pub previous_response_id: Option<String>,
 }
 
 /// A streaming OpenAI request's `stream_options`.
@@ -333,6 +336,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             stream_options: None,
             max_output: None,
             media: Vec::new(),
+            previous_response_id: None,
         });
     }
     let v: Value = serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
@@ -473,6 +477,14 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         ApiKind::Responses => media_hashes(obj.get("input")),
         _ => Vec::new(),
     };
+    let previous_response_id = match kind {
+        ApiKind::Responses => obj
+            .get("previous_response_id")
+            .and_then(Value::as_str)
+            .filter(|id| !id.is_empty())
+            .map(String::from),
+        _ => None,
+    };
     Ok(ParsedRequest {
         kind,
         model,
@@ -482,6 +494,7 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
         stream_options,
         max_output,
         media,
+        previous_response_id,
     })
 }
 

@@ -8,8 +8,8 @@
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use index::{
-    ApproxIndex, BlockHasher, Hlc, PodDigest, PodId, PodMatch, PodState, block_hashes_of_text,
-    block_hashes_of_tokens,
+    ApproxIndex, BlockHasher, DeltaSink, Hlc, PodDigest, PodId, PodMatch, PodState, Replicated,
+    block_hashes_of_text, block_hashes_of_tokens,
 };
 use serde::Deserialize;
 
@@ -80,12 +80,6 @@ struct Indexed {
     clock: Hlc,
 }
 
-/// Where the producer hands the delta of every insert when the index is replicated (the cluster
-/// room's gossip outbox). Pushing must not block: routing never waits for a peer.
-pub trait DeltaSink: Send + Sync + std::fmt::Debug {
-    fn push(&self, delta: PodState);
-}
-
 /// How many requests routed with fallbacks are remembered until their response names the pod.
 pub const FALLBACK_MEMORY: usize = 4096;
 
@@ -127,39 +121,6 @@ impl ApproxPrefixProducer {
         self.state.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Replicate: from now on every insert's delta is also handed to `outbox`. False if already
-    /// set.
-    pub fn replicate_into(&self, outbox: Arc<dyn DeltaSink>) -> bool {
-        self.outbox.set(outbox).is_ok()
-    }
-
-    /// Join peers' deltas or pod states into the index (idempotent, any order). Returns the
-    /// entries that changed and the newest timestamp seen.
-    pub fn merge(&self, states: &[PodState]) -> (usize, u64) {
-        let mut st = self.write();
-        let mut changed = 0;
-        let mut newest = 0;
-        for p in states {
-            newest = newest.max(p.max_ts().unwrap_or(0));
-            changed += st.index.merge_pod(p);
-        }
-        st.clock.observe(newest);
-        (changed, newest)
-    }
-
-    /// Per-pod digests, for anti-entropy.
-    pub fn digests(&self) -> Vec<PodDigest> {
-        self.read().index.digests()
-    }
-
-    /// The full state of the named pods that are known.
-    pub fn export(&self, pods: &[String]) -> Vec<PodState> {
-        let st = self.read();
-        pods.iter()
-            .filter_map(|name| st.index.export_pod(name))
-            .collect()
-    }
-
     /// Block size for this request: the first candidate's engine block size when auto-tuning,
     /// else the configured one; never below 64.
     fn block_size(&self, candidates: &[Candidate]) -> usize {
@@ -188,6 +149,36 @@ impl ApproxPrefixProducer {
     /// Entries held in the index (for metrics and tests).
     pub fn index_len(&self) -> usize {
         self.read().index.len()
+    }
+}
+
+/// The index replicates in the cluster room's gossip (its "prefix" space).
+impl Replicated for ApproxPrefixProducer {
+    fn replicate_into(&self, outbox: Arc<dyn DeltaSink>) -> bool {
+        self.outbox.set(outbox).is_ok()
+    }
+
+    fn merge(&self, states: &[PodState]) -> (usize, u64) {
+        let mut st = self.write();
+        let mut changed = 0;
+        let mut newest = 0;
+        for p in states {
+            newest = newest.max(p.max_ts().unwrap_or(0));
+            changed += st.index.merge_pod(p);
+        }
+        st.clock.observe(newest);
+        (changed, newest)
+    }
+
+    fn digests(&self) -> Vec<PodDigest> {
+        self.read().index.digests()
+    }
+
+    fn export(&self, pods: &[String]) -> Vec<PodState> {
+        let st = self.read();
+        pods.iter()
+            .filter_map(|name| st.index.export_pod(name))
+            .collect()
     }
 }
 

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use consensus::network::tls::PeerIdentity;
-use index::{PodDigest, PodState};
+use index::{DeltaSink, PodDigest, PodState, Replicated};
 use prost::Message;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -36,10 +36,11 @@ use tonic::{Request, Response, Status};
 use super::member::ClusterMember;
 use super::options::GossipOptions;
 use crate::datalayer::inflight::{InflightTracker, RemoteLoadFeed};
+use crate::datalayer::responses::ResponseBindings;
 use crate::datalayer::scraper::unix_us;
 use crate::datalayer::store::Datastore;
 use crate::metrics::Metrics;
-use crate::scheduling::prefix::{ApproxPrefixProducer, DeltaSink};
+use crate::scheduling::prefix::ApproxPrefixProducer;
 
 /// Generated protobuf / tonic code for `proto/gossip.proto`.
 #[allow(missing_docs, clippy::all, clippy::pedantic)]
@@ -225,12 +226,29 @@ fn chunk(states: Vec<PodState>, max: usize) -> Vec<Vec<PodState>> {
     out
 }
 
+/// The space of the prefix index (also what a message naming none means: older senders).
+pub const PREFIX_SPACE: &str = "prefix";
+/// The space of the response bindings (`previous_response_id` affinity).
+pub const RESPONSES_SPACE: &str = "responses";
+
+/// One replicated index and the outbox of its local inserts.
+#[derive(Debug)]
+struct Space {
+    name: &'static str,
+    index: Arc<dyn Replicated>,
+    outbox: Arc<Outbox>,
+}
+
 /// One replica's side of the peer exchange.
 #[derive(Debug)]
 pub struct Gossip {
     node_id: u64,
-    /// The replicated prefix index and its outbox (`None`: replication off).
-    prefix: Option<(Arc<ApproxPrefixProducer>, Arc<Outbox>)>,
+    /// The replicated indexes: the prefix index (when replication is on and a producer is
+    /// configured) and the response bindings. Each is exchanged on its own: its own deltas,
+    /// digests and anti-entropy rounds.
+    spaces: Vec<Space>,
+    /// The prefix producer, whose per-pod bounds follow the scraped metrics.
+    prefix: Option<Arc<ApproxPrefixProducer>>,
     store: Arc<Datastore>,
     opts: GossipOptions,
     metrics: Arc<Metrics>,
@@ -249,25 +267,44 @@ pub struct Gossip {
 }
 
 impl Gossip {
-    /// Connects `producer`'s inserts (if replicating) to a new outbox.
+    /// Connects the inserts of `producer` (if replicating) and of `responses` to new outboxes.
     pub fn new(
         node_id: u64,
         producer: Option<Arc<ApproxPrefixProducer>>,
+        responses: Option<Arc<ResponseBindings>>,
         store: Arc<Datastore>,
         opts: GossipOptions,
         metrics: Arc<Metrics>,
     ) -> Arc<Gossip> {
-        let prefix = producer.map(|p| {
-            let outbox = Arc::new(Outbox::new(opts.max_outbox_entries));
-            if !p.replicate_into(outbox.clone()) {
-                tracing::warn!("prefix index already replicated; a second gossip is ignored");
-            }
-            (p, outbox)
-        });
+        let indexes = [
+            producer
+                .clone()
+                .map(|p| (PREFIX_SPACE, p as Arc<dyn Replicated>)),
+            responses.map(|r| (RESPONSES_SPACE, r as Arc<dyn Replicated>)),
+        ];
+        let spaces = indexes
+            .into_iter()
+            .flatten()
+            .map(|(name, index)| {
+                let outbox = Arc::new(Outbox::new(opts.max_outbox_entries));
+                if !index.replicate_into(outbox.clone()) {
+                    tracing::warn!(
+                        space = name,
+                        "index already replicated; a second gossip is ignored"
+                    );
+                }
+                Space {
+                    name,
+                    index,
+                    outbox,
+                }
+            })
+            .collect();
         let (samples, _) = tokio::sync::watch::channel(Arc::new(pb::SampleBatch::default()));
         Arc::new(Gossip {
             node_id,
-            prefix,
+            spaces,
+            prefix: producer,
             store,
             opts,
             metrics,
@@ -295,11 +332,12 @@ impl Gossip {
             .collect()
     }
 
-    fn producer(&self) -> Result<&ApproxPrefixProducer, Status> {
-        self.prefix
-            .as_ref()
-            .map(|(p, _)| p.as_ref())
-            .ok_or_else(|| Status::failed_precondition("prefix replication is off on this replica"))
+    /// The space a message names (none: the prefix index, as older senders meant).
+    fn space(&self, name: &str) -> Result<&Space, Status> {
+        let name = if name.is_empty() { PREFIX_SPACE } else { name };
+        self.spaces.iter().find(|s| s.name == name).ok_or_else(|| {
+            Status::failed_precondition(format!("`{name}` is not replicated on this replica"))
+        })
     }
 
     /// The gRPC service to serve on the peer port.
@@ -314,11 +352,17 @@ impl Gossip {
 
     /// Joins received pod states; `fresh`: they are routing decisions just made (their age is the
     /// propagation delay), not anti-entropy state.
-    fn merge(&self, pods: Vec<pb::PodDelta>, bytes: usize, fresh: bool) -> Result<usize, Status> {
-        let producer = self.producer()?;
+    fn merge(
+        &self,
+        space: &str,
+        pods: Vec<pb::PodDelta>,
+        bytes: usize,
+        fresh: bool,
+    ) -> Result<usize, Status> {
+        let space = self.space(space)?;
         let states = self.bounded(from_pb_all(pods)?);
         let entries: usize = states.iter().map(|s| s.entries.len()).sum();
-        let (changed, newest) = producer.merge(&states);
+        let (changed, newest) = space.index.merge(&states);
         self.metrics.gossip.received(bytes, entries);
         if fresh && newest > 0 {
             self.metrics
@@ -379,12 +423,12 @@ impl Gossip {
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = membership.tick() => self.update_peers(&member, &mut peers, &stop).await,
-                _ = flush.tick(), if self.prefix.is_some() || self.precise.get().is_some() => {
+                _ = flush.tick(), if !self.spaces.is_empty() || self.precise.get().is_some() => {
                     self.flush(&peers);
                     self.precise_flush(&peers);
                 }
                 _ = bounds.tick(), if self.prefix.is_some() => {
-                    if let Some((p, _)) = &self.prefix {
+                    if let Some(p) = &self.prefix {
                         p.refresh_bounds(&self.store.candidates(Instant::now()));
                     }
                 }
@@ -430,12 +474,21 @@ impl Gossip {
                     continue;
                 }
             };
-            let (tx, rx) = mpsc::channel(self.opts.peer_queue.max(1));
+            let mut receivers = Vec::new();
             let precise_rx;
             let peer = Peer {
-                tx,
-                // A new peer (or this replica, new) starts with a full anti-entropy round.
-                needs_sync: Arc::new(AtomicBool::new(true)),
+                spaces: self
+                    .spaces
+                    .iter()
+                    .map(|_| {
+                        let (tx, rx) = mpsc::channel(self.opts.peer_queue.max(1));
+                        // A new peer (or this replica, new) starts with a full anti-entropy
+                        // round.
+                        let needs_sync = Arc::new(AtomicBool::new(true));
+                        receivers.push((rx, needs_sync.clone()));
+                        (tx, needs_sync)
+                    })
+                    .collect(),
                 stop: stop.child_token(),
                 precise_tx: if self.precise.get().is_some() {
                     let (tx, rx) = mpsc::channel(self.opts.peer_queue.max(1));
@@ -458,12 +511,13 @@ impl Gossip {
             let client = PrefixGossipClient::new(channel.clone())
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES);
-            if self.prefix.is_some() {
+            for (space, (rx, needs_sync)) in receivers.into_iter().enumerate() {
                 tokio::spawn(self.clone().peer_loop(
+                    space,
                     addr.clone(),
-                    client,
+                    client.clone(),
                     rx,
-                    peer.needs_sync.clone(),
+                    needs_sync,
                     peer.stop.clone(),
                 ));
             }
@@ -482,33 +536,36 @@ impl Gossip {
     }
 
     fn flush(&self, peers: &BTreeMap<String, Peer>) {
-        let Some((_, outbox)) = &self.prefix else {
-            return;
-        };
-        let (pods, overflowed) = outbox.take();
-        if overflowed {
-            for p in peers.values() {
-                p.needs_sync.store(true, Ordering::Relaxed);
+        for (i, space) in self.spaces.iter().enumerate() {
+            let (pods, overflowed) = space.outbox.take();
+            if overflowed {
+                for p in peers.values() {
+                    p.spaces[i].1.store(true, Ordering::Relaxed);
+                }
             }
-        }
-        if pods.is_empty() || peers.is_empty() {
-            return;
-        }
-        let msg = Arc::new(pb::Deltas {
-            from: self.node_id,
-            pods: pods.into_iter().map(to_pb).collect(),
-            anti_entropy: false,
-        });
-        for p in peers.values() {
-            if p.tx.try_send(msg.clone()).is_err() {
-                self.metrics.gossip.dropped_batch();
-                p.needs_sync.store(true, Ordering::Relaxed);
+            if pods.is_empty() || peers.is_empty() {
+                continue;
+            }
+            let msg = Arc::new(pb::Deltas {
+                from: self.node_id,
+                pods: pods.into_iter().map(to_pb).collect(),
+                anti_entropy: false,
+                space: space.name.to_string(),
+            });
+            for p in peers.values() {
+                let (tx, needs_sync) = &p.spaces[i];
+                if tx.try_send(msg.clone()).is_err() {
+                    self.metrics.gossip.dropped_batch();
+                    needs_sync.store(true, Ordering::Relaxed);
+                }
             }
         }
     }
 
+    /// Sends one space's batches to one peer and runs its anti-entropy rounds.
     async fn peer_loop(
         self: Arc<Self>,
+        space: usize,
         addr: String,
         mut client: PrefixGossipClient<tonic::transport::Channel>,
         mut rx: mpsc::Receiver<Arc<pb::Deltas>>,
@@ -546,7 +603,7 @@ impl Gossip {
                     }
                     // Cleared first: a drop while the round runs asks for another one.
                     needs_sync.store(false, Ordering::Relaxed);
-                    match self.sync(&mut client).await {
+                    match self.sync(space, &mut client).await {
                         Ok(()) => {
                             self.metrics.gossip.sync(true);
                             last_sync = Some(Instant::now());
@@ -595,12 +652,19 @@ impl Gossip {
     /// pods it wants.
     async fn sync(
         &self,
+        space: usize,
         client: &mut PrefixGossipClient<tonic::transport::Channel>,
     ) -> Result<(), Status> {
-        let producer = self.producer()?;
+        let space = &self.spaces[space];
         let digests = pb::Digests {
             from: self.node_id,
-            pods: producer.digests().into_iter().map(digest_to_pb).collect(),
+            pods: space
+                .index
+                .digests()
+                .into_iter()
+                .map(digest_to_pb)
+                .collect(),
+            space: space.name.to_string(),
         };
         self.metrics.gossip.sent(digests.encoded_len(), 0);
         let mut req = Request::new(digests);
@@ -610,8 +674,8 @@ impl Gossip {
             .map_err(|_| Status::deadline_exceeded("sync timed out"))??
             .into_inner();
         let bytes = reply.encoded_len();
-        self.merge(reply.pods, bytes, false)?;
-        let states = producer.export(&reply.wanted);
+        self.merge(space.name, reply.pods, bytes, false)?;
+        let states = space.index.export(&reply.wanted);
         for part in chunk(states, self.opts.max_sync_entries) {
             self.push(
                 client,
@@ -619,6 +683,7 @@ impl Gossip {
                     from: self.node_id,
                     pods: part.into_iter().map(to_pb).collect(),
                     anti_entropy: true,
+                    space: space.name.to_string(),
                 },
             )
             .await?;
@@ -627,9 +692,9 @@ impl Gossip {
     }
 
     /// The reply to a peer's digests: this replica's differing pods (bounded) and the pods wanted.
-    fn answer(&self, remote: Vec<pb::PodDigest>) -> Result<pb::SyncReply, Status> {
-        let producer = self.producer()?;
-        let local: HashMap<String, PodDigest> = producer
+    fn answer(&self, space: &str, remote: Vec<pb::PodDigest>) -> Result<pb::SyncReply, Status> {
+        let index = &self.space(space)?.index;
+        let local: HashMap<String, PodDigest> = index
             .digests()
             .into_iter()
             .map(|d| (d.name.clone(), d))
@@ -668,7 +733,7 @@ impl Gossip {
         send.sort();
         let mut pods = Vec::new();
         let mut n = 0;
-        for state in producer.export(&send) {
+        for state in index.export(&send) {
             if n > 0 && n + state.entries.len() > self.opts.max_sync_entries {
                 break; // the digests still differ: the next round carries the rest
             }
@@ -681,8 +746,9 @@ impl Gossip {
 
 #[derive(Debug)]
 struct Peer {
-    tx: mpsc::Sender<Arc<pb::Deltas>>,
-    needs_sync: Arc<AtomicBool>,
+    /// Per space (as `Gossip::spaces`): the queue of batches for the peer, and whether an
+    /// anti-entropy round is due.
+    spaces: Vec<(mpsc::Sender<Arc<pb::Deltas>>, Arc<AtomicBool>)>,
     stop: CancellationToken,
     /// The precise index's deltas for this peer (when replicated).
     precise_tx: Option<mpsc::Sender<Arc<pb::PreciseDeltas>>>,
@@ -706,7 +772,8 @@ impl PrefixGossip for GossipService {
         let msg = req.into_inner();
         self.0.heard_from(msg.from);
         let bytes = msg.encoded_len();
-        self.0.merge(msg.pods, bytes, !msg.anti_entropy)?;
+        self.0
+            .merge(&msg.space, msg.pods, bytes, !msg.anti_entropy)?;
         Ok(Response::new(pb::PushReply {}))
     }
 
@@ -715,7 +782,7 @@ impl PrefixGossip for GossipService {
         let msg = req.into_inner();
         self.0.heard_from(msg.from);
         self.0.metrics.gossip.received(msg.encoded_len(), 0);
-        let reply = self.0.answer(msg.pods)?;
+        let reply = self.0.answer(&msg.space, msg.pods)?;
         self.0.metrics.gossip.sent(
             reply.encoded_len(),
             reply.pods.iter().map(|p| p.hashes.len()).sum(),
@@ -831,6 +898,7 @@ mod tests {
         let g = Gossip::new(
             1,
             Some(producer.clone()),
+            None,
             store,
             GossipOptions::default(),
             metrics.clone(),
@@ -841,12 +909,12 @@ mod tests {
             to_pb(state(&pod, 0, &[(1, now), (2, u64::MAX - 1)])),
             to_pb(state("attacker.example:1", 0, &[(3, now)])),
         ];
-        g.merge(deltas, 0, false).unwrap();
+        g.merge("", deltas, 0, false).unwrap();
         let held = producer.export(&[pod.clone(), "attacker.example:1".into()]);
         assert_eq!(held, vec![state(&pod, 0, &[(1, now)])]);
         // A far-future incarnation would pin the pod: refused, the pod keeps its entries.
         let pinned = vec![to_pb(state(&pod, u64::MAX, &[(4, now)]))];
-        g.merge(pinned, 0, false).unwrap();
+        g.merge(PREFIX_SPACE, pinned, 0, false).unwrap();
         assert_eq!(producer.export(std::slice::from_ref(&pod))[0].epoch, 0);
         // The clock was not dragged along: the next local insert is stamped about now.
         let c = crate::datalayer::testutil::cand_at("a", &pod, None, false, &[]);
@@ -860,12 +928,15 @@ mod tests {
         assert!(ts < now + 60_000_000, "clock pinned at {ts}");
         // The digests of an unknown pod are neither wanted nor answered.
         let reply = g
-            .answer(vec![pb::PodDigest {
-                pod: "attacker.example:1".into(),
-                epoch: 0,
-                len: 5,
-                digest: 1,
-            }])
+            .answer(
+                PREFIX_SPACE,
+                vec![pb::PodDigest {
+                    pod: "attacker.example:1".into(),
+                    epoch: 0,
+                    len: 5,
+                    digest: 1,
+                }],
+            )
             .unwrap();
         assert!(reply.wanted.is_empty());
         let text = metrics.encode();

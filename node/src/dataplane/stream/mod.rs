@@ -72,6 +72,8 @@ struct StreamState {
     /// Set by the routing stream; decoded from the request headers by an observing stream.
     route_info: Option<RouteInfo>,
     usage: Option<UsageScanner>,
+    /// The Responses-API response this stream observed is bound to its pod already.
+    response_bound: bool,
     /// The proxy's subset hint (allowed endpoint IPs), from any request-phase message's metadata.
     subset: Option<Vec<std::net::IpAddr>>,
     /// The pod this stream routed the request to (`ip:port`), when it routed it.
@@ -114,6 +116,7 @@ pub async fn run(
         served: None,
         route_info: None,
         usage: None,
+        response_bound: false,
         subset: None,
         primary: None,
         trace_parent,

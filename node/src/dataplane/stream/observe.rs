@@ -81,8 +81,14 @@ impl StreamState {
     pub(super) async fn on_response_body(&mut self, b: HttpBody) -> Result<(), ()> {
         let eos = b.end_of_stream;
         self.settles = true;
-        if let Some(u) = &mut self.usage {
+        let streamed_id = self.usage.as_mut().and_then(|u| {
             u.feed(&b.body);
+            u.response_id().filter(|_| u.is_sse()).map(String::from)
+        });
+        if let Some(id) = streamed_id.filter(|_| !self.response_bound) {
+            // A stream names its response in its first event: bound at once, the follow-up
+            // may come as soon as the client has read the end.
+            self.bind_response(&id);
         }
         if self.first_byte_at.is_none() && !b.body.is_empty() {
             // Prefill is over once bytes flow: release the prompt tokens.
@@ -173,9 +179,15 @@ impl StreamState {
             self.settles = false;
             let streamed = self.usage.as_ref().is_some_and(UsageScanner::is_sse);
             let events = self.usage.as_ref().map_or(0, UsageScanner::events);
-            let usage = self.usage.take().and_then(|mut u| u.finish());
+            let mut scanner = self.usage.take();
+            let usage = scanner.as_mut().and_then(UsageScanner::finish);
             if ended {
                 self.observed(usage, streamed);
+                if let Some(id) = scanner.as_ref().and_then(UsageScanner::response_id)
+                    && !self.response_bound
+                {
+                    self.bind_response(id);
+                }
             }
             self.close_response_span(usage, ended);
             if let (Some(u), Some(info)) = (usage, &self.route_info) {
@@ -221,21 +233,38 @@ impl StreamState {
         }
     }
 
-    /// Tell the scheduler what the response took (producers that learn from outcomes).
-    fn observed(&self, usage: Option<Usage>, streamed: bool) {
-        // Only complete responses of routed requests teach anything.
-        let (Some(info), Some(first)) = (&self.route_info, self.first_byte_at) else {
-            return;
-        };
-        let Some(pod) = self
-            .served
+    /// The pod that served the response: as Envoy reported it, else the routing decision's
+    /// primary (this stream's, or the one the routing filter wrote in the request headers).
+    fn serving_pod(&self) -> Option<String> {
+        self.served
             .clone()
             .or_else(|| self.primary.clone())
             .or_else(|| {
                 let d = self.headers.get(DESTINATION_HEADER)?;
                 d.split(',').next().map(|p| p.trim().to_string())
             })
-        else {
+    }
+
+    /// A Responses-API response was stored on the pod that served it: bind its id there (every
+    /// replica learns it through the gossip), so a follow-up naming it goes back.
+    fn bind_response(&mut self, id: &str) {
+        self.response_bound = true;
+        let Some(pod) = self.serving_pod() else {
+            return;
+        };
+        let candidates = self.ctx.store.candidates(Instant::now());
+        if let Some(c) = candidates.iter().find(|c| c.endpoint.hostport == pod) {
+            self.ctx.responses.bind(id, c);
+        }
+    }
+
+    /// Tell the scheduler what the response took (producers that learn from outcomes).
+    fn observed(&self, usage: Option<Usage>, streamed: bool) {
+        // Only complete responses of routed requests teach anything.
+        let (Some(info), Some(first)) = (&self.route_info, self.first_byte_at) else {
+            return;
+        };
+        let Some(pod) = self.serving_pod() else {
             return;
         };
         if let (Some(predicted), Some(u)) = (info.cached, usage) {

@@ -14,6 +14,7 @@ use std::time::Instant;
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
 
 use super::{FULL_DUPLEX, Phase, REQUEST_ID_HEADER, StreamState};
+use crate::datalayer::responses::Binding;
 use crate::datalayer::store::Candidate;
 use crate::dataplane::reply::{self, DESTINATION_HEADER, PREFILLER_HEADER, header};
 use crate::dataplane::response::{EVICT, RESPONSE_FILTER_HEADER, Restore};
@@ -121,8 +122,19 @@ impl StreamState {
                 return Err(());
             }
         };
+        // A Responses-API follow-up: where its conversation lives (waiting briefly for a
+        // binding still on its way).
+        let binding = match req.previous_response_id() {
+            Some(id) => Some((
+                id,
+                ctx.responses
+                    .lookup_within(id, crate::datalayer::responses::BINDING_GRACE)
+                    .await,
+            )),
+            None => None,
+        };
         let t0 = Instant::now();
-        let candidates = self.candidates(t0);
+        let candidates = self.candidates(binding, t0);
         // Engine tokens, when a token producer with the model's tokenizer is configured.
         let tokens = match &ctx.renderer {
             Some(r) => r.tokens(&req, &self.body, &self.key, &candidates).await,
@@ -233,14 +245,49 @@ impl StreamState {
         })
     }
 
-    /// The datastore's endpoints with their last metrics, within the proxy's subset hint.
-    fn candidates(&self, now: Instant) -> Vec<Candidate> {
+    /// The datastore's endpoints with their last metrics, within the proxy's subset hint; only
+    /// the pod holding the conversation for a Responses-API follow-up.
+    fn candidates(&self, binding: Option<(&str, Binding)>, now: Instant) -> Vec<Candidate> {
         let mut candidates = self.ctx.store.candidates(now);
         if let Some(allowed) = self.subset.as_ref().filter(|_| self.ctx.subset_filter) {
             // Matched by IP, as llm-d does; an empty hint leaves nothing (503).
             candidates.retain(|c| allowed.contains(&c.endpoint.addr.ip()));
         }
+        if let Some((id, binding)) = binding {
+            self.pin_to_response(id, binding, &mut candidates);
+        }
         candidates
+    }
+
+    /// A follow-up naming `previous_response_id`: the engine keeps the conversation in the
+    /// memory of the pod that stored that response, and any other pod answers 404 — so the pod
+    /// is the only candidate while it is in the pool (the same incarnation, among the
+    /// candidates). Otherwise the request is scheduled as any other and the outcome counted.
+    fn pin_to_response(&self, id: &str, binding: Binding, candidates: &mut Vec<Candidate>) {
+        let outcome = match binding {
+            Binding::Pod { hostport, epoch } => {
+                let alive = candidates.iter().position(|c| {
+                    c.endpoint.hostport == hostport
+                        && c.sample
+                            .as_ref()
+                            .and_then(|s| s.metrics.started_ms)
+                            .is_none_or(|started| epoch == 0 || started <= epoch)
+                });
+                match alive {
+                    Some(i) => {
+                        let pinned = candidates.swap_remove(i);
+                        candidates.clear();
+                        candidates.push(pinned);
+                        "hit"
+                    }
+                    None => "pod_gone",
+                }
+            }
+            Binding::Expired => "expired",
+            Binding::Unknown => "unknown",
+        };
+        tracing::debug!(request_id = %self.request_id, previous_response_id = id, outcome, "response affinity");
+        self.ctx.metrics.response_affinity(outcome);
     }
 
     /// Run the scheduler; tell admission where an admitted request goes, or give its slot back
