@@ -27,6 +27,7 @@
 pub mod chart;
 pub mod cluster;
 pub mod discoverybench;
+pub mod dprouter;
 pub mod envoy;
 pub mod epp;
 pub mod extproc;

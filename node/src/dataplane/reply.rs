@@ -17,6 +17,8 @@ use crate::request::reject::{DROPPED_REASON_HEADER, Rejection};
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// The prefill pod of a disaggregated request (`ip:port`), for the decode pod's sidecar.
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+/// The data-parallel rank (`ip:port`) a request sent to the pod's primary port is for.
+pub const DATA_PARALLEL_HEADER: &str = "x-data-parallel-host-port";
 pub const ENVOY_LB_NAMESPACE: &str = "envoy.lb";
 /// Largest body chunk streamed back to Envoy (llm-d uses the same bound).
 pub const BODY_CHUNK: usize = 62_000;

@@ -13,6 +13,10 @@ pub const DECODE_TYPE: &str = "decode-filter";
 pub const PREFILL_TYPE: &str = "prefill-filter";
 pub const ENCODE_TYPE: &str = "encode-filter";
 pub const UTILIZATION_TYPE: &str = "utilization-filter";
+/// llm-d's deprecated names: `by-label-selector` is `label-selector-filter`; `by-label` keeps
+/// endpoints whose label has one of some values (or, if allowed, no such label).
+pub const BY_LABEL_SELECTOR_TYPE: &str = "by-label-selector";
+pub const BY_LABEL_TYPE: &str = "by-label";
 /// The P/D role label.
 pub const ROLE_LABEL: &str = "llm-d.ai/role";
 
@@ -120,6 +124,65 @@ pub fn encode_filter() -> RoleFilter {
         type_name: ENCODE_TYPE,
         roles: &["encode", "encode-prefill", "encode-prefill-decode"],
         keep_unlabeled: false,
+    }
+}
+
+/// `by-label` parameters (llm-d's names).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ByLabelParams {
+    #[serde(default)]
+    pub label: String,
+    #[serde(default)]
+    pub valid_values: Vec<String>,
+    #[serde(default)]
+    pub allows_no_label: bool,
+}
+
+/// llm-d's deprecated `by-label`: keeps endpoints whose `label` is one of `valid_values`, and
+/// those without it when `allows_no_label`.
+#[derive(Debug)]
+pub struct ByLabelFilter {
+    pub params: ByLabelParams,
+}
+
+impl ByLabelFilter {
+    /// llm-d's checks: a label, and something to keep.
+    pub fn new(params: ByLabelParams, path: &str) -> Result<Self, crate::config::ConfigError> {
+        let field = |k: &str, m: &str| crate::config::ConfigError::Field {
+            path: format!("{path}.{k}"),
+            message: m.to_string(),
+        };
+        if params.label.is_empty() {
+            return Err(field("label", "must name a label"));
+        }
+        if params.valid_values.is_empty() && !params.allows_no_label {
+            return Err(field(
+                "validValues",
+                "must not be empty unless allowsNoLabel is true",
+            ));
+        }
+        Ok(ByLabelFilter { params })
+    }
+}
+
+impl Filter for ByLabelFilter {
+    fn type_name(&self) -> &'static str {
+        BY_LABEL_TYPE
+    }
+
+    fn filter(
+        &self,
+        _req: &SchedRequest<'_>,
+        _data: &RequestData,
+        candidates: &[Candidate],
+        keep: &mut Vec<usize>,
+    ) {
+        let p = &self.params;
+        keep.retain(|&i| match candidates[i].endpoint.labels.get(&p.label) {
+            Some(v) => p.valid_values.contains(v),
+            None => p.allows_no_label,
+        });
     }
 }
 

@@ -109,6 +109,10 @@ pub struct Scheduler {
     pub prefill_profile: Option<String>,
     /// Admitter plugins, asked in order after the producers.
     pub admitters: Vec<Arc<dyn super::admitter::Admitter>>,
+    /// Data-parallel ranks (`data-parallel-profile-handler`, `pd-profile-handler.primaryPort`):
+    /// the candidates are DP ranks (`ip:rankPort`); the request goes to `ip:` this port with the
+    /// rank in `x-data-parallel-host-port`.
+    pub rank_port: Option<u16>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]

@@ -13,7 +13,7 @@ use envoy_types::pb::google::protobuf::value;
 
 use super::{FULL_DUPLEX, Phase, StreamState};
 use crate::dataplane::reply::{
-    DESTINATION_HEADER, ENVOY_LB_NAMESPACE, header_value, streamed_body,
+    DATA_PARALLEL_HEADER, DESTINATION_HEADER, ENVOY_LB_NAMESPACE, header_value, streamed_body,
 };
 use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo, Usage, UsageScanner};
 use crate::request::quota::Reported;
@@ -136,11 +136,14 @@ impl StreamState {
         }
         // The routing stream knows its pick; an observing stream reads it from the request
         // headers the routing filter set.
-        let Some(primary) = self.primary.clone().or_else(|| {
-            let d = self.headers.get(DESTINATION_HEADER)?;
-            d.split(',').next().map(|p| p.trim().to_string())
-        }) else {
+        let Some(primary) = self.primary.clone().or_else(|| self.routed_primary()) else {
             return;
+        };
+        // Data-parallel ranks: Envoy reports the pod's primary port; the rank is the one the
+        // request was for when the pod is the primary's.
+        let served = match self.ctx.scheduler.rank_port {
+            Some(port) => same_pod(served, &primary, port).unwrap_or(served),
+            None => served,
         };
         self.served = Some(served.to_string());
         let primary = primary.as_str();
@@ -239,10 +242,19 @@ impl StreamState {
         self.served
             .clone()
             .or_else(|| self.primary.clone())
-            .or_else(|| {
-                let d = self.headers.get(DESTINATION_HEADER)?;
-                d.split(',').next().map(|p| p.trim().to_string())
-            })
+            .or_else(|| self.routed_primary())
+    }
+
+    /// The routing decision's primary as the routing filter wrote it in the request headers:
+    /// the data-parallel rank, else the first destination.
+    fn routed_primary(&self) -> Option<String> {
+        if self.ctx.scheduler.rank_port.is_some()
+            && let Some(rank) = self.headers.get(DATA_PARALLEL_HEADER)
+        {
+            return Some(rank.trim().to_string());
+        }
+        let d = self.headers.get(DESTINATION_HEADER)?;
+        d.split(',').next().map(|p| p.trim().to_string())
     }
 
     /// A Responses-API response was stored on the pod that served it: bind its id there (every
@@ -295,5 +307,28 @@ impl StreamState {
                 self.ctx.metrics.request_running(l, -1);
             }
         }
+    }
+}
+
+/// `rank` when `served` is its pod's primary port (`ip:port` with the rank's IP).
+fn same_pod<'a>(served: &str, rank: &'a str, port: u16) -> Option<&'a str> {
+    let served: std::net::SocketAddr = served.parse().ok()?;
+    let r: std::net::SocketAddr = rank.parse().ok()?;
+    (served.port() == port && served.ip() == r.ip()).then_some(rank)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_pod;
+
+    #[test]
+    fn a_primary_port_maps_back_to_the_rank_on_the_same_pod() {
+        assert_eq!(
+            same_pod("10.0.0.1:8000", "10.0.0.1:8002", 8000),
+            Some("10.0.0.1:8002")
+        );
+        assert_eq!(same_pod("10.0.0.2:8000", "10.0.0.1:8002", 8000), None);
+        assert_eq!(same_pod("10.0.0.1:8001", "10.0.0.1:8002", 8000), None);
+        assert_eq!(same_pod("garbage", "10.0.0.1:8002", 8000), None);
     }
 }

@@ -16,7 +16,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
 use super::{FULL_DUPLEX, Phase, REQUEST_ID_HEADER, StreamState};
 use crate::datalayer::responses::Binding;
 use crate::datalayer::store::Candidate;
-use crate::dataplane::reply::{self, DESTINATION_HEADER, PREFILLER_HEADER, header};
+use crate::dataplane::reply::{
+    self, DATA_PARALLEL_HEADER, DESTINATION_HEADER, PREFILLER_HEADER, header,
+};
 use crate::dataplane::response::{EVICT, RESPONSE_FILTER_HEADER, Restore};
 use crate::dataplane::usage::{ROUTE_INFO_HEADER, RouteInfo, new_request_key};
 use crate::request::admission::{Admit, AdmitRequest, Ticket, Verdict};
@@ -365,12 +367,25 @@ impl StreamState {
         quota: Option<&Admitted>,
     ) -> Answer {
         let ctx = &self.ctx;
-        let destination = decision
-            .picked
-            .iter()
-            .map(|i| candidates[*i].endpoint.hostport.as_str())
-            .collect::<Vec<_>>()
-            .join(",");
+        let destination = match ctx.scheduler.rank_port {
+            // Data-parallel ranks: each pick's pod at its primary port (a pod's ranks share it).
+            Some(port) => {
+                let mut pods: Vec<String> = Vec::with_capacity(decision.picked.len());
+                for i in &decision.picked {
+                    let pod = rank_pod(candidates[*i].endpoint.addr, port);
+                    if !pods.contains(&pod) {
+                        pods.push(pod);
+                    }
+                }
+                pods.join(",")
+            }
+            None => decision
+                .picked
+                .iter()
+                .map(|i| candidates[*i].endpoint.hostport.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+        };
         tracing::debug!(request_id = %self.request_id, key = %self.key, %destination, model = %req.model, "routed");
         let primary = decision.picked.first().copied();
         // The pod's request continues the routing span's trace (the observing stream links to it).
@@ -428,6 +443,13 @@ impl StreamState {
         if let Some(p) = prefiller {
             set_headers.push(header(PREFILLER_HEADER, p));
         }
+        // The rank the primary port hands the request to.
+        let rank = primary
+            .filter(|_| ctx.scheduler.rank_port.is_some())
+            .map(|i| candidates[i].endpoint.hostport.as_str());
+        if let Some(r) = rank {
+            set_headers.push(header(DATA_PARALLEL_HEADER, r));
+        }
         if matches!(ctx.scheduler.handler, Handler::Disagg { .. }) {
             ctx.metrics.disagg_decision(if prefiller.is_some() {
                 "prefill-decode"
@@ -439,6 +461,7 @@ impl StreamState {
         let remove_headers = CONTROL_HEADERS
             .iter()
             .chain(prefiller.is_none().then_some(&PREFILLER_HEADER))
+            .chain(rank.is_none().then_some(&DATA_PARALLEL_HEADER))
             .chain(response_work.is_empty().then_some(&RESPONSE_FILTER_HEADER))
             .filter(|h| self.headers.contains_key(**h))
             .map(|h| h.to_string())
@@ -469,4 +492,9 @@ impl StreamState {
                 .is_some_and(|i| candidates[i].endpoint.engine.streams_continuous_usage()),
         }
     }
+}
+
+/// A data-parallel rank's pod at its primary port.
+fn rank_pod(rank: std::net::SocketAddr, port: u16) -> String {
+    std::net::SocketAddr::new(rank.ip(), port).to_string()
 }

@@ -125,6 +125,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         out
     };
 
+    let mut rank_port = None;
     let handler = match handler_spec {
         HandlerSpec::Single => {
             if profiles.len() > 1 {
@@ -149,7 +150,23 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
                 .iter()
                 .find(|p| p.name == spec.prefill)
                 .map(|p| (p.clone(), spec.decider));
+            rank_port = spec.primary_port;
             Handler::Disagg { decode, prefill }
+        }
+        HandlerSpec::DataParallel(port) => {
+            // llm-d: "intended to be used with a single profile".
+            let n = profiles.len();
+            match <[Profile; 1]>::try_from(profiles) {
+                Ok([p]) => {
+                    rank_port = Some(port);
+                    Handler::Single(p)
+                }
+                Err(_) => {
+                    return Err(ConfigError::invalid(format!(
+                        "schedulingProfiles: `{DATA_PARALLEL_PROFILE_HANDLER}` runs exactly one profile, {n} configured"
+                    )));
+                }
+            }
         }
         HandlerSpec::Disagg(params) => {
             let find = |name: &str, key: &str| {
@@ -586,6 +603,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             sessions,
             prefill_profile,
             admitters,
+            rank_port,
         },
         metrics_source,
         inflight,

@@ -64,9 +64,9 @@ pub const PARSERS: [&str; 4] = [
     "passthrough-parser",
 ];
 
-/// llm-d plugin types this build recognises but does not implement yet: a config naming one fails
-/// with a message saying so, rather than "unknown type".
-const NOT_YET: &[&str] = &["data-parallel-profile-handler"];
+/// llm-d's data-parallel handler: one profile, whose pick (a DP rank's `ip:port`) is sent to the
+/// pod's `primaryPort` with the rank in `x-data-parallel-host-port`.
+pub const DATA_PARALLEL_PROFILE_HANDLER: &str = "data-parallel-profile-handler";
 
 /// A constructed plugin instance.
 #[derive(Debug, Clone)]
@@ -273,6 +273,25 @@ pub fn construct(
         filters::LABEL_SELECTOR_TYPE => Plugin::Filter(Arc::new(LabelSelectorFilter {
             params: params(parameters, path)?,
         })),
+        filters::BY_LABEL_SELECTOR_TYPE => {
+            tracing::warn!(
+                "{path}: `{type_name}` is deprecated (llm-d); loaded as `{}`",
+                filters::LABEL_SELECTOR_TYPE
+            );
+            Plugin::Filter(Arc::new(LabelSelectorFilter {
+                params: params(parameters, path)?,
+            }))
+        }
+        filters::BY_LABEL_TYPE => {
+            tracing::warn!(
+                "{path}: `{type_name}` is deprecated (llm-d): use `{}` or a role filter",
+                filters::LABEL_SELECTOR_TYPE
+            );
+            Plugin::Filter(Arc::new(filters::ByLabelFilter::new(
+                params(parameters, path)?,
+                path,
+            )?))
+        }
         filters::DECODE_TYPE => {
             let _: NoParams = params(parameters, path)?;
             Plugin::Filter(Arc::new(filters::decode_filter()))
@@ -322,6 +341,13 @@ pub fn construct(
                 });
             }
             Plugin::ProfileHandler(HandlerSpec::Header(p))
+        }
+        DATA_PARALLEL_PROFILE_HANDLER => {
+            let p: DataParallelParams = params(parameters, path)?;
+            Plugin::ProfileHandler(HandlerSpec::DataParallel(primary_port(
+                p.primary_port,
+                path,
+            )?))
         }
         PD_PROFILE_HANDLER => {
             let p: PdProfileParams = params(parameters, path)?;
@@ -461,11 +487,6 @@ pub fn construct(
             let _: NoParams = params(parameters, path)?;
             Plugin::FlowControl
         }
-        t if NOT_YET.contains(&t) => {
-            return Err(ConfigError::invalid(format!(
-                "{path}: plugin type `{t}` is an llm-d plugin this build does not implement yet"
-            )));
-        }
         t => {
             return Err(ConfigError::invalid(format!(
                 "{path}: unknown plugin type `{t}`"
@@ -484,6 +505,31 @@ pub enum HandlerSpec {
     /// the decider its threshold amounts to.
     Pd(PdSpec),
     Header(HeaderProfileParams),
+    /// `data-parallel-profile-handler`: the single profile, its picks rewritten to this port.
+    DataParallel(u16),
+}
+
+/// `data-parallel-profile-handler` parameters (llm-d's name and default).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DataParallelParams {
+    #[serde(default = "d_primary_port")]
+    pub primary_port: i64,
+}
+
+fn d_primary_port() -> i64 {
+    8000
+}
+
+/// A data-parallel primary port: a TCP port, 1–65535.
+fn primary_port(port: i64, path: &str) -> Result<u16, ConfigError> {
+    u16::try_from(port)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| ConfigError::Field {
+            path: format!("{path}.primaryPort"),
+            message: format!("must be a TCP port (1-65535), got {port}"),
+        })
 }
 
 /// `header-profile-handler` parameters (llm-d's names and defaults).
@@ -505,6 +551,8 @@ pub struct PdSpec {
     pub decode: String,
     pub prefill: String,
     pub decider: PdDecider,
+    /// `primaryPort` (data-parallel ranks), when not 0.
+    pub primary_port: Option<u16>,
 }
 
 /// `pd-profile-handler` parameters (llm-d's names and defaults).
@@ -562,12 +610,10 @@ impl PdProfileParams {
                 format!("must be > 0, got {}", self.hash_block_size),
             ));
         }
-        if self.primary_port != 0 {
-            return Err(field(
-                "primaryPort",
-                "data-parallel rank routing is not implemented by this build yet".into(),
-            ));
-        }
+        let primary_port = match self.primary_port {
+            0 => None,
+            p => Some(primary_port(p, path)?),
+        };
         let decider = match self.threshold {
             0 => PdDecider::Always,
             t => PdDecider::PrefixBased {
@@ -579,6 +625,7 @@ impl PdProfileParams {
             decode: self.decode_profile,
             prefill: self.prefill_profile,
             decider,
+            primary_port,
         })
     }
 }
