@@ -90,7 +90,13 @@ async fn best_effort_shedding_rises_smoothly_with_load_and_spares_premium() {
         let premium = &r.tenants["premium"];
         let shed = |s: &sim::loadgen::Summary| s.statuses.get(&429).copied().unwrap_or(0);
         let fraction = shed(batch) as f64 / batch.requests.max(1) as f64;
-        table.push((rate, batch.requests, fraction, premium.requests, shed(premium)));
+        table.push((
+            rate,
+            batch.requests,
+            fraction,
+            premium.requests,
+            shed(premium),
+        ));
         assert_eq!(shed(premium), 0, "premium shed at {rate}/s: {premium:?}");
         assert_eq!(
             premium.errors, 0,

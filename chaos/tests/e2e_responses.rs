@@ -22,14 +22,14 @@ use sim::SimConfig;
 const CONVERSATIONS: usize = 8;
 const TURNS: usize = 6;
 
-/// One turn: (status, serving pod, response id, output tokens reported to the client).
+/// One turn: (status, serving pod, response id, (input, output) tokens reported to the client).
 async fn turn(
     client: &reqwest::Client,
     url: &str,
     input: &str,
     previous: Option<&str>,
     stream: bool,
-) -> (u16, String, Option<String>, u64) {
+) -> (u16, String, Option<String>, (u64, u64)) {
     let mut body = json!({"model": "sim-model", "input": input, "max_output_tokens": 6,
         "stream": stream});
     if let Some(p) = previous {
@@ -44,7 +44,7 @@ async fn turn(
         .unwrap_or_default();
     let text = resp.text().await.unwrap();
     if status != 200 {
-        return (status, pod, None, 0);
+        return (status, pod, None, (0, 0));
     }
     let object: Value = if stream {
         // The last event carrying the response object (`response.completed` / `.incomplete`).
@@ -58,8 +58,14 @@ async fn turn(
         serde_json::from_str(&text).unwrap()
     };
     let id = object["id"].as_str().map(String::from);
-    let output = object["usage"]["output_tokens"].as_u64().unwrap_or(0);
-    (status, pod, id, output)
+    let usage = &object["usage"];
+    let tokens = |k: &str| usage[k].as_u64().unwrap_or(0);
+    (
+        status,
+        pod,
+        id,
+        (tokens("input_tokens"), tokens("output_tokens")),
+    )
 }
 
 async fn sum_over(c: &LocalCluster, n: usize, metric: &str) -> Vec<f64> {
@@ -110,28 +116,29 @@ async fn a_responses_conversation_stays_on_its_pod_across_three_replicas() {
             let client = reqwest::Client::new();
             let mut previous: Option<String> = None;
             let mut pods = Vec::new();
-            let mut output = 0;
+            let mut tokens = (0, 0);
             for t in 0..TURNS {
                 let stream = (conv + t) % 2 == 0;
                 let input = format!("conversation {conv}, turn {t}: go on");
-                let (status, pod, id, out) =
+                let (status, pod, id, (input, output)) =
                     turn(&client, &url, &input, previous.as_deref(), stream).await;
                 assert_eq!(
                     status, 200,
                     "conversation {conv} turn {t} (previous {previous:?}) answered {status} by {pod}"
                 );
                 pods.push(pod);
-                output += out;
+                tokens.0 += input;
+                tokens.1 += output;
                 previous = Some(id.expect("a response id"));
             }
-            (pods, previous.unwrap(), output)
+            (pods, previous.unwrap(), tokens)
         }));
     }
     let mut last = Vec::new();
-    let mut client_output = 0;
+    let mut client_tokens = (0, 0);
     let mut used_pods = HashSet::new();
     for t in tasks {
-        let Ok((pods, id, output)) = t.await else {
+        let Ok((pods, id, tokens)) = t.await else {
             let hits = sum_over(&c, 3, "llm_d_epp_response_affinity_total").await;
             let bound = sum_over(&c, 3, "llm_d_epp_response_bindings").await;
             panic!("a conversation failed; lookups per replica {hits:?}, bindings {bound:?}");
@@ -142,7 +149,8 @@ async fn a_responses_conversation_stays_on_its_pod_across_three_replicas() {
         );
         used_pods.insert(pods[0].clone());
         last.push((pods[0].clone(), id));
-        client_output += output;
+        client_tokens.0 += tokens.0;
+        client_tokens.1 += tokens.1;
     }
     let follow_ups = (CONVERSATIONS * (TURNS - 1)) as f64;
 
@@ -180,20 +188,23 @@ async fn a_responses_conversation_stays_on_its_pod_across_three_replicas() {
     )
     .await
     .unwrap();
-    // Accounting of streamed and JSON responses: the output tokens the clients were told.
+    // Accounting of streamed and JSON responses: the tokens the clients were told.
     wait::until(
-        "the output tokens of every response recorded",
+        "the input and output tokens of every response recorded",
         Duration::from_secs(10),
         || async {
-            sum_over(&c, 3, "llm_d_epp_request_output_tokens_sum")
-                .await
-                .iter()
-                .sum::<f64>()
-                == client_output as f64
+            let input = sum_over(&c, 3, "llm_d_epp_request_input_tokens_sum").await;
+            let output = sum_over(&c, 3, "llm_d_epp_request_output_tokens_sum").await;
+            input.iter().sum::<f64>() == client_tokens.0 as f64
+                && output.iter().sum::<f64>() == client_tokens.1 as f64
         },
     )
     .await
     .unwrap();
+    assert!(
+        client_tokens.0 > 0 && client_tokens.1 > 0,
+        "{client_tokens:?}"
+    );
 
     // A conversation's pod leaves the pool: its follow-up is scheduled elsewhere, visibly.
     let (gone_pod, gone_id) = last[0].clone();
