@@ -415,6 +415,23 @@ impl ApproxIndex {
         })
     }
 
+    /// The full states of the named pods that are known.
+    pub fn export_pods(&self, names: &[String]) -> Vec<PodState> {
+        names.iter().filter_map(|n| self.export_pod(n)).collect()
+    }
+
+    /// Join several pod states ([`Self::merge_pod`] each): the entries that changed and the
+    /// newest timestamp carried (for the caller's clock).
+    pub fn merge_pods(&mut self, states: &[PodState]) -> (usize, u64) {
+        let mut changed = 0;
+        let mut newest = 0;
+        for p in states {
+            newest = newest.max(p.max_ts().unwrap_or(0));
+            changed += self.merge_pod(p);
+        }
+        (changed, newest)
+    }
+
     /// Every pod's digest, sorted by name.
     pub fn digests(&self) -> Vec<PodDigest> {
         let mut v: Vec<PodDigest> = self

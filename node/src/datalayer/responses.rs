@@ -175,12 +175,7 @@ impl Replicated for ResponseBindings {
 
     fn merge(&self, states: &[PodState]) -> (usize, u64) {
         let mut st = self.write();
-        let mut changed = 0;
-        let mut newest = 0;
-        for p in states {
-            newest = newest.max(p.max_ts().unwrap_or(0));
-            changed += st.index.merge_pod(p);
-        }
+        let (changed, newest) = st.index.merge_pods(states);
         st.clock.observe(newest);
         drop(st);
         if changed > 0 {
@@ -194,10 +189,7 @@ impl Replicated for ResponseBindings {
     }
 
     fn export(&self, pods: &[String]) -> Vec<PodState> {
-        let st = self.read();
-        pods.iter()
-            .filter_map(|name| st.index.export_pod(name))
-            .collect()
+        self.read().index.export_pods(pods)
     }
 }
 

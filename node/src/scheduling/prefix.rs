@@ -160,12 +160,7 @@ impl Replicated for ApproxPrefixProducer {
 
     fn merge(&self, states: &[PodState]) -> (usize, u64) {
         let mut st = self.write();
-        let mut changed = 0;
-        let mut newest = 0;
-        for p in states {
-            newest = newest.max(p.max_ts().unwrap_or(0));
-            changed += st.index.merge_pod(p);
-        }
+        let (changed, newest) = st.index.merge_pods(states);
         st.clock.observe(newest);
         (changed, newest)
     }
@@ -175,10 +170,7 @@ impl Replicated for ApproxPrefixProducer {
     }
 
     fn export(&self, pods: &[String]) -> Vec<PodState> {
-        let st = self.read();
-        pods.iter()
-            .filter_map(|name| st.index.export_pod(name))
-            .collect()
+        self.read().index.export_pods(pods)
     }
 }
 
