@@ -316,6 +316,7 @@ const FAIRNESS_TYPES: &[&str] = &[
     GLOBAL_STRICT_FAIRNESS,
     crate::policy::ROUND_ROBIN_FAIRNESS,
     crate::policy::WEIGHTED_FAIRNESS,
+    crate::policy::PROGRAM_AWARE_FAIRNESS,
 ];
 const ORDERING_TYPES: &[&str] = &[
     FCFS_ORDERING,

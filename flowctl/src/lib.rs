@@ -68,12 +68,14 @@ pub use outcome::{
 };
 pub use policy::{
     BandPosition, Charge, FairnessPolicy, HoldbackDomain, HoldbackShape, OrderingPolicy,
-    PriorityHoldbackParams, StaticUsageLimitParams, UsageLimit, WeightedFairnessParams,
+    PriorityHoldbackParams, ProgramAwareParams, StaticUsageLimitParams, UsageLimit,
+    WeightedFairnessParams,
 };
 pub use policy::{
     EDF_ORDERING, FCFS_ORDERING, GLOBAL_STRICT_FAIRNESS, PRIORITY_HOLDBACK,
-    PRIORITY_THEN_TIME_EVICTION_ORDER, ROUND_ROBIN_FAIRNESS, SHEDDABLE_EVICTION_FILTER,
-    SLO_DEADLINE_ORDERING, SOFT_REFLECTIVE_CEILING, STATIC_USAGE_LIMIT, WEIGHTED_FAIRNESS,
+    PRIORITY_THEN_TIME_EVICTION_ORDER, PROGRAM_AWARE_FAIRNESS, ROUND_ROBIN_FAIRNESS,
+    SHEDDABLE_EVICTION_FILTER, SLO_DEADLINE_ORDERING, SOFT_REFLECTIVE_CEILING, STATIC_USAGE_LIMIT,
+    WEIGHTED_FAIRNESS,
 };
 pub use saturation::{CONCURRENCY_DETECTOR, UTILIZATION_DETECTOR};
 pub use saturation::{

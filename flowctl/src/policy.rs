@@ -12,6 +12,7 @@ use crate::config::{ConfigError, decode_params};
 pub const GLOBAL_STRICT_FAIRNESS: &str = "global-strict-fairness-policy";
 pub const ROUND_ROBIN_FAIRNESS: &str = "round-robin-fairness-policy";
 pub const WEIGHTED_FAIRNESS: &str = "weighted-fairness-policy";
+pub const PROGRAM_AWARE_FAIRNESS: &str = "program-aware-fairness";
 pub const FCFS_ORDERING: &str = "fcfs-ordering-policy";
 pub const EDF_ORDERING: &str = "edf-ordering-policy";
 pub const SLO_DEADLINE_ORDERING: &str = "slo-deadline-ordering-policy";
@@ -36,6 +37,9 @@ pub enum FairnessPolicy {
     RoundRobin,
     /// `weighted-fairness-policy`: start-time fair queueing on virtual time (see [`WeightedFairnessParams`]).
     Weighted(WeightedFairnessParams),
+    /// `program-aware-fairness` (llm-d): least attained service per fairness id (see
+    /// [`ProgramAwareParams`]).
+    ProgramAware(ProgramAwareParams),
 }
 
 impl FairnessPolicy {
@@ -59,6 +63,11 @@ impl FairnessPolicy {
                 p.validate(path)?;
                 Ok(FairnessPolicy::Weighted(p))
             }
+            PROGRAM_AWARE_FAIRNESS => {
+                let p: ProgramAwareParams = decode_params(parameters, path)?;
+                p.validate(path)?;
+                Ok(FairnessPolicy::ProgramAware(p))
+            }
             other => Err(ConfigError::WrongPluginKind {
                 path: path.to_string(),
                 type_name: other.to_string(),
@@ -72,7 +81,75 @@ impl FairnessPolicy {
             FairnessPolicy::GlobalStrict => GLOBAL_STRICT_FAIRNESS,
             FairnessPolicy::RoundRobin => ROUND_ROBIN_FAIRNESS,
             FairnessPolicy::Weighted(_) => WEIGHTED_FAIRNESS,
+            FairnessPolicy::ProgramAware(_) => PROGRAM_AWARE_FAIRNESS,
         }
+    }
+}
+
+/// `program-aware-fairness` parameters (llm-d's names and defaults; `strategy` `las` only).
+///
+/// Mechanism (least attained service): each fairness id — a *program* — accumulates the tokens
+/// its completed requests took (prompt + completion, as the ledger settles them; llm-d counts
+/// completion tokens twice). Among the band's waiting flows the one with the highest
+/// `lasWeightService · (1 − norm(service)) + lasWeightHeadWait · norm(head wait)` is served, each
+/// term min–max normalized over the waiting flows (all equal: 0.5). A program with nothing queued
+/// or in flight loses service: by `lasDecayFactor` per pick, or with the half-life
+/// `lasHalfLifeSeconds` when that is set; one idle with no completion for `evictionTtlSeconds`
+/// is forgotten (checked at every pick; `evictionSweepSeconds` is accepted).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct ProgramAwareParams {
+    pub strategy: String,
+    pub las_weight_service: f64,
+    pub las_weight_head_wait: f64,
+    pub las_decay_factor: f64,
+    pub las_half_life_seconds: f64,
+    pub eviction_ttl_seconds: f64,
+    pub eviction_sweep_seconds: f64,
+}
+
+impl Default for ProgramAwareParams {
+    fn default() -> Self {
+        ProgramAwareParams {
+            strategy: "las".into(),
+            las_weight_service: 0.8,
+            las_weight_head_wait: 0.2,
+            las_decay_factor: 0.99997,
+            las_half_life_seconds: 0.0,
+            eviction_ttl_seconds: 3600.0,
+            eviction_sweep_seconds: 300.0,
+        }
+    }
+}
+
+impl ProgramAwareParams {
+    /// llm-d's checks.
+    pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
+        let field = |k: &str, m: &str| Err(ConfigError::invalid(format!("{path}.{k}"), m));
+        if !matches!(self.strategy.as_str(), "" | "las") {
+            return field("strategy", "only `las` is supported");
+        }
+        let finite = |v: f64| v.is_finite();
+        for (k, v) in [
+            ("lasWeightService", self.las_weight_service),
+            ("lasWeightHeadWait", self.las_weight_head_wait),
+            ("lasHalfLifeSeconds", self.las_half_life_seconds),
+            ("evictionTtlSeconds", self.eviction_ttl_seconds),
+        ] {
+            if !finite(v) || v < 0.0 {
+                return field(k, "must be a finite number >= 0");
+            }
+        }
+        if !(finite(self.las_decay_factor)
+            && self.las_decay_factor > 0.0
+            && self.las_decay_factor <= 1.0)
+        {
+            return field("lasDecayFactor", "must be in (0, 1]");
+        }
+        if !finite(self.eviction_sweep_seconds) || self.eviction_sweep_seconds <= 0.0 {
+            return field("evictionSweepSeconds", "must be > 0");
+        }
+        Ok(())
     }
 }
 

@@ -265,12 +265,14 @@ impl FlowController {
             self.evictable
                 .remove(&(r.priority, u64::MAX - r.dispatch_seq, id));
         }
+        let now = self.now;
         if let Some(flow) = self.flows.get_mut(r.flow as usize).and_then(Option::as_mut) {
             flow.inflight -= 1;
             if let Some(band) = self.bands.get_mut(flow.band as usize) {
                 if let Some(actual) = actual_tokens {
                     band.sched.settle(flow, r.flow, r.tokens, actual);
                 }
+                band.sched.released(flow, actual_tokens, now);
                 band.inflight -= 1;
                 band.inflight_tokens -= r.tokens;
             }
@@ -402,7 +404,7 @@ impl FlowController {
         let Some(band) = self.bands.get_mut(b as usize) else {
             return false;
         };
-        let Some(fi) = band.sched.pick() else {
+        let Some(fi) = band.sched.pick(&self.flows, &self.queued, self.now) else {
             return false;
         };
         let Some(flow) = self.flows.get_mut(fi as usize).and_then(Option::as_mut) else {

@@ -367,6 +367,20 @@ impl FlowController {
         &self.config
     }
 
+    /// `program-aware-fairness`: every known program's attained service (tokens, decayed), as
+    /// (band priority, fairness id, service).
+    pub fn attained_service(&self) -> Vec<(i32, &str, f64)> {
+        self.bands
+            .iter()
+            .flat_map(|b| {
+                b.sched
+                    .attained()
+                    .into_iter()
+                    .map(move |(id, s)| (b.priority, id, s))
+            })
+            .collect()
+    }
+
     /// The last `now` seen.
     pub fn now(&self) -> Nanos {
         self.now

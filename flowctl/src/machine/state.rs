@@ -8,7 +8,7 @@ use std::ops::Bound;
 
 use super::{RequestId, pairs};
 use crate::config::BandSettings;
-use crate::policy::{Charge, FairnessPolicy};
+use crate::policy::{Charge, FairnessPolicy, ProgramAwareParams};
 use crate::saturation::EndpointSnapshot;
 use crate::units::Nanos;
 
@@ -73,6 +73,19 @@ impl Flow {
     }
 }
 
+/// A program's standing under `program-aware-fairness`: its attained service (tokens of its
+/// completed requests, decayed while it is idle) and whether it is active.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub(super) struct Program {
+    pub(super) service: f64,
+    /// When `service` was last accrued or decayed (the half-life's anchor).
+    pub(super) anchor: Nanos,
+    pub(super) last_completion: Nanos,
+    /// Its flow in the band has queued requests.
+    pub(super) waiting: bool,
+    pub(super) inflight: u32,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) enum Sched {
     GlobalStrict {
@@ -88,6 +101,19 @@ pub(super) enum Sched {
         vtime: f64,
         charge: Charge,
     },
+    /// `program-aware-fairness`: the non-empty flows, and every known program's standing by
+    /// fairness id.
+    Las {
+        active: BTreeSet<u32>,
+        #[serde(with = "pairs")]
+        programs: BTreeMap<String, Program>,
+        params: ProgramAwareParams,
+    },
+}
+
+/// `(v − lo) / (hi − lo)`, 0.5 when every value is equal (llm-d's `rangeNormalize`).
+fn range_normalize(v: f64, lo: f64, hi: f64) -> f64 {
+    if hi == lo { 0.5 } else { (v - lo) / (hi - lo) }
 }
 
 impl Sched {
@@ -104,6 +130,11 @@ impl Sched {
                 active: BTreeSet::new(),
                 vtime: 0.0,
                 charge: p.charge,
+            },
+            FairnessPolicy::ProgramAware(p) => Sched::Las {
+                active: BTreeSet::new(),
+                programs: BTreeMap::new(),
+                params: p.clone(),
             },
         }
     }
@@ -147,11 +178,35 @@ impl Sched {
                 }
                 _ => {}
             },
+            Sched::Las {
+                active, programs, ..
+            } => match (old, new) {
+                (None, Some(_)) => {
+                    active.insert(fi);
+                    programs
+                        .entry(flow.fairness_id.clone())
+                        .or_default()
+                        .waiting = true;
+                }
+                (Some(_), None) => {
+                    active.remove(&fi);
+                    if let Some(p) = programs.get_mut(&flow.fairness_id) {
+                        p.waiting = false;
+                    }
+                }
+                _ => {}
+            },
         }
     }
 
-    /// The flow to serve next (the band has at least one non-empty flow).
-    pub(super) fn pick(&mut self) -> Option<u32> {
+    /// The flow to serve next (the band has at least one non-empty flow); `flows` and `queued`
+    /// are the controller's, `now` its clock.
+    pub(super) fn pick(
+        &mut self,
+        flows: &[Option<Flow>],
+        queued: &BTreeMap<RequestId, Queued>,
+        now: Nanos,
+    ) -> Option<u32> {
         match self {
             Sched::GlobalStrict { heads } => heads.first().map(|h| h.2),
             Sched::RoundRobin { active, cursor } => {
@@ -173,11 +228,49 @@ impl Sched {
                 Some(*fi)
             }
             Sched::Weighted { active, .. } => active.first().map(|a| a.1),
+            Sched::Las {
+                active,
+                programs,
+                params,
+            } => las_pick(active, programs, params, flows, queued, now),
         }
     }
 
-    /// Charge a dispatch to an active flow (weighted only), before its head changes.
+    /// `program-aware-fairness`: each known program's attained service (none for other policies).
+    pub(super) fn attained(&self) -> Vec<(&str, f64)> {
+        match self {
+            Sched::Las { programs, .. } => programs
+                .iter()
+                .map(|(id, p)| (id.as_str(), p.service))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// An in-flight request of `flow` ended; `actual`: its tokens, when it completed.
+    pub(super) fn released(&mut self, flow: &Flow, actual: Option<u64>, now: Nanos) {
+        if let Sched::Las { programs, .. } = self
+            && let Some(p) = programs.get_mut(&flow.fairness_id)
+        {
+            p.inflight = p.inflight.saturating_sub(1);
+            if let Some(tokens) = actual {
+                p.service += tokens as f64;
+                p.anchor = now;
+                p.last_completion = now;
+            }
+        }
+    }
+
+    /// Charge a dispatch to an active flow (weighted; program-aware counts it in flight), before
+    /// its head changes.
     pub(super) fn charge(&mut self, flow: &mut Flow, fi: u32, tokens: u64) {
+        if let Sched::Las { programs, .. } = self {
+            programs
+                .entry(flow.fairness_id.clone())
+                .or_default()
+                .inflight += 1;
+            return;
+        }
         if let Sched::Weighted {
             active,
             vtime,
@@ -211,6 +304,67 @@ impl Sched {
             }
         }
     }
+}
+
+/// `program-aware-fairness`'s pick: idle programs lose service (and long-idle ones are
+/// forgotten), then the waiting flow with the best `wS · (1 − norm(service)) + wW · norm(head
+/// wait)` wins; ties go to the lowest flow index (deterministic).
+fn las_pick(
+    active: &BTreeSet<u32>,
+    programs: &mut BTreeMap<String, Program>,
+    params: &ProgramAwareParams,
+    flows: &[Option<Flow>],
+    queued: &BTreeMap<RequestId, Queued>,
+    now: Nanos,
+) -> Option<u32> {
+    let ttl = (params.eviction_ttl_seconds * 1e9) as Nanos;
+    programs.retain(|_, p| {
+        if p.waiting || p.inflight > 0 {
+            return true;
+        }
+        if params.las_half_life_seconds > 0.0 {
+            let elapsed = now.saturating_sub(p.anchor) as f64 / 1e9;
+            if elapsed > 0.0 {
+                p.service *= 0.5f64.powf(elapsed / params.las_half_life_seconds);
+                p.anchor = now;
+            }
+        } else {
+            p.service *= params.las_decay_factor;
+        }
+        ttl == 0 || now.saturating_sub(p.last_completion) < ttl
+    });
+    let mut entries = Vec::with_capacity(active.len());
+    for &fi in active {
+        let Some(flow) = flows.get(fi as usize).and_then(Option::as_ref) else {
+            continue;
+        };
+        let service = programs.get(&flow.fairness_id).map_or(0.0, |p| p.service);
+        let head_at = flow
+            .queue
+            .first_key_value()
+            .and_then(|(_, id)| queued.get(id))
+            .map_or(now, |q| q.enqueued_at);
+        entries.push((fi, service, now.saturating_sub(head_at) as f64));
+    }
+    let bounds = |f: fn(&(u32, f64, f64)) -> f64| {
+        entries
+            .iter()
+            .map(f)
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+                (lo.min(v), hi.max(v))
+            })
+    };
+    let (s_lo, s_hi) = bounds(|e| e.1);
+    let (w_lo, w_hi) = bounds(|e| e.2);
+    let mut best: Option<(u32, f64)> = None;
+    for &(fi, service, wait) in &entries {
+        let score = params.las_weight_service * (1.0 - range_normalize(service, s_lo, s_hi))
+            + params.las_weight_head_wait * range_normalize(wait, w_lo, w_hi);
+        if best.is_none_or(|(_, b)| score > b) {
+            best = Some((fi, score));
+        }
+    }
+    best.map(|b| b.0)
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

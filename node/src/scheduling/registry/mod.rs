@@ -469,7 +469,8 @@ pub fn construct(
         }
         flowctl::GLOBAL_STRICT_FAIRNESS
         | flowctl::ROUND_ROBIN_FAIRNESS
-        | flowctl::WEIGHTED_FAIRNESS => {
+        | flowctl::WEIGHTED_FAIRNESS
+        | flowctl::PROGRAM_AWARE_FAIRNESS => {
             flowctl::FairnessPolicy::from_plugin(type_name, parameters, path)?;
             Plugin::FlowControl
         }

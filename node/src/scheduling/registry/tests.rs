@@ -1204,6 +1204,7 @@ const LLMD_TYPES: &[&str] = &[
     "global-strict-fairness-policy",
     "round-robin-fairness-policy",
     "weighted-fairness-policy",
+    "program-aware-fairness",
     "fcfs-ordering-policy",
     "edf-ordering-policy",
     "slo-deadline-ordering-policy",
