@@ -134,7 +134,7 @@ struct ServeArgs {
     /// naming it as `previous_response_id` goes to that pod.
     #[arg(long, default_value = "1h", value_parser = duration)]
     response_affinity_ttl: Duration,
-    /// The most response bindings kept per pod (the newest; each ~50 bytes per replica).
+    /// The most response bindings kept per pod (the newest; each ~130 bytes on every replica).
     #[arg(long, default_value_t = node::datalayer::responses::DEFAULT_PER_POD)]
     response_affinity_per_pod: usize,
     /// Model-server metrics scrape tick.
