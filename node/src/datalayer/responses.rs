@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use index::{ApproxIndex, DeltaSink, Hlc, PodDigest, PodMatch, PodState, Replicated};
 
+use super::Endpoint;
 use super::scraper::unix_us;
-use super::store::Candidate;
 
 /// Seeds the response-id hash (a key space apart from the prefix index's block hashes).
 const KEY_SEED: u64 = 0x7265_7370_6f6e_7365; // "response"
@@ -88,19 +88,15 @@ impl ResponseBindings {
     }
 
     /// `pod` served the response `response_id` (replicated when gossip is on).
-    pub fn bind(&self, response_id: &str, pod: &Candidate) {
+    pub fn bind(&self, response_id: &str, pod: &Endpoint) {
         if response_id.is_empty() {
             return;
         }
-        let epoch = pod
-            .sample
-            .as_ref()
-            .and_then(|s| s.metrics.started_ms)
-            .unwrap_or(0);
+        let epoch = pod.sample().and_then(|s| s.metrics.started_ms).unwrap_or(0);
         let h = key(response_id);
         let mut st = self.write();
         let ts = st.clock.now(unix_us());
-        let id = st.index.pod_with_epoch(&pod.endpoint.hostport, epoch);
+        let id = st.index.pod_with_epoch(&pod.hostport, epoch);
         match self.outbox.get() {
             Some(out) => {
                 if let Some(delta) = st.index.insert_delta(id, &[h], ts) {
@@ -196,7 +192,14 @@ impl Replicated for ResponseBindings {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::datalayer::store::Candidate;
     use crate::datalayer::testutil::cand_at;
+
+    impl ResponseBindings {
+        fn bind_test(&self, id: &str, pod: &Candidate) {
+            self.bind(id, &pod.endpoint);
+        }
+    }
 
     fn pods(n: usize) -> Vec<Candidate> {
         (0..n)
@@ -217,8 +220,8 @@ mod tests {
         let b = ResponseBindings::new(Duration::from_secs(3600), 4);
         let pods = pods(2);
         assert_eq!(b.lookup("resp_1"), Binding::Unknown);
-        b.bind("resp_1", &pods[1]);
-        b.bind("resp_2", &pods[0]);
+        b.bind_test("resp_1", &pods[1]);
+        b.bind_test("resp_2", &pods[0]);
         assert!(
             matches!(b.lookup("resp_1"), Binding::Pod { ref hostport, .. } if *hostport == pods[1].endpoint.hostport)
         );
@@ -229,7 +232,7 @@ mod tests {
         assert_eq!(b.len(), 2);
 
         let short = ResponseBindings::new(Duration::ZERO, 4);
-        short.bind("resp_1", &pods[0]);
+        short.bind_test("resp_1", &pods[0]);
         std::thread::sleep(Duration::from_millis(2));
         assert_eq!(short.lookup("resp_1"), Binding::Expired);
     }
@@ -242,7 +245,7 @@ mod tests {
             let (b, pod) = (b.clone(), pods[0].clone());
             tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(30)).await;
-                b.bind("resp_late", &pod);
+                b.bind_test("resp_late", &pod);
             })
         };
         let t0 = std::time::Instant::now();
@@ -266,7 +269,7 @@ mod tests {
         let b = ResponseBindings::new(Duration::from_secs(3600), 3);
         let pods = pods(1);
         for i in 0..5 {
-            b.bind(&format!("resp_{i}"), &pods[0]);
+            b.bind_test(&format!("resp_{i}"), &pods[0]);
         }
         assert_eq!(b.len(), 3);
         assert_eq!(b.lookup("resp_0"), Binding::Unknown);
@@ -281,8 +284,8 @@ mod tests {
             ResponseBindings::new(DEFAULT_TTL, 8),
         );
         let pods = pods(2);
-        a.bind("resp_a", &pods[0]);
-        b.bind("resp_b", &pods[1]);
+        a.bind_test("resp_a", &pods[0]);
+        b.bind_test("resp_b", &pods[1]);
         let names: Vec<String> = pods.iter().map(|c| c.endpoint.hostport.clone()).collect();
         b.merge(&a.export(&names));
         a.merge(&b.export(&names));

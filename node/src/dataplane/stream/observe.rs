@@ -264,9 +264,9 @@ impl StreamState {
         let Some(pod) = self.serving_pod() else {
             return;
         };
-        let candidates = self.ctx.store.candidates(Instant::now());
-        if let Some(c) = candidates.iter().find(|c| c.endpoint.hostport == pod) {
-            self.ctx.responses.bind(id, c);
+        let endpoints = self.ctx.store.endpoints();
+        if let Some(ep) = endpoints.iter().find(|e| e.hostport == pod) {
+            self.ctx.responses.bind(id, ep);
         }
     }
 
