@@ -98,6 +98,38 @@ async fn recoveries(c: &LocalCluster) -> Vec<(String, u64, u64, u64)> {
         .unwrap_or_default()
 }
 
+/// Pods whose blocks in the EPP's index differ from their cache (the simulator's own state):
+/// (pod, index, pod).
+async fn mismatched(c: &LocalCluster) -> Vec<(String, u64, u64)> {
+    let view = c
+        .epp(0)
+        .unwrap()
+        .admin_json("/debug/kv-events")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    for (i, pod) in c.sim.pods().iter().enumerate() {
+        let held = view["pods"][pod.addr.to_string()]["blocks"]
+            .as_u64()
+            .unwrap_or(0);
+        let cached = c.sim.stats(i).cached_blocks;
+        if held != cached {
+            out.push((pod.addr.to_string(), held, cached));
+        }
+    }
+    out
+}
+
+/// Waits (≤ 5 s) until the index equals every pod's cache.
+async fn index_equal(c: &LocalCluster) -> anyhow::Result<()> {
+    chaos::wait::until(
+        "the index equal to the pods' caches",
+        Duration::from_secs(5),
+        || async { mismatched(c).await.is_empty() },
+    )
+    .await
+}
+
 async fn run(c: &LocalCluster) -> Run {
     c.wait_for_pods().await.unwrap();
     let report = loadgen::run(&load(), &c.envoy.url()).await.unwrap();
@@ -142,35 +174,11 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>();
     let renders = counter(&m, "llm_d_epp_token_producer_requests_total");
-    // The EPP's index against the pods' caches, pod by pod (from the simulator itself), once the
-    // engines' last events (published at their last steps) have arrived.
-    let mismatched = || async {
-        let view = c
-            .epp(0)
-            .unwrap()
-            .admin_json("/debug/kv-events")
-            .await
-            .unwrap();
-        let mut out = Vec::new();
-        for (i, pod) in c.sim.pods().iter().enumerate() {
-            let held = view["pods"][pod.addr.to_string()]["blocks"]
-                .as_u64()
-                .unwrap_or(0);
-            let cached = c.sim.stats(i).cached_blocks;
-            if held != cached {
-                out.push((pod.addr.to_string(), held, cached));
-            }
-        }
-        out
-    };
+    // The EPP's index against the pods' caches, once the engines' last events (published at
+    // their last steps) have arrived.
     let t0 = std::time::Instant::now();
-    let equal = chaos::wait::until(
-        "the index equal to the pods' caches",
-        Duration::from_secs(5),
-        || async { mismatched().await.is_empty() },
-    )
-    .await;
-    let mismatched = mismatched().await;
+    let equal = index_equal(&c).await;
+    let mismatched = mismatched(&c).await;
     eprintln!(
         "index equal to the pods' caches: {:?} after the traffic",
         equal.as_ref().map(|_| t0.elapsed())
@@ -225,5 +233,183 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
     assert!(
         equal.is_ok(),
         "index blocks vs the pods' cached blocks (pod, index, pod): {mismatched:?}"
+    );
+}
+
+/// llm-d's precise profile with the `local` token producer: the tokenizer directory in-process.
+fn local_config(tokenizer: &std::path::Path) -> String {
+    config("precise-prefix-cache-producer").replacen(
+        "plugins:\n",
+        &format!(
+            "plugins:\n- type: token-producer\n  parameters:\n    backend: local\n    \
+             modelTokenizerMap:\n      sim-model: {}\n",
+            tokenizer.display()
+        ),
+        1,
+    )
+}
+
+/// The `local` token producer. The pods tokenize with a Hugging Face tokenizer directory (the
+/// simulator's vocabulary exported as `tokenizer.json` with Llama 3's chat template), as vLLM pods
+/// do with their model's; the EPP loads the same directory and renders and tokenizes in-process.
+/// The precise index is keyed by the token ids in the pods' KV events, so the predictions match
+/// what the pods report only if the EPP's ids are the engine's — with the estimate backend or the
+/// built-in tokenizer nothing would match.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_tokenizer_gives_the_engines_tokens_without_render_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    sim::hftok::export(dir.path()).unwrap();
+    let c = LocalCluster::start(ClusterSpec {
+        sim: SimConfig {
+            tokenizer: Some(dir.path().to_path_buf()),
+            ..pods()
+        },
+        epp_args: vec!["--config-text".into(), local_config(dir.path())],
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
+    // The pods really tokenize with the directory: Llama 3's header tokens in their own answer.
+    let probe: Value = reqwest::Client::new()
+        .post(format!("http://{}/tokenize", c.sim.pods()[0].addr))
+        .json(
+            &serde_json::json!({"messages": [{"role": "user", "content": "hello"}],
+                                  "return_token_strs": true}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(probe["token_strs"][0], "<|begin_of_text|>", "{probe}");
+    subscribed(&c).await;
+    let r = run(&c).await;
+    let m = c.epp(0).unwrap().metrics().await.unwrap();
+    let calls: Vec<&str> = m
+        .lines()
+        .filter(|l| l.starts_with("llm_d_epp_token_producer_requests_total{"))
+        .collect();
+    let streams = recoveries(&c).await;
+    c.shutdown().await;
+    eprintln!(
+        "local tokenizer: predicted {} observed {} |error| {} ({:.2}%) | prompt tokens {} cached \
+         ratio {:.3} | {calls:?}",
+        r.predicted,
+        r.observed,
+        r.abs_error,
+        r.error() * 100.0,
+        r.report.prompt_tokens,
+        r.report.cached_ratio
+    );
+    assert_eq!((r.report.errors, r.report.requests), (0, 24 * 5), "{r:?}");
+    assert_eq!(
+        calls,
+        ["llm_d_epp_token_producer_requests_total{backend=\"local\",outcome=\"ok\"} 120"],
+        "every request tokenized in-process, none otherwise"
+    );
+    assert_eq!(r.observed, r.report.cached_tokens, "{r:?}");
+    assert!(
+        r.observed > r.report.prompt_tokens / 2,
+        "the workload reuses most of its prompts: {r:?}"
+    );
+    assert!(
+        r.error() <= 0.02,
+        "local-tokenizer prediction error {:.2}% > 2%: {r:?}; streams (pod, gaps, resyncs, \
+         restarts): {streams:?}",
+        r.error() * 100.0
+    );
+}
+
+/// One chat request through Envoy: the serving pod, the prompt tokens and cached tokens it
+/// reported.
+async fn chat(c: &LocalCluster, salt: Option<&str>, text: &str) -> (String, u64, u64) {
+    let mut body = serde_json::json!({
+        "model": "sim-model",
+        "messages": [{"role": "system", "content": text}, {"role": "user", "content": "go"}],
+        "max_tokens": 4,
+    });
+    if let Some(s) = salt {
+        body["cache_salt"] = s.into();
+    }
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", c.envoy.url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .error_for_status()
+        .unwrap();
+    let pod = resp
+        .headers()
+        .get("x-inference-pod")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let v: Value = resp.json().await.unwrap();
+    let usage = &v["usage"];
+    (
+        pod,
+        usage["prompt_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    )
+}
+
+/// Salted prompts (vLLM's `cache_salt`): an engine keeps a salted prompt's blocks apart from the
+/// same text unsalted or salted otherwise, and says so in the first block's `extra_keys`. The
+/// EPP must key them the same way: a tenant's repeat is predicted cached, the same text under
+/// another salt or none is predicted uncached — checked against what the pods report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn salted_prompts_are_predicted_in_their_own_key_space() {
+    let c = LocalCluster::start(ClusterSpec {
+        sim: pods(),
+        epp_args: vec![
+            "--config-text".into(),
+            config("precise-prefix-cache-producer"),
+        ],
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
+    subscribed(&c).await;
+    let text = (0..300)
+        .map(|i| format!("w{i}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    // (salt, what the pod must report as cached): the first of each is cold.
+    let steps: [(Option<&str>, bool); 6] = [
+        (Some("tenant-a"), false),
+        (Some("tenant-a"), true),
+        (Some("tenant-b"), false),
+        (None, false),
+        (Some("tenant-b"), true),
+        (None, true),
+    ];
+    let mut seen = Vec::new();
+    for (salt, warm) in steps {
+        let (pod, prompt, cached) = chat(&c, salt, &text).await;
+        seen.push((salt, pod, prompt, cached));
+        assert_eq!(cached > prompt / 2, warm, "{salt:?}: {seen:?}");
+        // The pods' events for this prompt indexed before the next request.
+        index_equal(&c).await.unwrap();
+    }
+    let m = c.epp(0).unwrap().metrics().await.unwrap();
+    let predicted = counter(&m, "llm_d_epp_prefix_cached_tokens_predicted_total");
+    let observed = counter(&m, "llm_d_epp_prefix_cached_tokens_observed_total");
+    let abs_error = counter(&m, "llm_d_epp_prefix_cached_tokens_abs_error_total");
+    c.shutdown().await;
+    eprintln!("salted: {seen:?}; predicted {predicted} observed {observed} |error| {abs_error}");
+    assert_eq!(
+        observed,
+        seen.iter().map(|s| s.3).sum::<u64>(),
+        "the observer counted what the clients were told"
+    );
+    assert_eq!(
+        abs_error, 0,
+        "predicted {predicted} vs observed {observed}: {seen:?}"
     );
 }

@@ -24,6 +24,7 @@ fn stored(i: u64) -> KvEvent {
         block_size: BS,
         lora_id: None,
         lora_name: None,
+        cache_salt: None,
     }
 }
 
@@ -165,6 +166,7 @@ fn without_a_replay_socket_a_gap_resyncs_the_pod() {
         block_size: BS,
         lora_id: None,
         lora_name: None,
+        cache_salt: None,
     }]);
     wait("the root block", || held(&producer, "pod") == keys(1));
     wait("the status", || sub.status()["pod"].blocks == 1);

@@ -60,6 +60,11 @@ pub struct BlockStored {
     pub group_idx: Option<u32>,
     /// `"full_attention"`, sliding-window or mamba kinds (hybrid models only).
     pub kv_cache_spec_kind: Option<String>,
+    /// The request's `cache_salt`: SGLang's `cache_salt` field, or in vLLM's `extra_keys` of the
+    /// first block the last string that is not the LoRA name (vLLM appends the salt after the
+    /// adapter's name and multimodal identifiers, and only to a prompt's first block, so only a run
+    /// starting at token 0 carries it). `None`: not salted.
+    pub cache_salt: Option<String>,
 }
 
 /// One decoded event.
@@ -248,6 +253,8 @@ fn events(r: &mut Reader<'_>) -> Result<(Vec<KvEvent>, usize), Error> {
 struct Fields {
     block_hashes: Option<Vec<u64>>,
     stored: BlockStored,
+    /// The bare strings of vLLM's `extra_keys` for the first block.
+    first_extra: Vec<String>,
 }
 
 impl Fields {
@@ -263,6 +270,9 @@ impl Fields {
             "lora_name" => f.lora_name = r.opt_string()?,
             "group_idx" => f.group_idx = r.opt_u32()?,
             "kv_cache_spec_kind" => f.kv_cache_spec_kind = r.opt_string()?,
+            // SGLang names it.
+            "cache_salt" => f.cache_salt = r.opt_string()?,
+            "extra_keys" => self.first_extra = r.first_extra_strings()?,
             _ => r.skip(0)?,
         }
         Ok(())
@@ -271,8 +281,15 @@ impl Fields {
     fn into_event(self, tag: &str) -> Result<Option<KvEvent>, Error> {
         let Fields {
             block_hashes,
-            stored,
+            mut stored,
+            first_extra,
         } = self;
+        if stored.cache_salt.is_none() {
+            stored.cache_salt = first_extra
+                .into_iter()
+                .rfind(|s| Some(s) != stored.lora_name.as_ref());
+        }
+        stored.cache_salt = stored.cache_salt.filter(|s| !s.is_empty());
         let hashes =
             || block_hashes.ok_or_else(|| Error::new(format!("{tag} without block_hashes")));
         Ok(Some(match tag {
@@ -527,6 +544,43 @@ impl<'a> Reader<'a> {
                 Int::I(i) => Ok(i as f64),
             },
         }
+    }
+
+    /// vLLM's `extra_keys` (`nil`, or per block `nil` or a tuple): the strings directly in the first
+    /// block's tuple, in order (multimodal `[identifier, offset]` pairs — nested, or flat: a string
+    /// then an integer — and bytes are skipped; another shape is skipped whole).
+    fn first_extra_strings(&mut self) -> Result<Vec<String>, Error> {
+        let mut out = Vec::new();
+        if !is_array(self.peek()?) {
+            // nil, or a shape this decoder does not know: no salt.
+            self.skip(1)?;
+            return Ok(out);
+        }
+        let blocks = self.array_len()?;
+        for b in 0..blocks {
+            if b > 0 || !is_array(self.peek()?) {
+                self.skip(1)?;
+                continue;
+            }
+            // A string followed by an integer is a multimodal (identifier, offset) written flat.
+            let mut last: Option<String> = None;
+            for _ in 0..self.array_len()? {
+                let m = self.peek()?;
+                if matches!(m, 0xa0..=0xbf | 0xd9..=0xdb) {
+                    out.extend(last.replace(self.str()?.to_owned()));
+                } else {
+                    let int = matches!(m, 0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3);
+                    if !int {
+                        out.extend(last.take());
+                    } else {
+                        last = None;
+                    }
+                    self.skip(2)?;
+                }
+            }
+            out.extend(last);
+        }
+        Ok(out)
     }
 
     fn opt_string(&mut self) -> Result<Option<String>, Error> {

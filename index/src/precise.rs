@@ -374,7 +374,8 @@ impl PreciseIndex {
 
     /// Apply one batch of pod `id`'s events, in order. `model` is the model its topic names (the
     /// key space of its base-model blocks); `root` derives a chain's first parent key from the
-    /// effective model (the adapter's name for LoRA blocks) — the same seed requests use.
+    /// effective model (the adapter's name for LoRA blocks), followed by the cache salt for a
+    /// salted chain — the same seed requests use ([`crate::BlockHasher`]).
     pub fn apply(
         &mut self,
         id: PodId,
@@ -446,7 +447,11 @@ impl PreciseIndex {
             return out;
         };
         let parent = match s.parent_block_hash {
-            None => root(effective),
+            // A salted prompt's chain starts from the model and the salt, as the request's does.
+            None => match &s.cache_salt {
+                Some(salt) => root(&format!("{effective}{salt}")),
+                None => root(effective),
+            },
             Some(h) => match self.pods[id as usize].engine.get(&h) {
                 Some(k) => *k,
                 None => {

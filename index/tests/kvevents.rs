@@ -104,7 +104,82 @@ fn stored(hashes: Vec<u64>, parent: Option<u64>) -> BlockStored {
         lora_name: None,
         group_idx: Some(0),
         kv_cache_spec_kind: None,
+        cache_salt: None,
     }
+}
+
+#[test]
+fn the_cache_salt_comes_from_the_first_blocks_extra_keys_or_sglangs_field() {
+    let map = |extra: V, lora: V| {
+        V::M(vec![
+            ("type", V::S("BlockStored")),
+            ("block_hashes", ints(&[1, 2])),
+            ("parent_block_hash", V::Nil),
+            ("token_ids", ints(&TOKENS)),
+            ("block_size", V::U(2)),
+            ("lora_id", V::Nil),
+            ("medium", V::S("GPU")),
+            ("lora_name", lora),
+            ("extra_keys", extra),
+        ])
+    };
+    let salt_of = |event: V| {
+        let b = decode_batch(&bytes(&V::A(vec![V::F(0.0), V::A(vec![event])]))).unwrap();
+        match &b.events[..] {
+            [KvEvent::BlockStored(s)] => s.cache_salt.clone(),
+            other => panic!("{other:?}"),
+        }
+    };
+    let s = |x: &str| Some(x.to_owned());
+    // LoRA name, a multimodal (identifier, offset), bytes (prompt embeds), then the salt.
+    let first = V::A(vec![
+        V::S("sql"),
+        V::A(vec![V::S("img-hash"), V::U(3)]),
+        V::S("tenant-a"),
+        V::B(vec![1, 2, 3]),
+    ]);
+    let extra = V::A(vec![first, V::A(vec![V::S("sql")])]);
+    assert_eq!(salt_of(map(extra, V::S("sql"))), s("tenant-a"));
+    // A multimodal pair written flat, then the salt; and the pair alone.
+    let flat = V::A(vec![V::A(vec![V::S("img"), V::U(3), V::S("tenant-d")])]);
+    assert_eq!(salt_of(map(flat, V::Nil)), s("tenant-d"));
+    let pair = V::A(vec![V::A(vec![V::S("img"), V::U(3)])]);
+    assert_eq!(salt_of(map(pair, V::Nil)), None);
+    // Only the adapter: no salt. No extra keys, nil ones, a nil first block: none either.
+    let lora_only = V::A(vec![V::A(vec![V::S("sql")]), V::A(vec![V::S("sql")])]);
+    assert_eq!(salt_of(map(lora_only, V::S("sql"))), None);
+    assert_eq!(salt_of(map(V::Nil, V::Nil)), None);
+    let later = V::A(vec![V::Nil, V::A(vec![V::S("x")])]);
+    assert_eq!(salt_of(map(later, V::Nil)), None);
+    assert_eq!(salt_of(map(V::A(vec![V::A(vec![V::S("")])]), V::Nil)), None);
+    // The legacy positional form: extra_keys is field 8.
+    let positional = V::A(vec![
+        V::S("BlockStored"),
+        ints(&[1, 2]),
+        V::Nil,
+        ints(&TOKENS),
+        V::U(2),
+        V::Nil,
+        V::S("GPU"),
+        V::Nil,
+        V::A(vec![V::A(vec![V::S("tenant-b")]), V::Nil]),
+        V::U(0),
+    ]);
+    assert_eq!(salt_of(positional), s("tenant-b"));
+    // SGLang's field.
+    let sglang = V::M(vec![
+        ("type", V::S("BlockStored")),
+        ("block_hashes", ints(&[1])),
+        ("token_ids", ints(&TOKENS[..2])),
+        ("block_size", V::U(2)),
+        ("cache_salt", V::S("tenant-c")),
+        ("session_id", V::S("s")),
+    ]);
+    assert_eq!(salt_of(sglang), s("tenant-c"));
+    // Another shape where the extra keys should be is skipped: the event stands, unsalted.
+    assert_eq!(salt_of(map(V::S("not a list"), V::Nil)), None);
+    let typed = V::M(vec![("kind", V::S("salt")), ("value", V::S("x"))]);
+    assert_eq!(salt_of(map(typed, V::Nil)), None);
 }
 
 #[test]

@@ -260,8 +260,8 @@ pub async fn serve(
     let renderer = built
         .render
         .clone()
-        .map(|config| crate::request::tokens::Renderer {
-            config,
+        .map(|backend| crate::request::tokens::Renderer {
+            backend,
             client: client.clone(),
             metrics: metrics.clone(),
         });

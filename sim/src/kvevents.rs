@@ -73,6 +73,9 @@ pub enum KvEvent {
         block_size: usize,
         lora_id: Option<u64>,
         lora_name: Option<String>,
+        /// The request's `cache_salt`, on a run that starts at the prompt's first block (vLLM puts
+        /// it in that block's `extra_keys`, after the adapter's name).
+        cache_salt: Option<String>,
     },
     BlockRemoved {
         block_hashes: Vec<u64>,
@@ -81,6 +84,26 @@ pub enum KvEvent {
 }
 
 struct Wire<'a>(&'a KvEvent, Encoding);
+
+/// vLLM's `extra_keys` of a salted run: per block `nil` or a tuple — the first block's holds the
+/// adapter's name (if any) then the salt, the others the adapter's name. `None` (nil) unsalted.
+fn extra_keys<'a>(
+    blocks: usize,
+    lora_name: &'a Option<String>,
+    cache_salt: &'a Option<String>,
+) -> Option<Vec<Option<Vec<&'a str>>>> {
+    let salt = cache_salt.as_deref()?;
+    let lora = lora_name.as_deref();
+    Some(
+        (0..blocks)
+            .map(|i| match (i, lora) {
+                (0, l) => Some(l.into_iter().chain([salt]).collect()),
+                (_, Some(l)) => Some(vec![l]),
+                (_, None) => None,
+            })
+            .collect(),
+    )
+}
 
 impl Serialize for Wire<'_> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -93,10 +116,12 @@ impl Serialize for Wire<'_> {
                     block_size,
                     lora_id,
                     lora_name,
+                    cache_salt,
                 },
                 Encoding::Map,
             ) => {
-                let mut m = s.serialize_map(Some(9))?;
+                let extra = extra_keys(block_hashes.len(), lora_name, cache_salt);
+                let mut m = s.serialize_map(Some(9 + usize::from(extra.is_some())))?;
                 m.serialize_entry("type", "BlockStored")?;
                 m.serialize_entry("block_hashes", block_hashes)?;
                 m.serialize_entry("parent_block_hash", parent_block_hash)?;
@@ -105,6 +130,10 @@ impl Serialize for Wire<'_> {
                 m.serialize_entry("lora_id", lora_id)?;
                 m.serialize_entry("medium", MEDIUM_GPU)?;
                 m.serialize_entry("lora_name", lora_name)?;
+                // Omitted when it is its default (nil), as msgspec does.
+                if let Some(extra) = &extra {
+                    m.serialize_entry("extra_keys", extra)?;
+                }
                 m.serialize_entry("group_idx", &0u32)?;
                 m.end()
             }
@@ -116,6 +145,7 @@ impl Serialize for Wire<'_> {
                     block_size,
                     lora_id,
                     lora_name,
+                    cache_salt,
                 },
                 Encoding::Array,
             ) => {
@@ -128,9 +158,8 @@ impl Serialize for Wire<'_> {
                 a.serialize_element(lora_id)?;
                 a.serialize_element(MEDIUM_GPU)?;
                 a.serialize_element(lora_name)?;
-                // extra_keys, group_idx
-                a.serialize_element(&Option::<u8>::None)?;
-                a.serialize_element(&0u32)?;
+                a.serialize_element(&extra_keys(block_hashes.len(), lora_name, cache_salt))?;
+                a.serialize_element(&0u32)?; // group_idx
                 a.end()
             }
             (KvEvent::BlockRemoved { block_hashes }, Encoding::Map) => {
@@ -444,6 +473,7 @@ mod tests {
                 block_size: 2,
                 lora_id: None,
                 lora_name: None,
+                cache_salt: None,
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![7],
@@ -479,6 +509,23 @@ mod tests {
     }
 
     #[test]
+    fn a_salted_run_carries_the_salt_in_its_first_blocks_extra_keys() {
+        let stored = |lora: Option<&str>| KvEvent::BlockStored {
+            block_hashes: vec![1, 2],
+            parent_block_hash: None,
+            token_ids: vec![5, 6],
+            block_size: 1,
+            lora_id: lora.map(|_| 1),
+            lora_name: lora.map(str::to_owned),
+            cache_salt: Some("t1".into()),
+        };
+        let v = decode(&encode_batch(0.0, &[stored(None)], Encoding::Map));
+        assert_eq!(v[1][0]["extra_keys"], json!([["t1"], null]));
+        let v = decode(&encode_batch(0.0, &[stored(Some("ad"))], Encoding::Array));
+        assert_eq!(v[1][0][8], json!([["ad", "t1"], ["ad"]]));
+    }
+
+    #[test]
     fn array_encoding_is_positional() {
         let ev = [
             KvEvent::BlockStored {
@@ -488,6 +535,7 @@ mod tests {
                 block_size: 1,
                 lora_id: Some(4),
                 lora_name: Some("ad".into()),
+                cache_salt: None,
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![9],

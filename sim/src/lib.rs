@@ -37,6 +37,7 @@
 pub mod cache;
 pub mod engine;
 pub mod fleet;
+pub mod hftok;
 pub mod knobs;
 pub mod kubeapi;
 pub mod kvevents;
@@ -107,6 +108,9 @@ pub struct SimConfig {
     /// `decode`; the rest get no role.
     pub prefill_pods: usize,
     pub decode_pods: usize,
+    /// A Hugging Face tokenizer directory (`tokenizer.json`, a chat template) the pods tokenize
+    /// prompts with; `None` = the built-in hashing tokenizer ([`tokenizer`]).
+    pub tokenizer: Option<std::path::PathBuf>,
 }
 
 impl Default for SimConfig {
@@ -123,6 +127,7 @@ impl Default for SimConfig {
             kv_events: None,
             prefill_pods: 0,
             decode_pods: 0,
+            tokenizer: None,
         }
     }
 }
@@ -251,6 +256,12 @@ impl Sim {
             None => None,
         };
         let vocab = Arc::new(std::sync::Mutex::new(tokenizer::Vocab::default()));
+        let tok = match &cfg.tokenizer {
+            Some(dir) => tokenizer::Tokenizer::Hf(Arc::new(
+                hftok::HfTokenizer::load(dir).map_err(SimError::InvalidConfig)?,
+            )),
+            None => tokenizer::Tokenizer::Builtin,
+        };
         let mut pods = Vec::with_capacity(cfg.pods);
         for (i, (_, addr)) in listeners.iter().enumerate() {
             pods.push(Arc::new(Pod::with_options(
@@ -263,6 +274,7 @@ impl Sim {
                     kv_events: kv.as_ref().and_then(|k| k.sender()),
                     role: cfg.role(i),
                     vocab: Some(Arc::clone(&vocab)),
+                    tokenizer: tok.clone(),
                 },
             )));
         }

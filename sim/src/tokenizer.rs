@@ -86,6 +86,73 @@ pub fn chat_tokens(messages: &[ChatMessage]) -> Vec<u32> {
     out
 }
 
+/// The pods' tokenizer: the built-in hashing one, or a Hugging Face tokenizer directory
+/// (`--tokenizer`, see [`crate::hftok`]).
+#[derive(Clone, Debug, Default)]
+pub enum Tokenizer {
+    #[default]
+    Builtin,
+    Hf(std::sync::Arc<crate::hftok::HfTokenizer>),
+}
+
+impl Tokenizer {
+    /// Prompt ids of a chat conversation (an error when the chat template refuses it).
+    pub fn chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
+        match self {
+            Tokenizer::Builtin => Ok(chat_tokens(messages)),
+            Tokenizer::Hf(t) => Ok(t.encode(&t.render(messages)?, false).0),
+        }
+    }
+
+    /// Prompt ids and token texts of a chat conversation.
+    pub fn chat_strs(&self, messages: &[ChatMessage]) -> Result<(Vec<u32>, Vec<String>), String> {
+        match self {
+            Tokenizer::Builtin => Ok((chat_tokens(messages), chat_token_strs(messages))),
+            Tokenizer::Hf(t) => Ok(t.encode(&t.render(messages)?, false)),
+        }
+    }
+
+    /// Ids and token texts of a completions prompt (with the tokenizer's special tokens).
+    pub fn text_strs(&self, text: &str) -> (Vec<u32>, Vec<String>) {
+        match self {
+            Tokenizer::Builtin => {
+                let mut strs = Vec::new();
+                token_strs_into(text, &mut strs);
+                (tokenize(text), strs)
+            }
+            Tokenizer::Hf(t) => t.encode(text, true),
+        }
+    }
+
+    fn text(&self, text: &str) -> Vec<u32> {
+        match self {
+            Tokenizer::Builtin => tokenize(text),
+            Tokenizer::Hf(t) => t.encode(text, true).0,
+        }
+    }
+
+    /// Every prompt of a completions request (a batch of strings or of token-id lists is several).
+    pub fn prompt_list(&self, prompt: &Prompt) -> Vec<Vec<u32>> {
+        match prompt {
+            Prompt::Text(t) => vec![self.text(t)],
+            Prompt::Texts(ts) => ts.iter().map(|t| self.text(t)).collect(),
+            Prompt::Ids(ids) => vec![ids.clone()],
+            Prompt::IdLists(lists) => lists.clone(),
+        }
+    }
+
+    /// The text of `ids` for `/detokenize`; the built-in tokenizer asks `vocab` (what it learned).
+    pub fn detokenize(&self, ids: &[u32], vocab: &std::sync::Mutex<Vocab>) -> String {
+        match self {
+            Tokenizer::Builtin => vocab
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .detokenize(ids),
+            Tokenizer::Hf(t) => t.decode(ids),
+        }
+    }
+}
+
 /// The `prompt` of a completions request in any of its accepted shapes.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
@@ -94,16 +161,6 @@ pub enum Prompt {
     Texts(Vec<String>),
     Ids(Vec<u32>),
     IdLists(Vec<Vec<u32>>),
-}
-
-/// Every prompt of a completions request (a batch of strings or of token-id lists is several).
-pub fn prompt_list(prompt: &Prompt) -> Vec<Vec<u32>> {
-    match prompt {
-        Prompt::Text(t) => vec![tokenize(t)],
-        Prompt::Texts(ts) => ts.iter().map(|t| tokenize(t)).collect(),
-        Prompt::Ids(ids) => vec![ids.clone()],
-        Prompt::IdLists(lists) => lists.clone(),
-    }
 }
 
 /// The text of each token of `text` (`return_token_strs` of `/tokenize`).
@@ -133,16 +190,6 @@ pub fn chat_token_strs(messages: &[ChatMessage]) -> Vec<String> {
         }
     }
     out
-}
-
-/// Prompt tokens of a completions request: the first prompt of a batch.
-pub fn prompt_tokens(prompt: &Prompt) -> Vec<u32> {
-    match prompt {
-        Prompt::Text(t) => tokenize(t),
-        Prompt::Texts(ts) => ts.first().map(|t| tokenize(t)).unwrap_or_default(),
-        Prompt::Ids(ids) => ids.clone(),
-        Prompt::IdLists(lists) => lists.first().cloned().unwrap_or_default(),
-    }
 }
 
 /// The words generated text is made of (each one token).
@@ -276,21 +323,26 @@ mod tests {
 
     #[test]
     fn completion_prompt_shapes() {
+        let t = Tokenizer::Builtin;
+        let first = |p: &Prompt| t.prompt_list(p).remove(0);
         let p: Prompt = serde_json::from_str(r#""one two""#).unwrap();
-        assert_eq!(prompt_tokens(&p).len(), 2);
+        assert_eq!(first(&p).len(), 2);
         let p: Prompt = serde_json::from_str(r#"["one two three","x"]"#).unwrap();
         // "three" is two 4-byte pieces.
-        assert_eq!(prompt_tokens(&p).len(), 4);
+        assert_eq!(first(&p).len(), 4);
         let p: Prompt = serde_json::from_str("[5,6,7]").unwrap();
-        assert_eq!(prompt_tokens(&p), vec![5, 6, 7]);
+        assert_eq!(first(&p), vec![5, 6, 7]);
         let p: Prompt = serde_json::from_str("[[1,2],[3]]").unwrap();
-        assert_eq!(prompt_tokens(&p), vec![1, 2]);
+        assert_eq!(first(&p), vec![1, 2]);
     }
 
     #[test]
     fn prompt_batches_and_token_strs() {
         let p: Prompt = serde_json::from_str(r#"["a b","c"]"#).unwrap();
-        assert_eq!(prompt_list(&p), vec![tokenize("a b"), tokenize("c")]);
+        assert_eq!(
+            Tokenizer::Builtin.prompt_list(&p),
+            vec![tokenize("a b"), tokenize("c")]
+        );
         let msgs: Vec<ChatMessage> =
             serde_json::from_str(r#"[{"role":"user","content":"hello w"}]"#).unwrap();
         assert_eq!(chat_token_strs(&msgs), vec!["<|user|>", "hell", "o", "w"]);

@@ -349,6 +349,8 @@ fn the_epp_decoder_reads_both_encodings() {
             block_size: 4,
             lora_id: Some(2),
             lora_name: Some("adapter".into()),
+            // In the first block's extra keys after the adapter's name.
+            cache_salt: Some("tenant".into()),
         },
         KvEvent::BlockRemoved {
             block_hashes: vec![3],
@@ -373,6 +375,7 @@ fn the_epp_decoder_reads_both_encodings() {
                     lora_name: Some("adapter".into()),
                     group_idx: Some(0),
                     kv_cache_spec_kind: None,
+                    cache_salt: Some("tenant".into()),
                 }),
                 Decoded::BlockRemoved {
                     block_hashes: vec![3],

@@ -35,7 +35,11 @@ pub struct RecoveryLabels {
 /// `token_producer_requests_total` labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
-    /// `ok`, `error`, `timeout`, `too-large`, `malformed`.
+    /// `vllm_http` or `local`.
+    pub backend: &'static str,
+    /// `vllm_http`: `ok`, `error`, `timeout`, `too-large`, `malformed`; `local`: `ok`,
+    /// `no-tokenizer` (none for the model), `template-error`, `unsupported` (a prompt shape with no
+    /// single token sequence).
     pub outcome: &'static str,
 }
 
@@ -69,8 +73,9 @@ impl KvEventMetrics {
         };
         registry.register(
             "token_producer_requests",
-            "Render calls of the vllm_http token producer by outcome (a failed call leaves the \
-             request without engine tokens)",
+            "Requests tokenized by the token producer, by backend (vllm_http: a render call; \
+             local: the in-process tokenizer) and outcome (anything but ok leaves the request \
+             without engine tokens)",
             m.token_calls.clone(),
         );
         registry.register(
@@ -127,9 +132,9 @@ impl KvEventMetrics {
         m
     }
 
-    pub fn token_call(&self, outcome: &'static str) {
+    pub fn token_call(&self, backend: &'static str, outcome: &'static str) {
         self.token_calls
-            .get_or_create(&OutcomeLabels { outcome })
+            .get_or_create(&OutcomeLabels { backend, outcome })
             .inc();
     }
 

@@ -105,6 +105,15 @@ struct Args {
     /// cross-thread wake-ups (the cheapest setting for many mostly-idle pods).
     #[arg(long, default_value_t = 0)]
     worker_threads: usize,
+    /// Tokenize prompts with this Hugging Face tokenizer directory (`tokenizer.json` and a chat
+    /// template in `tokenizer_config.json` or `chat_template.jinja`), as a vLLM pod does with its
+    /// model's; default: the built-in hashing tokenizer.
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
+    /// Write the simulator's own vocabulary as a Hugging Face tokenizer directory here (for the
+    /// EPP's `local` token producer and `--tokenizer`), then exit.
+    #[arg(long)]
+    export_tokenizer: Option<std::path::PathBuf>,
 }
 
 impl Args {
@@ -170,6 +179,7 @@ impl Args {
             }),
             prefill_pods: self.prefill_pods,
             decode_pods: self.decode_pods,
+            tokenizer: self.tokenizer.clone(),
         }
     }
 }
@@ -205,6 +215,11 @@ async fn shutdown_signal() -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(dir) = &args.export_tokenizer {
+        sim::hftok::export(dir).with_context(|| format!("writing {}", dir.display()))?;
+        println!("{}", dir.display());
+        return Ok(());
+    }
     let runtime = if args.worker_threads == 1 {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()

@@ -22,7 +22,7 @@ use crate::knobs::EngineModel;
 use crate::knobs::{KnobsPatch, PodKnobs};
 use crate::kvevents::{Command, KvEvent};
 use crate::step::{Event, StepEngine};
-use crate::tokenizer::{ChatMessage, Vocab};
+use crate::tokenizer::{ChatMessage, Tokenizer, Vocab};
 
 mod stats;
 mod stepped;
@@ -234,6 +234,7 @@ impl PodState {
         tokens: &[u32],
         bs: usize,
         lora: Option<&Adapter>,
+        salt: Option<&str>,
     ) {
         let inserted = self.cache.acquire(&hashes[first..]);
         if !self.events_on || inserted.is_empty() {
@@ -253,6 +254,8 @@ impl PodState {
                 block_size: bs,
                 lora_id: lora.map(|l| l.id),
                 lora_name: lora.map(|l| l.name.clone()),
+                // Only the prompt's first block carries the salt.
+                cache_salt: salt.filter(|_| a == 0).map(str::to_owned),
             });
             i = j + 1;
         }
@@ -305,6 +308,8 @@ pub struct Pod {
     responses: Mutex<ResponseStore>,
     /// What `/detokenize` knows, shared by the pods of one sim (one model, one tokenizer).
     pub(crate) vocab: Arc<Mutex<Vocab>>,
+    /// How prompts become token ids (the built-in hashing tokenizer or a Hugging Face one).
+    pub tokenizer: Tokenizer,
 }
 
 /// Responses a pod keeps at most; the oldest go first.
@@ -336,6 +341,8 @@ pub struct PodOptions {
     pub role: Option<String>,
     /// The `/detokenize` vocabulary to share with other pods; `None` gives the pod its own.
     pub vocab: Option<Arc<Mutex<Vocab>>>,
+    /// How prompts become token ids.
+    pub tokenizer: Tokenizer,
 }
 
 impl Pod {
@@ -393,6 +400,7 @@ impl Pod {
             metrics_cache: Mutex::new(None),
             responses: Mutex::new(ResponseStore::default()),
             vocab: opts.vocab.unwrap_or_default(),
+            tokenizer: opts.tokenizer,
         }
     }
 
@@ -679,7 +687,8 @@ impl Pod {
         output_tokens: u32,
         knobs: &PodKnobs,
     ) -> Result<Running, EngineClosed> {
-        self.admit_lora(tokens, output_tokens, knobs, None).await
+        self.admit_lora(tokens, output_tokens, knobs, None, None)
+            .await
     }
 
     /// [`Pod::admit`] for a request that uses `lora` (when `Some`).
@@ -689,12 +698,18 @@ impl Pod {
         output_tokens: u32,
         knobs: &PodKnobs,
         lora: Option<Adapter>,
+        salt: Option<String>,
     ) -> Result<Running, EngineClosed> {
         let bs = knobs.block_size.max(1);
-        let seed = lora
-            .as_ref()
-            .map(|l| xxh3_64(l.name.as_bytes()))
-            .unwrap_or(0);
+        // The adapter's name and the salt are the first block's extra keys in vLLM: a LoRA
+        // request's or a salted prompt's blocks are their own.
+        let seed = match (&lora, &salt) {
+            (None, None) => 0,
+            (l, s) => {
+                let name = l.as_ref().map_or("", |l| l.name.as_str());
+                xxh3_64(format!("{name}\0{}", s.as_deref().unwrap_or("")).as_bytes())
+            }
+        };
         let hashes = block_hashes_seeded(tokens, bs, seed);
         let arrived = tokio::time::Instant::now();
         let mut queued = Queued::new(self, lora.as_ref().map(|l| l.name.clone()));
@@ -781,6 +796,7 @@ impl Pod {
             cached_tokens: hits * bs,
             permit,
             lora,
+            salt,
             lora_swapped: swapped,
             stepped,
             output_tokens,
@@ -863,6 +879,7 @@ pub struct Running {
     cached_tokens: usize,
     permit: Option<OwnedSemaphorePermit>,
     lora: Option<Adapter>,
+    salt: Option<String>,
     lora_swapped: bool,
     /// Admitted under the step model: its time comes from the engine's steps.
     stepped: bool,
@@ -912,6 +929,7 @@ impl Running {
                 &self.tokens,
                 self.block_size,
                 self.lora.as_ref(),
+                self.salt.as_deref(),
             );
             let moved = (self.hashes.len() - self.pinned).min(self.extra);
             self.extra -= moved;

@@ -10,7 +10,6 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
 use crate::engine::{self, Pod};
-use crate::tokenizer::{self};
 
 use super::job::*;
 use super::stream::*;
@@ -50,15 +49,21 @@ pub(super) async fn generate(pod: Arc<Pod>, kind: Kind, body: Bytes) -> Response
     }
     let prompts = match kind {
         Kind::Chat => match &req.messages {
-            Some(m) => vec![tokenizer::chat_tokens(m)],
+            Some(m) => match pod.tokenizer.chat(m) {
+                Ok(t) => vec![t],
+                Err(e) => return reject(&pod, &e),
+            },
             None => return reject(&pod, "field `messages` is required"),
         },
         Kind::Messages => match &req.messages {
-            Some(m) => vec![messages_tokens(req.system.as_ref(), m)],
+            Some(m) => match messages_tokens(&pod.tokenizer, req.system.as_ref(), m) {
+                Ok(t) => vec![t],
+                Err(e) => return reject(&pod, &e),
+            },
             None => return reject(&pod, "field `messages` is required"),
         },
         Kind::Completion => match &req.prompt {
-            Some(p) => tokenizer::prompt_list(p),
+            Some(p) => pod.tokenizer.prompt_list(p),
             None => return reject(&pod, "field `prompt` is required"),
         },
     };
@@ -131,6 +136,7 @@ pub(super) async fn generate(pod: Arc<Pod>, kind: Kind, body: Bytes) -> Response
         output_tokens,
         seed,
         lora,
+        salt: req.cache_salt.filter(|s| !s.is_empty()),
         pd,
         responses: None,
     };

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use crate::engine::{self, Adapter, Pod, Running};
 use crate::knobs::PodKnobs;
-use crate::tokenizer::{self, ChatMessage, Content, Prompt};
+use crate::tokenizer::{self, ChatMessage, Content, Prompt, Tokenizer};
 
 #[derive(Debug, Deserialize)]
 pub(super) struct StreamOptions {
@@ -96,6 +96,8 @@ pub(super) struct Job {
     pub(super) model: String,
     pub(super) seed: u64,
     pub(super) lora: Option<Adapter>,
+    /// vLLM's `cache_salt`: the prompt's blocks are its own (first block's extra keys).
+    pub(super) salt: Option<String>,
     pub(super) pd: PdLeg,
     /// Set for `/v1/responses` (whose prompt is tokenized like a chat).
     pub(super) responses: Option<Box<RespCtx>>,
@@ -135,7 +137,11 @@ pub(super) fn now_secs() -> u64 {
 }
 
 /// Prompt tokens of an Anthropic request: the system prompt, then the messages.
-pub(super) fn messages_tokens(system: Option<&Content>, msgs: &[ChatMessage]) -> Vec<u32> {
+pub(super) fn messages_tokens(
+    tokenizer: &Tokenizer,
+    system: Option<&Content>,
+    msgs: &[ChatMessage],
+) -> Result<Vec<u32>, String> {
     let mut all = Vec::with_capacity(msgs.len() + 1);
     if let Some(s) = system {
         all.push(ChatMessage {
@@ -144,7 +150,7 @@ pub(super) fn messages_tokens(system: Option<&Content>, msgs: &[ChatMessage]) ->
         });
     }
     all.extend(msgs.iter().cloned());
-    tokenizer::chat_tokens(&all)
+    tokenizer.chat(&all)
 }
 
 /// Sum over a job's prompts: (prompt tokens, cached tokens).
@@ -206,7 +212,13 @@ pub(super) fn transfer_params(job: &Job, run: &Running) -> Value {
 pub(super) async fn prefill(job: &Job, tokens: &[u32]) -> Result<Running, engine::EngineClosed> {
     let mut run = job
         .pod
-        .admit_lora(tokens, job.output_tokens, &job.knobs, job.lora.clone())
+        .admit_lora(
+            tokens,
+            job.output_tokens,
+            &job.knobs,
+            job.lora.clone(),
+            job.salt.clone(),
+        )
         .await?;
     run.compute_prompt(&job.knobs, job.pd == PdLeg::Decode)
         .await?;

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::engine::{self, Pod};
-use crate::tokenizer::{self, ChatMessage, Content, ContentPart};
+use crate::tokenizer::{ChatMessage, Content, ContentPart};
 
 use super::generate::*;
 use super::job::*;
@@ -23,6 +23,8 @@ use super::*;
 pub(super) struct ResponsesRequest {
     #[serde(default)]
     pub(super) model: Option<String>,
+    #[serde(default)]
+    pub(super) cache_salt: Option<String>,
     #[serde(default)]
     pub(super) input: Option<Value>,
     #[serde(default)]
@@ -160,7 +162,10 @@ pub(super) async fn responses(State(pod): State<Arc<Pod>>, body: Bytes) -> Respo
         });
     }
     convo.extend(history.iter().cloned());
-    let tokens = tokenizer::chat_tokens(&convo);
+    let tokens = match pod.tokenizer.chat(&convo) {
+        Ok(t) => t,
+        Err(e) => return bad_request(&pod, &e),
+    };
     let knobs = pod.knobs();
     let pd = pd_leg(req.kv_transfer_params.as_ref());
     let mut output_tokens = req.max_output_tokens.unwrap_or(knobs.default_max_tokens);
@@ -192,6 +197,7 @@ pub(super) async fn responses(State(pod): State<Arc<Pod>>, body: Bytes) -> Respo
         output_tokens,
         seed,
         lora,
+        salt: req.cache_salt.filter(|s| !s.is_empty()),
         pd,
         responses: Some(Box::new(RespCtx {
             history,

@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 
 use crate::engine::{self, LoraError, Pod};
 use crate::knobs::{MetricsFault, PodKnobs};
-use crate::tokenizer::{self, ChatMessage, Content, Prompt};
+use crate::tokenizer::{ChatMessage, Content, Prompt};
 
 use super::job::*;
 use super::*;
@@ -35,11 +35,7 @@ pub(super) async fn detokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Resp
     if let Err(msg) = resolve_model(&pod, req.model.as_deref()) {
         return error_response(StatusCode::NOT_FOUND, "NotFoundError", &msg);
     }
-    let prompt = pod
-        .vocab
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .detokenize(&req.tokens);
+    let prompt = pod.tokenizer.detokenize(&req.tokens, &pod.vocab);
     axum::Json(json!({ "prompt": prompt })).into_response()
 }
 
@@ -66,7 +62,10 @@ pub(super) async fn count_tokens(State(pod): State<Arc<Pod>>, body: Bytes) -> Re
     if let Err(msg) = resolve_model(&pod, req.model.as_deref()) {
         return anthropic_error(StatusCode::NOT_FOUND, "not_found_error", &msg);
     }
-    let n = messages_tokens(req.system.as_ref(), msgs).len();
+    let n = match messages_tokens(&pod.tokenizer, req.system.as_ref(), msgs) {
+        Ok(t) => t.len(),
+        Err(e) => return bad(&e),
+    };
     axum::Json(json!({ "input_tokens": n })).into_response()
 }
 
@@ -147,7 +146,7 @@ pub(super) async fn embeddings(State(pod): State<Arc<Pod>>, body: Bytes) -> Resp
             return bad_request(&pod, &format!("unknown encoding_format {other:?}"));
         }
     };
-    let inputs = tokenizer::prompt_list(&req.input);
+    let inputs = pod.tokenizer.prompt_list(&req.input);
     if inputs.is_empty() || inputs.iter().any(Vec::is_empty) {
         return bad_request(&pod, "input must not be empty");
     }
@@ -164,7 +163,7 @@ pub(super) async fn embeddings(State(pod): State<Arc<Pod>>, body: Bytes) -> Resp
     let mut prompt_tokens = 0;
     for (i, tokens) in inputs.iter().enumerate() {
         // Pooling models prefill and produce no tokens.
-        let mut run = match pod.admit_lora(tokens, 0, &knobs, lora.clone()).await {
+        let mut run = match pod.admit_lora(tokens, 0, &knobs, lora.clone(), None).await {
             Ok(r) => r,
             Err(_) => return closed_response(),
         };
@@ -223,12 +222,11 @@ pub(super) async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Respon
         }
     }
     let (tokens, strs) = match (&req.prompt, &req.messages) {
-        (Some(p), None) => {
-            let mut strs = Vec::new();
-            tokenizer::token_strs_into(p, &mut strs);
-            (tokenizer::tokenize(p), strs)
-        }
-        (None, Some(m)) => (tokenizer::chat_tokens(m), tokenizer::chat_token_strs(m)),
+        (Some(p), None) => pod.tokenizer.text_strs(p),
+        (None, Some(m)) => match pod.tokenizer.chat_strs(m) {
+            Ok(t) => t,
+            Err(e) => return bad_request(&pod, &e),
+        },
         _ => return bad_request(&pod, "exactly one of `prompt` and `messages` is required"),
     };
     let mut out = json!({"count": tokens.len(), "max_model_len": MAX_MODEL_LEN, "tokens": tokens});
@@ -279,7 +277,10 @@ pub(super) async fn render_chat(State(pod): State<Arc<Pod>>, body: Bytes) -> Res
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .learn_chat(m);
-    let tokens = tokenizer::chat_tokens(m);
+    let tokens = match pod.tokenizer.chat(m) {
+        Ok(t) => t,
+        Err(e) => return bad_request(&pod, &e),
+    };
     let n = pod.next_request_id() as usize;
     axum::Json(render_one(&req, &pod, tokens, n, true)).into_response()
 }
@@ -304,7 +305,9 @@ pub(super) async fn render_completions(State(pod): State<Arc<Pod>>, body: Bytes)
         }
     }
     let n = pod.next_request_id() as usize;
-    let out: Vec<Value> = tokenizer::prompt_list(p)
+    let out: Vec<Value> = pod
+        .tokenizer
+        .prompt_list(p)
         .into_iter()
         .enumerate()
         .map(|(i, t)| {

@@ -13,7 +13,7 @@ pub struct Built {
     pub inflight: Option<Arc<InflightTracker>>,
     pub admission: AdmissionConfig,
     /// The `vllm_http` token producer, when the request needs engine tokens.
-    pub render: Option<crate::request::tokens::RenderConfig>,
+    pub render: Option<crate::request::tokens::TokenBackend>,
     /// Where agents' session ids are read (`agent-identity`; its built-in headers when not
     /// configured).
     pub agent: AgentIdentity,
@@ -330,7 +330,7 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
         Some(None) if precise.is_some() => {
             tracing::warn!(
                 "{} with the estimate token backend matches nothing: configure token-producer \
-                 with backend vllm_http",
+                 with backend vllm_http or local",
                 precise::PRODUCER_TYPE
             );
             None
@@ -506,10 +506,11 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
             .collect::<Vec<_>>()
             .join(", "),
         match &render {
-            Some(r) => format!(
+            Some(crate::request::tokens::TokenBackend::Render(r)) => format!(
                 "vllm_http({})",
                 r.url.as_deref().unwrap_or("render on the pods")
             ),
+            Some(crate::request::tokens::TokenBackend::Local(_)) => "local".into(),
             None => "estimate".into(),
         },
         profiles_summary,

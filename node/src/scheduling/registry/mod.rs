@@ -87,8 +87,8 @@ pub enum Plugin {
     /// `no-hit-lru-scorer` (a scorer that also records cold requests' picks).
     NoHitLru(Arc<no_hit_lru::NoHitLru>),
     InflightProducer(inflight::InflightParams),
-    /// `token-producer`: `None` for the estimate backend, else the render backend.
-    TokenProducer(Option<crate::request::tokens::RenderConfig>),
+    /// `token-producer`: `None` for the estimate backend, else the backend bringing engine tokens.
+    TokenProducer(Option<crate::request::tokens::TokenBackend>),
     /// `precise-prefix-cache-producer`.
     PrecisePrefix(Arc<precise::PrecisePrefixProducer>),
     ProfileHandler(HandlerSpec),

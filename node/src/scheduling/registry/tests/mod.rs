@@ -659,14 +659,18 @@ fn the_precise_producer_replaces_the_approximate_one_and_brings_engine_tokens() 
     assert_eq!(producers, vec!["precise-prefix-cache-producer"]);
     assert!(b.scheduler.precise.is_some() && b.scheduler.prefix_index.is_none());
     // No token producer configured: the render backend on the pods, 1 s.
-    let r = b.render.unwrap();
+    let render = |b: Built| match b.render {
+        Some(crate::request::tokens::TokenBackend::Render(r)) => r,
+        other => panic!("{other:?}"),
+    };
+    let r = render(b);
     assert_eq!(
         (r.url, r.timeout),
         (None, std::time::Duration::from_secs(1))
     );
     // A configured render server is used as given.
     let b = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: precise-prefix-cache-producer\n- {type: token-producer, parameters: {backend: vllm_http, renderUrl: 'http://render:8000', timeout: 300ms}}\n- type: prefix-cache-scorer\n").unwrap();
-    assert_eq!(b.render.unwrap().url.as_deref(), Some("http://render:8000"));
+    assert_eq!(render(b).url.as_deref(), Some("http://render:8000"));
     // Two producers of the prefix match: refused.
     let e = load("apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: precise-prefix-cache-producer\n- type: approx-prefix-cache-producer\n- type: prefix-cache-scorer\n").unwrap_err();
     assert!(e.to_string().contains("configure one"), "{e}");

@@ -9,7 +9,12 @@
 //!   `vllm launch render <model>`) or, without one, on a pod of the pool chosen by the request's
 //!   key. Bounded by `timeout`; on any failure the request goes on without engine tokens (the
 //!   precise producer then matches nothing for it) and the failure is counted.
+//! - `local`: the model's Hugging Face tokenizer and chat template in-process ([`local`]).
 
+pub mod local;
+
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -23,6 +28,7 @@ use crate::request::parse::ApiKind;
 pub const TYPE: &str = "token-producer";
 pub const ESTIMATE: &str = "estimate";
 pub const VLLM_HTTP: &str = "vllm_http";
+pub const LOCAL: &str = "local";
 
 /// Largest render answer read (a 1M-token prompt's ids are ~8 MB of JSON).
 const MAX_RENDER_BYTES: usize = 32 << 20;
@@ -39,6 +45,12 @@ pub struct TokenProducerParams {
     /// `vllm_http`: the longest a render call may take (default 1s).
     #[serde(default)]
     pub timeout: Option<String>,
+    /// `local`: model → its tokenizer directory (or `tokenizer.json` path), loaded at start.
+    #[serde(default)]
+    pub model_tokenizer_map: HashMap<String, String>,
+    /// `local`: models not in the map are looked for in `<tokenizersDir>/<model>`.
+    #[serde(default)]
+    pub tokenizers_dir: Option<String>,
 }
 
 fn estimate() -> String {
@@ -51,6 +63,8 @@ impl Default for TokenProducerParams {
             backend: estimate(),
             render_url: None,
             timeout: None,
+            model_tokenizer_map: HashMap::new(),
+            tokenizers_dir: None,
         }
     }
 }
@@ -62,15 +76,57 @@ pub struct RenderConfig {
     pub timeout: Duration,
 }
 
+/// A configured backend that brings engine tokens.
+#[derive(Debug, Clone)]
+pub enum TokenBackend {
+    Render(RenderConfig),
+    Local(Arc<local::LocalTokenizers>),
+}
+
 impl TokenProducerParams {
-    /// The render backend, `None` for `estimate`.
-    pub fn render(&self, path: &str) -> Result<Option<RenderConfig>, ConfigError> {
+    /// The backend, `None` for `estimate`.
+    pub fn render(&self, path: &str) -> Result<Option<TokenBackend>, ConfigError> {
         let field = |f: &str, message: String| ConfigError::Field {
             path: format!("{path}.{f}"),
             message,
         };
+        let only = |backend: &str, set: bool, f: &str| {
+            if set && self.backend != backend {
+                Err(field(f, format!("applies to the {backend} backend only")))
+            } else {
+                Ok(())
+            }
+        };
+        only(VLLM_HTTP, self.render_url.is_some(), "renderUrl")?;
+        only(VLLM_HTTP, self.timeout.is_some(), "timeout")?;
+        only(
+            LOCAL,
+            !self.model_tokenizer_map.is_empty(),
+            "modelTokenizerMap",
+        )?;
+        only(LOCAL, self.tokenizers_dir.is_some(), "tokenizersDir")?;
         match self.backend.as_str() {
             ESTIMATE => Ok(None),
+            LOCAL => {
+                if self.model_tokenizer_map.is_empty() && self.tokenizers_dir.is_none() {
+                    return Err(field(
+                        "backend",
+                        "local needs modelTokenizerMap or tokenizersDir".into(),
+                    ));
+                }
+                let dir = self.tokenizers_dir.as_ref().map(std::path::PathBuf::from);
+                if let Some(d) = &dir
+                    && !d.is_dir()
+                {
+                    return Err(field(
+                        "tokenizersDir",
+                        format!("`{}` is not a directory", d.display()),
+                    ));
+                }
+                let t = local::LocalTokenizers::load(&self.model_tokenizer_map, dir)
+                    .map_err(|e| field("modelTokenizerMap", e))?;
+                Ok(Some(TokenBackend::Local(Arc::new(t))))
+            }
             VLLM_HTTP => {
                 let timeout = match &self.timeout {
                     Some(t) => parse_duration(t).map_err(|e| field("timeout", e))?,
@@ -84,25 +140,25 @@ impl TokenProducerParams {
                 {
                     return Err(field("renderUrl", format!("`{u}` is not a URL")));
                 }
-                Ok(Some(RenderConfig {
+                Ok(Some(TokenBackend::Render(RenderConfig {
                     url: self.render_url.clone(),
                     timeout,
-                }))
+                })))
             }
             other => Err(field(
                 "backend",
-                format!("backend `{other}` is not supported (estimate, vllm_http)"),
+                format!("backend `{other}` is not supported (estimate, vllm_http, local)"),
             )),
         }
     }
 }
 
-/// The render backend at run time.
+/// The token backend at run time.
 #[derive(Debug, Clone)]
 pub struct Renderer {
-    pub config: RenderConfig,
+    pub backend: TokenBackend,
     pub client: reqwest::Client,
-    pub metrics: std::sync::Arc<Metrics>,
+    pub metrics: Arc<Metrics>,
 }
 
 #[derive(Deserialize)]
@@ -112,9 +168,41 @@ struct Rendered {
 
 impl Renderer {
     /// The engine tokens of a chat or completions request (`None` for other APIs, multi-prompt
-    /// completions, or a failed call — counted in `token_producer_requests_total`).
+    /// completions, or a failure — counted in `token_producer_requests_total`).
     pub async fn tokens(
         &self,
+        req: &Request,
+        body: &[u8],
+        key: &str,
+        candidates: &[Candidate],
+    ) -> Option<Vec<u32>> {
+        match &self.backend {
+            TokenBackend::Render(config) => self.render(config, req, body, key, candidates).await,
+            TokenBackend::Local(local) => {
+                let kind = req.parsed.as_ref()?.kind;
+                if !matches!(kind, ApiKind::ChatCompletions | ApiKind::Completions) {
+                    return None;
+                }
+                let (local, model, body) = (local.clone(), req.target_model.clone(), body.to_vec());
+                // Tokenizing a long prompt takes milliseconds (and a model's first request may
+                // load its tokenizer): off the runtime's threads.
+                let r = tokio::task::spawn_blocking(move || local.tokens(&model, kind, &body))
+                    .await
+                    .unwrap_or(Err(local::Miss::Template));
+                let outcome = match &r {
+                    Ok(_) => "ok",
+                    Err(m) => m.outcome(),
+                };
+                self.metrics.kv_events.token_call(LOCAL, outcome);
+                r.ok()
+            }
+        }
+    }
+
+    /// One call to the render endpoint.
+    async fn render(
+        &self,
+        config: &RenderConfig,
         req: &Request,
         body: &[u8],
         key: &str,
@@ -128,7 +216,7 @@ impl Renderer {
             ApiKind::Completions => "/v1/completions/render",
             _ => return None,
         };
-        let base = match &self.config.url {
+        let base = match &config.url {
             Some(u) => u.trim_end_matches('/').to_string(),
             None => {
                 if candidates.is_empty() {
@@ -173,15 +261,15 @@ impl Renderer {
             }
             parse_render(kind, &bytes).ok_or("malformed")
         };
-        let outcome = match tokio::time::timeout(self.config.timeout, call).await {
+        let outcome = match tokio::time::timeout(config.timeout, call).await {
             Ok(Ok(tokens)) => {
-                metrics.kv_events.token_call("ok");
+                metrics.kv_events.token_call(VLLM_HTTP, "ok");
                 return Some(tokens);
             }
             Ok(Err(e)) => e,
             Err(_) => "timeout",
         };
-        metrics.kv_events.token_call(outcome);
+        metrics.kv_events.token_call(VLLM_HTTP, outcome);
         tracing::debug!(outcome, %base, "render call failed: no engine tokens for this request");
         None
     }
@@ -208,19 +296,30 @@ mod tests {
     #[test]
     fn backends_and_their_parameters() {
         let p = |v: serde_json::Value| serde_json::from_value::<TokenProducerParams>(v).unwrap();
-        assert_eq!(
-            p(serde_json::json!({})).render("x").unwrap(),
-            None,
+        assert!(
+            p(serde_json::json!({})).render("x").unwrap().is_none(),
             "estimate by default"
         );
         let r = p(serde_json::json!({"backend": "vllm_http", "timeout": "250ms"}))
             .render("x")
-            .unwrap()
             .unwrap();
+        let Some(TokenBackend::Render(r)) = r else {
+            panic!("{r:?}")
+        };
         assert_eq!(r.timeout, Duration::from_millis(250));
         assert_eq!(r.url, None);
+        let dir = tempfile::tempdir().unwrap();
+        let dir = dir.path().to_str().unwrap();
+        let r = p(serde_json::json!({"backend": "local", "tokenizersDir": dir}))
+            .render("x")
+            .unwrap();
+        assert!(matches!(r, Some(TokenBackend::Local(_))), "{r:?}");
         for bad in [
             serde_json::json!({"backend": "local"}),
+            serde_json::json!({"backend": "local", "tokenizersDir": "/no/such/dir"}),
+            serde_json::json!({"backend": "local", "modelTokenizerMap": {"m": dir}}),
+            serde_json::json!({"backend": "local", "tokenizersDir": dir, "timeout": "1s"}),
+            serde_json::json!({"backend": "estimate", "tokenizersDir": dir}),
             serde_json::json!({"backend": "vllm_http", "timeout": "0s"}),
             serde_json::json!({"backend": "vllm_http", "renderUrl": "not a url"}),
         ] {
