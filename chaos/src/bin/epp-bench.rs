@@ -18,6 +18,8 @@
 //! - `peers`: the same seeded workloads through Envoy → EPP, Envoy round robin, `sglang-router`
 //!   and `vllm-router` on one simulated pool ([`chaos::peerbench`]); Markdown tables, a JSON
 //!   file and an SVG plot.
+//! - `kv-fleet`: what following a large pool's KV-event streams costs each replica, with 1, 2 or
+//!   every replica subscribed to each pod ([`chaos::kvfleet`]).
 
 use std::time::{Duration, Instant};
 
@@ -108,6 +110,19 @@ enum Cmd {
         #[arg(long = "pod-knobs")]
         pod_knobs: Vec<sim::PodOverride>,
     },
+    /// CPU per replica following `pods` pods' KV-event streams with R owners per pod.
+    KvFleet {
+        #[arg(long, default_value_t = 200)]
+        pods: usize,
+        /// Owners per pod to compare (0 = every replica).
+        #[arg(long, value_delimiter = ',', default_value = "1,2,0")]
+        owners: Vec<usize>,
+        /// Conversations (three turns each) driven through the pods.
+        #[arg(long, default_value_t = 600)]
+        conversations: usize,
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+    },
     /// Premium p95 TTFT alone and under a best-effort burst, through the flow-control example.
     NoRegret {
         #[arg(long, default_value_t = 1)]
@@ -183,6 +198,20 @@ async fn main() -> anyhow::Result<()> {
                 pod_knobs,
             };
             peers(&opts, &json, &svg).await
+        }
+        Cmd::KvFleet {
+            pods,
+            owners,
+            conversations,
+            seed,
+        } => {
+            let opts = chaos::kvfleet::Options {
+                pods,
+                owners,
+                conversations,
+                seed,
+            };
+            chaos::kvfleet::run(&opts).await.map(|_| ())
         }
         Cmd::Precise {
             runs,

@@ -42,6 +42,7 @@ struct Counters {
     prefix_queries_tokens: u64,
     prompt_tokens: u64,
     generation_tokens: u64,
+    kv_event_blocks: u64,
 }
 
 /// A registered LoRA adapter.
@@ -217,6 +218,7 @@ impl PodState {
         self.cache.evict_into(budget, &mut removed);
         let n = removed.len();
         if self.events_on {
+            self.counters.kv_event_blocks += n as u64;
             // vLLM emits one BlockRemoved per evicted block.
             self.pending
                 .extend(removed.into_iter().map(|h| KvEvent::BlockRemoved {
@@ -247,6 +249,7 @@ impl PodState {
                 j += 1;
             }
             let (a, b) = (first + inserted[i], first + inserted[j]);
+            self.counters.kv_event_blocks += (b + 1 - a) as u64;
             self.pending.push(KvEvent::BlockStored {
                 block_hashes: hashes[a..=b].to_vec(),
                 parent_block_hash: a.checked_sub(1).map(|p| hashes[p]),
@@ -477,6 +480,7 @@ impl Pod {
             prompt_tokens: st.counters.prompt_tokens,
             generation_tokens: st.counters.generation_tokens,
             cached_blocks: st.cache.len() as u64,
+            kv_event_blocks: st.counters.kv_event_blocks,
             lora_resident: st.lora.resident.clone(),
             lora_running: st.lora.running.keys().cloned().collect(),
             lora_waiting: st.lora.waiting.keys().cloned().collect(),

@@ -23,6 +23,8 @@ pub struct PodStats {
     pub generation_tokens: u64,
     /// Blocks currently in the prefix cache (pinned or free).
     pub cached_blocks: u64,
+    /// Blocks named by the KV events published (stored + removed), since start.
+    pub kv_event_blocks: u64,
     /// LoRA adapters in GPU slots, least recently used first.
     pub lora_resident: Vec<String>,
     /// Adapters with running requests (sorted).
