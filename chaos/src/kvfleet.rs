@@ -130,9 +130,8 @@ pub async fn measure(opts: &Options, owners: usize) -> anyhow::Result<Row> {
         seed: opts.seed,
         ..LoadConfig::default()
     };
-    let published = |c: &LocalCluster| -> u64 {
-        (0..opts.pods).map(|i| c.sim.stats(i).kv_event_blocks).sum()
-    };
+    let published =
+        |c: &LocalCluster| -> u64 { (0..opts.pods).map(|i| c.sim.stats(i).kv_event_blocks).sum() };
     let events_before = (published(&c), gossip(&c, replicas).await?);
     let t0 = Instant::now();
     let cpu0 = cpu_now(&pids)?;

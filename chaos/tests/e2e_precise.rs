@@ -40,6 +40,19 @@ fn config(producer: &str) -> String {
     workloads::llmd_prefix_config(producer)
 }
 
+/// The pods, one EPP with `config` and Envoy, the pods in the EPP's pool.
+async fn start(sim: SimConfig, config: String) -> LocalCluster {
+    let c = LocalCluster::start(ClusterSpec {
+        sim,
+        epp_args: vec!["--config-text".into(), config],
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
+    c
+}
+
 /// A counter's value in a Prometheus text exposition (summed over its series).
 fn counter(metrics: &str, name: &str) -> u64 {
     chaos::epp::metric_sum(metrics, name) as u64
@@ -150,17 +163,7 @@ async fn run(c: &LocalCluster) -> Run {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn predicted_cached_tokens_match_what_the_pods_report() {
-    let c = LocalCluster::start(ClusterSpec {
-        sim: pods(),
-        epp_args: vec![
-            "--config-text".into(),
-            config("precise-prefix-cache-producer"),
-        ],
-        ..ClusterSpec::default()
-    })
-    .await
-    .unwrap();
-    c.wait_for_pods().await.unwrap();
+    let c = start(pods(), config("precise-prefix-cache-producer")).await;
     subscribed(&c).await;
     let precise = run(&c).await;
     // (pod, gaps, resyncs, restarts) of every stream: a resync loses what the pod held.
@@ -186,16 +189,7 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
     c.shutdown().await;
 
     let approx = {
-        let c = LocalCluster::start(ClusterSpec {
-            sim: pods(),
-            epp_args: vec![
-                "--config-text".into(),
-                config("approx-prefix-cache-producer"),
-            ],
-            ..ClusterSpec::default()
-        })
-        .await
-        .unwrap();
+        let c = start(pods(), config("approx-prefix-cache-producer")).await;
         let r = run(&c).await;
         c.shutdown().await;
         r
@@ -259,17 +253,11 @@ fn local_config(tokenizer: &std::path::Path) -> String {
 async fn the_local_tokenizer_gives_the_engines_tokens_without_render_calls() {
     let dir = tempfile::tempdir().unwrap();
     sim::hftok::export(dir.path()).unwrap();
-    let c = LocalCluster::start(ClusterSpec {
-        sim: SimConfig {
-            tokenizer: Some(dir.path().to_path_buf()),
-            ..pods()
-        },
-        epp_args: vec!["--config-text".into(), local_config(dir.path())],
-        ..ClusterSpec::default()
-    })
-    .await
-    .unwrap();
-    c.wait_for_pods().await.unwrap();
+    let pods = SimConfig {
+        tokenizer: Some(dir.path().to_path_buf()),
+        ..pods()
+    };
+    let c = start(pods, local_config(dir.path())).await;
     // The pods really tokenize with the directory: Llama 3's header tokens in their own answer.
     let probe: Value = reqwest::Client::new()
         .post(format!("http://{}/tokenize", c.sim.pods()[0].addr))
@@ -364,17 +352,7 @@ async fn chat(c: &LocalCluster, salt: Option<&str>, text: &str) -> (String, u64,
 /// another salt or none is predicted uncached — checked against what the pods report.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn salted_prompts_are_predicted_in_their_own_key_space() {
-    let c = LocalCluster::start(ClusterSpec {
-        sim: pods(),
-        epp_args: vec![
-            "--config-text".into(),
-            config("precise-prefix-cache-producer"),
-        ],
-        ..ClusterSpec::default()
-    })
-    .await
-    .unwrap();
-    c.wait_for_pods().await.unwrap();
+    let c = start(pods(), config("precise-prefix-cache-producer")).await;
     subscribed(&c).await;
     let text = (0..300)
         .map(|i| format!("w{i}"))
