@@ -71,12 +71,43 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
                 "standalone.enabled=true",
                 "adminTokenSecret=epp-admin",
                 "tenantsSecret=epp-tenants",
+                // The models' tokenizer files for the local token producer.
+                "extraVolumes[0].name=tokenizers",
+                "extraVolumes[0].persistentVolumeClaim.claimName=models",
+                "extraVolumeMounts[0].name=tokenizers",
+                "extraVolumeMounts[0].mountPath=/models",
+                "extraVolumeMounts[0].readOnly=true",
                 &config,
             ],
         ),
     ];
     for (what, values) in &cases {
         let (text, docs) = render(&helm, values);
+        // Extra volumes reach the pod, and their mounts the EPP container only.
+        let pod = &find(&docs, "StatefulSet", FULL).unwrap()["spec"]["template"]["spec"];
+        let named = |list: &Value, name: &str| {
+            list.as_array()
+                .into_iter()
+                .flatten()
+                .find(|v| v["name"] == name)
+                .cloned()
+        };
+        let extra = values.iter().any(|v| v.starts_with("extraVolumes"));
+        let volume = named(&pod["volumes"], "tokenizers");
+        assert_eq!(
+            volume.map(|v| v["persistentVolumeClaim"]["claimName"].clone()),
+            extra.then(|| Value::from("models")),
+            "{what}"
+        );
+        for c in pod["containers"].as_array().unwrap() {
+            let mount = named(&c["volumeMounts"], "tokenizers");
+            let want = extra && c["name"] == "epp";
+            assert_eq!(mount.is_some(), want, "{what}: {}", c["name"]);
+            if let Some(m) = mount {
+                assert_eq!(m["mountPath"], "/models", "{what}");
+                assert_eq!(m["readOnly"], true, "{what}");
+            }
+        }
         let path = dir.path().join(format!("{what}.yaml"));
         std::fs::write(&path, &text).unwrap();
         validate(&path, &["ServiceMonitor", "PrometheusRule"])

@@ -242,13 +242,16 @@ fn ids(v: &Value) -> Result<Vec<u32>, Miss> {
 type Discovered = Arc<OnceLock<Option<Arc<LocalTokenizer>>>>;
 
 /// Every model's tokenizer: the configured ones, and those found under the discovery directory.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LocalTokenizers {
     by_model: HashMap<String, Arc<LocalTokenizer>>,
     dir: Option<PathBuf>,
     /// Models whose directory exists under `dir` (so the map is bounded by the filesystem, not by
     /// the model names clients send).
     discovered: Mutex<HashMap<String, Discovered>>,
+    /// Tokenizations running at once, at most one per core: a burst of long prompts waits here
+    /// instead of filling the blocking pool with CPU-bound threads.
+    pub slots: tokio::sync::Semaphore,
 }
 
 impl LocalTokenizers {
@@ -259,10 +262,12 @@ impl LocalTokenizers {
             let t = LocalTokenizer::load(Path::new(path)).map_err(|e| format!("{model}: {e}"))?;
             by_model.insert(model.clone(), Arc::new(t));
         }
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
         Ok(LocalTokenizers {
             by_model,
             dir,
             discovered: Mutex::default(),
+            slots: tokio::sync::Semaphore::new(cores),
         })
     }
 

@@ -183,10 +183,11 @@ impl Renderer {
                 if !matches!(kind, ApiKind::ChatCompletions | ApiKind::Completions) {
                     return None;
                 }
-                let (local, model, body) = (local.clone(), req.target_model.clone(), body.to_vec());
                 // Tokenizing a long prompt takes milliseconds (and a model's first request may
-                // load its tokenizer): off the runtime's threads.
-                let r = tokio::task::spawn_blocking(move || local.tokens(&model, kind, &body))
+                // load its tokenizer): off the runtime's threads, one per core at a time.
+                let _slot = local.slots.acquire().await.ok()?;
+                let (tok, model, body) = (local.clone(), req.target_model.clone(), body.to_vec());
+                let r = tokio::task::spawn_blocking(move || tok.tokens(&model, kind, &body))
                     .await
                     .unwrap_or(Err(local::Miss::Template));
                 let outcome = match &r {
