@@ -64,6 +64,11 @@ pub struct ConsensusConfig {
     /// the address this node actually dials (a local proxy, a NAT mapping). Test harnesses use it
     /// to put a controllable proxy on each directed link.
     pub peer_routes: BTreeMap<String, String>,
+    /// Flush the log on the calling thread (blocking it) instead of on sled's flusher thread: for
+    /// single-threaded simulations (`chaos/tests/dst.rs`), where a flush completing on another
+    /// thread would tie the run to real time. Never for a deployment.
+    #[serde(default)]
+    pub inline_flush: bool,
 }
 
 /// When to snapshot and how much log to keep.
@@ -194,6 +199,7 @@ impl Default for ConsensusConfig {
             max_message_bytes: 16 * 1024 * 1024,
             tls: None,
             peer_routes: BTreeMap::new(),
+            inline_flush: false,
         }
     }
 }
@@ -208,7 +214,7 @@ pub struct ConfigError {
     pub reason: String,
 }
 
-fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
     ConfigError {
         field,
         reason: reason.into(),

@@ -23,6 +23,7 @@
 //! - [`network`]: the peer gRPC service and the openraft network client.
 //! - [`config`]: [`ConsensusConfig`] with defaults and `validate()`.
 //! - [`node`]: [`ConsensusNode`], the handle the rest of the system uses.
+//! - [`runtime`]: openraft's runtime (tokio, with a seedable generator for simulations).
 //! - [`testkit`]: a small append-log state machine for tests and benchmarks.
 
 pub mod clock;
@@ -31,6 +32,7 @@ pub mod config;
 pub mod error;
 pub mod network;
 pub mod node;
+pub mod runtime;
 pub mod state_machine;
 pub mod storage;
 pub mod testkit;

@@ -3,7 +3,8 @@
 //! `openraft::declare_raft_types!` only declares non-generic configs, but this crate is generic
 //! over the application [`StateMachine`], so [`TypeConfig`] implements [`RaftTypeConfig`] by hand
 //! with the same choices the macro's defaults make: `u64` node ids, [`BasicNode`] (the peer's
-//! gRPC address), `Cursor<Vec<u8>>` snapshots and the tokio runtime.
+//! gRPC address), `Cursor<Vec<u8>>` snapshots and the tokio runtime (with a seedable election
+//! timeout generator: [`crate::runtime`]).
 
 use std::cmp::Ordering;
 use std::fmt;
@@ -12,7 +13,6 @@ use std::marker::PhantomData;
 
 use openraft::BasicNode;
 use openraft::RaftTypeConfig;
-use openraft::TokioRuntime;
 use openraft::impls::OneshotResponder;
 
 use crate::state_machine::Batch;
@@ -67,7 +67,7 @@ impl<S: StateMachine> RaftTypeConfig for TypeConfig<S> {
     type Node = BasicNode;
     type Entry = openraft::Entry<Self>;
     type SnapshotData = Cursor<Vec<u8>>;
-    type AsyncRuntime = TokioRuntime;
+    type AsyncRuntime = crate::runtime::Runtime;
     type Responder = OneshotResponder<Self>;
 }
 

@@ -471,6 +471,46 @@ fn a_retired_member_s_credit_returns_at_once() {
     assert_eq!(c.credit(1) + c.credit(2), 6);
 }
 
+/// A member back (same life) before the quarantine released its unrouted dispatches may forward
+/// them at any moment: they are its own to report again, not orphans to release while the pods
+/// do not show them yet. (Found by the deterministic simulation, `chaos/tests/dst.rs`: released
+/// after the owner had read them as dispatched, their slots went to others and the pods ran more
+/// than the pool's capacity.)
+#[test]
+fn a_member_back_before_the_quarantine_eased_keeps_its_dispatches() {
+    let mut c = Cluster::new(
+        &[1, 2],
+        1,
+        2,
+        vec![],
+        GlobalParams {
+            credit_slack: 0,
+            lease_ms: 300,
+            ..GlobalParams::default()
+        },
+    );
+    let a = c.enqueue(1, "t", 0, "a");
+    assert_eq!(c.verdict(a), Some(Verdict::Dispatched));
+    // Replica 1 goes silent past its lease: its unrouted dispatch becomes an orphan.
+    for _ in 0..4 {
+        c.now_ms += 100;
+        c.heartbeat(&[2]);
+    }
+    assert!(c.s.flow().unwrap().member(1).unwrap().expired);
+    // It is back before the pods' reports could ease the quarantine, and reads `a` dispatched.
+    c.heartbeat(&[1]);
+    assert!(!c.s.flow().unwrap().member(1).unwrap().expired);
+    // Two slots: replica 2 takes the other one; its next request waits for `a`'s.
+    let b = c.enqueue(2, "t", 0, "b");
+    let waiting = c.enqueue(2, "t", 0, "c");
+    assert_eq!(c.verdict(b), Some(Verdict::Dispatched));
+    // The pods do not run `a` yet (its owner forwards it now).
+    c.quiet_pods(2, &[1, 2], 2500);
+    assert_eq!(c.verdict(a), Some(Verdict::Dispatched));
+    assert_eq!(c.inflight(), 2, "`a` holds its slot");
+    assert_eq!(c.verdict(waiting), None, "nobody else gets `a`'s slot");
+}
+
 #[test]
 fn a_member_back_from_expiry_leaves_no_stale_entries() {
     let mut c = Cluster::new(

@@ -37,6 +37,8 @@ use super::proto::Frame;
 use super::proto::SnapshotChunk;
 use super::proto::raft_peer_client::RaftPeerClient;
 use super::tls::PeerTls;
+use super::transport::DialService;
+use super::transport::Dialer;
 use crate::codec;
 use crate::error::ConsensusError;
 use crate::state_machine::StateMachine;
@@ -64,6 +66,8 @@ pub struct ChannelPool {
     connect_timeout: Duration,
     max_message_bytes: usize,
     routes: Arc<BTreeMap<String, String>>,
+    /// Dial through this instead of TCP (a custom transport).
+    dialer: Option<Dialer>,
 }
 
 #[derive(Default)]
@@ -86,7 +90,14 @@ impl ChannelPool {
             connect_timeout,
             max_message_bytes,
             routes: Arc::new(BTreeMap::new()),
+            dialer: None,
         }
+    }
+
+    /// Dial peers with `dialer` instead of TCP.
+    pub(crate) fn with_dialer(mut self, dialer: Option<Dialer>) -> Self {
+        self.dialer = dialer;
+        self
     }
 
     /// Dial `routes[addr]` instead of `addr` (see `ConsensusConfig::peer_routes`).
@@ -113,7 +124,11 @@ impl ChannelPool {
         Ok(match channels.by_peer.get(&key) {
             Some(ch) => ch.clone(),
             None => {
-                let ch = self.endpoint(dial, target)?.connect_lazy();
+                let endpoint = self.endpoint(dial, target)?;
+                let ch = match &self.dialer {
+                    Some(d) => endpoint.connect_with_connector_lazy(DialService(d.clone())),
+                    None => endpoint.connect_lazy(),
+                };
                 channels.by_peer.insert(key, ch.clone());
                 ch
             }

@@ -6,6 +6,7 @@
 //!   peers are retried by openraft with the exponential [`client::reconnect_backoff`].
 //! - [`server`]: the `RaftPeer` gRPC service that feeds incoming RPCs into the local node.
 //! - [`wire`]: the request/response bodies carried in `Frame.data`.
+//! - [`transport`]: peer transports other than TCP (the deterministic simulation's network).
 //! - [`tls`] and [`accept`]: peer TLS (reloaded files, node identities bound to certificate
 //!   names) and the peer port's TLS accept loop.
 //!
@@ -16,6 +17,7 @@ pub(crate) mod accept;
 pub mod client;
 pub mod server;
 pub mod tls;
+pub mod transport;
 pub mod wire;
 
 /// Generated protobuf / tonic code for `proto/raft.proto`.

@@ -41,6 +41,9 @@ use crate::network::proto::raft_peer_server::RaftPeerServer;
 use crate::network::server::PeerService;
 use crate::network::tls::PeerTls;
 use crate::network::tls::reload_loop;
+use crate::network::transport::Dialer;
+use crate::network::transport::Incoming;
+use crate::network::transport::Transport;
 use crate::network::wire::AddLearnerRequest;
 use crate::network::wire::AdminReply;
 use crate::network::wire::MembershipChange;
@@ -339,6 +342,12 @@ impl<S: StateMachine> Inner<S> {
     }
 }
 
+/// Where the peer port accepts connections.
+enum Listen {
+    Tcp(TcpListener),
+    Custom(Incoming),
+}
+
 /// A running consensus node.
 pub struct ConsensusNode<S: StateMachine> {
     inner: Arc<Inner<S>>,
@@ -369,14 +378,55 @@ impl<S: StateMachine> ConsensusNode<S> {
         listener: TcpListener,
         routes: tonic::service::Routes,
     ) -> Result<Self, ConsensusError> {
-        config.validate()?;
-        let raft_config = Arc::new(config.raft_config()?);
         let local = listener.local_addr().map_err(|source| ConsensusError::Io {
             op: "listener local_addr",
             source,
         })?;
+        Self::start_inner(
+            config,
+            local.to_string(),
+            Listen::Tcp(listener),
+            None,
+            routes,
+        )
+        .await
+    }
+
+    /// [`ConsensusNode::start_with_routes`] on a custom [`Transport`] (the deterministic
+    /// simulation's network): no TLS, and `advertise_addr` must name this node's address on it.
+    pub async fn start_on(
+        config: ConsensusConfig,
+        transport: Transport,
+        routes: tonic::service::Routes,
+    ) -> Result<Self, ConsensusError> {
+        if config.tls.is_some() {
+            return Err(ConsensusError::Config(crate::config::invalid(
+                "tls",
+                "a custom peer transport carries no TLS",
+            )));
+        }
+        if config.advertise_addr.is_empty() {
+            return Err(ConsensusError::Config(crate::config::invalid(
+                "advertise_addr",
+                "must be set on a custom peer transport",
+            )));
+        }
+        let addr = config.advertise_addr.clone();
+        let Transport { incoming, dialer } = transport;
+        Self::start_inner(config, addr, Listen::Custom(incoming), Some(dialer), routes).await
+    }
+
+    async fn start_inner(
+        config: ConsensusConfig,
+        local: String,
+        listen: Listen,
+        dialer: Option<Dialer>,
+        routes: tonic::service::Routes,
+    ) -> Result<Self, ConsensusError> {
+        config.validate()?;
+        let raft_config = Arc::new(config.raft_config()?);
         let addr = if config.advertise_addr.is_empty() {
-            local.to_string()
+            local
         } else {
             config.advertise_addr.clone()
         };
@@ -390,7 +440,7 @@ impl<S: StateMachine> ConsensusNode<S> {
             .map(|t| PeerTls::load(t, config.node_id))
             .transpose()?;
 
-        let storage = storage::open::<S>(&config.data_dir)?;
+        let storage = storage::open_with::<S>(&config.data_dir, config.inline_flush)?;
         let recovered = storage.recovered;
         let reader = storage.state_machine.reader();
         let pool = ChannelPool::new(
@@ -398,7 +448,8 @@ impl<S: StateMachine> ConsensusNode<S> {
             config.connect_timeout,
             config.max_message_bytes,
         )
-        .with_routes(config.peer_routes.clone());
+        .with_routes(config.peer_routes.clone())
+        .with_dialer(dialer);
         let network = NetworkFactory::new(config.node_id, pool.clone());
         let raft = openraft::Raft::new(
             config.node_id,
@@ -437,14 +488,17 @@ impl<S: StateMachine> ConsensusNode<S> {
         let stop = async move {
             let _ = shutdown_rx.await;
         };
-        let server = match &tls {
-            Some(tls) => tokio::spawn(
+        let server = match (listen, &tls) {
+            (Listen::Tcp(listener), Some(tls)) => tokio::spawn(
                 router.serve_with_incoming_shutdown(tls_incoming(listener, Arc::clone(tls)), stop),
             ),
-            None => tokio::spawn(router.serve_with_incoming_shutdown(
+            (Listen::Tcp(listener), None) => tokio::spawn(router.serve_with_incoming_shutdown(
                 tokio_stream::wrappers::TcpListenerStream::new(listener),
                 stop,
             )),
+            (Listen::Custom(incoming), _) => {
+                tokio::spawn(router.serve_with_incoming_shutdown(incoming, stop))
+            }
         };
         let reloader = tls
             .clone()

@@ -35,6 +35,7 @@ pub struct LogStore<S> {
     db: sled::Db,
     logs: sled::Tree,
     meta: sled::Tree,
+    inline_flush: bool,
     _state: PhantomData<fn() -> S>,
 }
 
@@ -44,6 +45,7 @@ impl<S> Clone for LogStore<S> {
             db: self.db.clone(),
             logs: self.logs.clone(),
             meta: self.meta.clone(),
+            inline_flush: self.inline_flush,
             _state: PhantomData,
         }
     }
@@ -54,13 +56,14 @@ fn index_key(index: u64) -> [u8; 8] {
 }
 
 impl<S: StateMachine> LogStore<S> {
-    pub(crate) fn new(db: sled::Db) -> Result<Self, sled::Error> {
+    pub(crate) fn new(db: sled::Db, inline_flush: bool) -> Result<Self, sled::Error> {
         let logs = db.open_tree("logs")?;
         let meta = db.open_tree("meta")?;
         Ok(Self {
             db,
             logs,
             meta,
+            inline_flush,
             _state: PhantomData,
         })
     }
@@ -90,6 +93,9 @@ impl<S: StateMachine> LogStore<S> {
     }
 
     async fn flush(&self) -> Result<(), sled::Error> {
+        if self.inline_flush {
+            return self.db.flush().map(|_| ());
+        }
         self.db.flush_async().await.map(|_| ())
     }
 

@@ -65,6 +65,12 @@ pub struct Storage<S: StateMachine> {
 
 /// Opens (or creates) the storage under `dir`.
 pub fn open<S: StateMachine>(dir: &Path) -> Result<Storage<S>, OpenError> {
+    open_with(dir, false)
+}
+
+/// [`open`], flushing on the calling thread when `inline_flush` (see
+/// `ConsensusConfig::inline_flush`).
+pub fn open_with<S: StateMachine>(dir: &Path, inline_flush: bool) -> Result<Storage<S>, OpenError> {
     let path = dir.join("raft.sled");
     let db = sled::Config::new()
         .path(&path)
@@ -82,8 +88,8 @@ pub fn open<S: StateMachine>(dir: &Path) -> Result<Storage<S>, OpenError> {
         path: path.display().to_string(),
         source,
     };
-    let log = LogStore::new(db.clone()).map_err(sled_err)?;
-    let state_machine = StateMachineStore::open(db)?;
+    let log = LogStore::new(db.clone(), inline_flush).map_err(sled_err)?;
+    let state_machine = StateMachineStore::open(db, inline_flush)?;
     Ok(Storage {
         log,
         state_machine,

@@ -44,6 +44,8 @@ struct Shared<S> {
     snapshots: sled::Tree,
     /// Distinguishes snapshots built at the same log id.
     snapshot_seq: AtomicU64,
+    /// Flush on the calling thread (see `ConsensusConfig::inline_flush`).
+    inline_flush: bool,
 }
 
 /// The openraft state machine store. Cloning shares the same state.
@@ -108,7 +110,7 @@ fn persisted_snapshot(tree: &sled::Tree) -> Result<Option<(SnapshotMeta, Vec<u8>
 }
 
 impl<S: StateMachine> StateMachineStore<S> {
-    pub(crate) fn open(db: sled::Db) -> Result<Self, OpenError> {
+    pub(crate) fn open(db: sled::Db, inline_flush: bool) -> Result<Self, OpenError> {
         let snapshots = db.open_tree("snapshot").map_err(|source| OpenError::Sled {
             path: "snapshot tree".into(),
             source,
@@ -141,6 +143,7 @@ impl<S: StateMachine> StateMachineStore<S> {
                 db,
                 snapshots,
                 snapshot_seq: AtomicU64::new(0),
+                inline_flush,
             }),
         })
     }
@@ -163,11 +166,13 @@ impl<S: StateMachine> StateMachineStore<S> {
             .snapshots
             .apply_batch(batch)
             .map_err(|e| StorageIOError::write_snapshot(signature.clone(), sled_io(e)))?;
-        self.shared
-            .db
-            .flush_async()
-            .await
-            .map_err(|e| StorageIOError::write_snapshot(signature, sled_io(e)))?;
+        let db = &self.shared.db;
+        let flushed = if self.shared.inline_flush {
+            db.flush()
+        } else {
+            db.flush_async().await
+        };
+        flushed.map_err(|e| StorageIOError::write_snapshot(signature, sled_io(e)))?;
         Ok(())
     }
 }

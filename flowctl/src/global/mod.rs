@@ -324,6 +324,21 @@ impl GlobalFlow {
         if let Some(m) = self.members.get_mut(&member) {
             m.expired = false;
         }
+        if revived {
+            // Back in the same life before the quarantine released them: its unrouted dispatches
+            // are its own to report again (it may forward them at any moment now), no longer
+            // orphans to release while the pods do not show them yet.
+            let ids: Vec<RequestId> = self
+                .by_key
+                .range((member, 0)..=(member, u64::MAX))
+                .map(|(_, id)| *id)
+                .collect();
+            for id in ids {
+                if let Some(e) = self.entries.get_mut(&id) {
+                    e.orphaned_us = None;
+                }
+            }
+        }
         if fresh || revived {
             self.rebalance(live);
         }

@@ -215,7 +215,13 @@ impl GlobalGate {
                         while st.unreported.front().is_some_and(|s| *s <= last_seq) {
                             st.unreported.pop_front();
                         }
-                        self.deliver(&mut st, verdicts);
+                        // A verdict read from a state older than this life's lease may have
+                        // been revoked since: after a partition the local state can still show
+                        // a dispatch the cluster undid when the lease ended (the orphan's slot
+                        // given to others). Found by the deterministic simulation (dst.rs).
+                        if member.lease_index().is_some_and(|l| applied_index >= l) {
+                            self.deliver(&mut st, verdicts);
+                        }
                         reconfigure = !same_config;
                     }
                     None => {

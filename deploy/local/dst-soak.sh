@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The deterministic simulation's long run (chaos/tests/dst.rs): seeds 1..N of both workloads —
+# the consensus log and the replicated global flow state — each a few simulated members on
+# turmoil's network under the seed's stalls, latency, crashes and restarts, every invariant
+# checked after each seed. A release build, a thread per core. Default: 5000 seeds each.
+#   deploy/local/dst-soak.sh [SEEDS]
+# Reproduce one seed (prints its schedule): DST_SEED=S cargo test -p chaos --test dst -- --nocapture
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+deploy/local/ensure-toolchain.sh
+DST_SEEDS="${1:-5000}" exec cargo test --release --locked -p chaos --test dst -- --nocapture \
+  --test-threads 1
