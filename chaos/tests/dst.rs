@@ -2,7 +2,7 @@
 //! tonic peer service and client pool, the proposal batcher — on turmoil's simulated hosts,
 //! network and clock, in one thread per simulation. A seed fixes the fault schedule (stalled
 //! links, isolated members, latency, crashes and restarts), the network's latencies and the Raft
-//! election timeouts; after the faults are healed each run is checked against invariants. Two
+//! election timeouts; after the faults are healed each run is checked against invariants. Three
 //! workloads:
 //!
 //! - `consensus_…` (this file): every member proposes values to an append log all along;
@@ -15,6 +15,10 @@
 //! - `global_flow_…` ([`flow`]): the replicated flow-control state (`flowctl`'s cluster state,
 //!   as the EPP replicates it) under members that queue, route and settle requests on simulated
 //!   pods; its invariants are listed there.
+//! - `gossip_…` ([`gossip`]): the EPP's peer exchange (`node::cluster::gossip`: the prefix index
+//!   and the response bindings as CRDT deltas and anti-entropy, the scrape fan-out and ownership)
+//!   under members that route, bind and scrape while pods restart; its invariants are listed
+//!   there.
 //!
 //! `DST_SEEDS=N` runs seeds 1..=N; `DST_SEED=S` runs one seed and prints its schedule.
 //! `chaos/dst-soak.sh` runs thousands in release. A failing seed names itself.
@@ -38,6 +42,8 @@ use rand::rngs::StdRng;
 
 #[path = "dst/flow.rs"]
 mod flow;
+#[path = "dst/gossip.rs"]
+mod gossip;
 #[path = "dst/harness.rs"]
 mod harness;
 
@@ -241,8 +247,8 @@ fn consensus_keeps_its_invariants_under_seeded_faults() {
     harness::run_seeds("consensus", 200, run);
 }
 
-/// Two runs of a seed produce the same log, the same acknowledgements and the same replicated
-/// flow states: the simulation is deterministic (turmoil's seeded runtimes, the seeded election
+/// Two runs of a seed produce the same log, the same acknowledgements, the same replicated
+/// flow states and the same gossiped indexes: the simulation is deterministic (turmoil's seeded runtimes, the seeded election
 /// timeouts, the simulated clock, flushes on the simulation's thread).
 #[test]
 fn a_seed_replays_the_same_run() {
@@ -258,6 +264,13 @@ fn a_seed_replays_the_same_run() {
     assert_eq!(
         a.fingerprint, b.fingerprint,
         "flow seed 1: {} / {}",
+        a.summary, b.summary
+    );
+    let (a, b) = (gossip::run(3, false), gossip::run(3, false));
+    assert!(a.done > 0 && a.violations.is_empty(), "{:?}", a.violations);
+    assert_eq!(
+        a.fingerprint, b.fingerprint,
+        "gossip seed 3: {} / {}",
         a.summary, b.summary
     );
 }

@@ -19,6 +19,10 @@ use rand::rngs::StdRng;
 
 const PORT: u16 = 7100;
 
+/// When every simulation starts (since the UNIX epoch): incarnations and log stamps are the same
+/// in every run of a seed.
+pub const EPOCH: Duration = Duration::from_secs(1_800_000_000);
+
 /// Faults from 1 s to `faults_end`; then every link is healed and every crashed member
 /// restarted; the workload runs on until `calm_end`; the run ends at `end`.
 #[derive(Debug, Clone, Copy)]
@@ -98,16 +102,22 @@ pub async fn start<S: StateMachine>(
     n: u64,
     dir: &Path,
 ) -> Result<ConsensusNode<S>, String> {
+    start_with(id, n, dir, tonic::service::Routes::default()).await
+}
+
+/// [`start`], with more services on the peer port (the gossip's, as `epp serve` adds them).
+pub async fn start_with<S: StateMachine>(
+    id: u64,
+    n: u64,
+    dir: &Path,
+    routes: tonic::service::Routes,
+) -> Result<ConsensusNode<S>, String> {
     let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT))
         .await
         .map_err(|e| format!("n{id} bind: {e}"))?;
-    ConsensusNode::start_on(
-        config(id, dir, n),
-        transport(listener),
-        tonic::service::Routes::default(),
-    )
-    .await
-    .map_err(|e| format!("n{id} start: {e}"))
+    ConsensusNode::start_on(config(id, dir, n), transport(listener), routes)
+        .await
+        .map_err(|e| format!("n{id} start: {e}"))
 }
 
 #[derive(Debug, Clone)]
@@ -183,8 +193,7 @@ where
     }
     .map_err(|e| format!("temporary directory: {e}"))?;
     let mut sim = turmoil::Builder::new()
-        // A fixed epoch: incarnations and log stamps are the same in every run of a seed.
-        .epoch(std::time::UNIX_EPOCH + Duration::from_secs(1_800_000_000))
+        .epoch(std::time::UNIX_EPOCH + EPOCH)
         .simulation_duration(t.end + Duration::from_secs(5))
         .tick_duration(Duration::from_millis(10))
         .min_message_latency(Duration::from_millis(1))

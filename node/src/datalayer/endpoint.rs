@@ -9,10 +9,10 @@ use std::time::Instant;
 use super::inflight::InflightLoad;
 use crate::metrics::Metrics;
 
+/// Wall time as the rest of the data layer reads it (`consensus::clock`: the test offset, the
+/// simulation's clock).
 fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    consensus::clock::now_ms()
 }
 
 /// Label that selects the metric dialect, with llm-d's fallback key.

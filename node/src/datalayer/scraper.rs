@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::endpoint::Endpoint;
+use super::endpoint::{Endpoint, EndpointMetrics};
 use super::extract::extract;
 use super::store::Datastore;
 use crate::metrics::Metrics;
@@ -68,10 +68,7 @@ pub async fn scrape_loop(
         }
         match fetch(&client, &url, cfg.timeout).await {
             Ok(text) => {
-                let mut m = extract(ep.engine, &text);
-                ep.check(&mut m, "metrics", &metrics);
-                shard.publish(&ep.hostport, &m, unix_us());
-                store.set_metrics(&ep, m, Instant::now());
+                record_scrape(&store, &ep, extract(ep.engine, &text), &metrics);
                 if std::mem::take(&mut failing) {
                     tracing::info!(endpoint = %ep.name, "metrics scrapes succeed again");
                 }
@@ -88,10 +85,25 @@ pub async fn scrape_loop(
     }
 }
 
+/// What a successful scrape of `ep` does with the pod's metrics: bound them, queue them for the
+/// peers (when this replica fans out) and make them the pod's sample.
+pub fn record_scrape(store: &Datastore, ep: &Endpoint, mut m: EndpointMetrics, metrics: &Metrics) {
+    ep.check(&mut m, "metrics", metrics);
+    store.shard.publish(&ep.hostport, &m, unix_us());
+    store.set_metrics(ep, m, mono_now());
+}
+
 /// Microseconds since the UNIX epoch (with the test offset of `consensus::clock`): a scrape's
 /// time, and the prefix index's clock.
 pub fn unix_us() -> u64 {
     consensus::clock::now_us()
+}
+
+/// The monotonic clock of the data layer's samples and of the peers' liveness: the host's,
+/// except under a runtime whose clock is simulated (tokio's paused clock — the deterministic
+/// simulation's hosts), whose time it then follows.
+pub fn mono_now() -> Instant {
+    tokio::time::Instant::now().into_std()
 }
 
 async fn fetch(client: &reqwest::Client, url: &str, timeout: Duration) -> Result<String, String> {

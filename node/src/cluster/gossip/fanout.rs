@@ -6,7 +6,9 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use prost::Message;
 use tokio_util::sync::CancellationToken;
@@ -17,7 +19,7 @@ use super::pb::sample_fanout_server::{SampleFanout, SampleFanoutServer};
 use super::{Gossip, GossipService, MAX_MESSAGE_BYTES, PEER_LIVENESS, pb};
 use crate::datalayer::EndpointMetrics;
 use crate::datalayer::inflight::{InflightLoad, InflightTracker, RemoteLoadFeed};
-use crate::datalayer::scraper::unix_us;
+use crate::datalayer::scraper::{mono_now, unix_us};
 
 /// Bounds on a peer's load report for one pod.
 const MAX_POD_REQUESTS: u64 = 1_000_000;
@@ -104,7 +106,7 @@ impl Gossip {
         let endpoints = self.store.endpoints();
         let by_addr: HashMap<&str, &Arc<crate::datalayer::Endpoint>> =
             endpoints.iter().map(|e| (e.hostport.as_str(), e)).collect();
-        let (now, now_us) = (Instant::now(), unix_us());
+        let (now, now_us) = (mono_now(), unix_us());
         let mut applied = 0;
         for s in batch.samples {
             let Some(ep) = by_addr.get(s.pod.as_str()) else {

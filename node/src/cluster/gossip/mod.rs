@@ -24,9 +24,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use consensus::network::tls::PeerIdentity;
+use consensus::{ConsensusNode, StateMachine};
 use index::{PodDigest, PodState, Replicated};
 use prost::Message;
 use tokio::sync::mpsc;
@@ -37,7 +40,7 @@ use super::member::ClusterMember;
 use super::options::GossipOptions;
 use crate::datalayer::inflight::{InflightTracker, RemoteLoadFeed};
 use crate::datalayer::responses::ResponseBindings;
-use crate::datalayer::scraper::unix_us;
+use crate::datalayer::scraper::{mono_now, unix_us};
 use crate::datalayer::store::Datastore;
 use crate::metrics::Metrics;
 use crate::scheduling::prefix::ApproxPrefixProducer;
@@ -258,9 +261,9 @@ impl Gossip {
         out
     }
 
-    /// Runs the exchange with the peers of `member`'s Raft membership until `stop`: delta
-    /// flushes, bounds refresh, scrape ownership and fan-out.
-    pub async fn run(self: Arc<Self>, member: Arc<ClusterMember>, stop: CancellationToken) {
+    /// Runs the exchange with `peers` (the Raft membership) until `stop`: delta flushes, bounds
+    /// refresh, scrape ownership and fan-out.
+    pub async fn run<P: Peers>(self: Arc<Self>, peers_of: Arc<P>, stop: CancellationToken) {
         let mut peers: BTreeMap<String, Peer> = BTreeMap::new();
         let mut flush = tokio::time::interval(self.opts.interval);
         flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -273,14 +276,14 @@ impl Gossip {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
-                _ = membership.tick() => self.update_peers(&member, &mut peers, &stop).await,
+                _ = membership.tick() => self.update_peers(&*peers_of, &mut peers, &stop).await,
                 _ = flush.tick(), if !self.spaces.is_empty() || self.precise.get().is_some() => {
                     self.flush(&peers);
                     self.precise_flush(&peers);
                 }
                 _ = bounds.tick(), if self.prefix.is_some() => {
                     if let Some(p) = &self.prefix {
-                        p.refresh_bounds(&self.store.candidates(Instant::now()));
+                        p.refresh_bounds(&self.store.candidates(mono_now()));
                     }
                 }
                 _ = samples.tick() => {
@@ -296,17 +299,11 @@ impl Gossip {
 
     async fn update_peers(
         self: &Arc<Self>,
-        member: &ClusterMember,
+        members: &impl Peers,
         peers: &mut BTreeMap<String, Peer>,
         stop: &CancellationToken,
     ) {
-        let status = member.node.status().await;
-        let wanted: Vec<(String, u64)> = status
-            .members
-            .iter()
-            .filter(|m| m.addr != status.addr)
-            .map(|m| (m.addr.clone(), m.node_id))
-            .collect();
+        let wanted = members.peers().await;
         peers.retain(|addr, p| {
             let keep = wanted.iter().any(|(a, _)| a == addr);
             if !keep {
@@ -318,7 +315,7 @@ impl Gossip {
             if peers.contains_key(&addr) {
                 continue;
             }
-            let channel = match member.node.peer_channel(&addr) {
+            let channel = match members.channel(&addr) {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!(%addr, error = %e, "prefix gossip: bad peer address");
@@ -592,6 +589,41 @@ impl Gossip {
             pods.push(to_pb(state));
         }
         Ok(pb::SyncReply { pods, wanted })
+    }
+}
+
+/// Where the gossip finds its peers: the other members of the Raft membership, and channels to
+/// them on the peer port (TLS and routes as the consensus RPCs').
+pub trait Peers: Send + Sync + 'static {
+    /// Every other member: (peer address, node id).
+    fn peers(&self) -> impl std::future::Future<Output = Vec<(String, u64)>> + Send;
+    /// A channel to the member at `addr`.
+    fn channel(&self, addr: &str) -> Result<tonic::transport::Channel, Status>;
+}
+
+impl<S: StateMachine> Peers for ConsensusNode<S> {
+    async fn peers(&self) -> Vec<(String, u64)> {
+        let status = self.status().await;
+        status
+            .members
+            .iter()
+            .filter(|m| m.addr != status.addr)
+            .map(|m| (m.addr.clone(), m.node_id))
+            .collect()
+    }
+
+    fn channel(&self, addr: &str) -> Result<tonic::transport::Channel, Status> {
+        self.peer_channel(addr)
+    }
+}
+
+impl Peers for ClusterMember {
+    async fn peers(&self) -> Vec<(String, u64)> {
+        self.node.peers().await
+    }
+
+    fn channel(&self, addr: &str) -> Result<tonic::transport::Channel, Status> {
+        self.node.channel(addr)
     }
 }
 
