@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The deterministic simulation's long run (chaos/tests/dst.rs): seeds 1..N of both workloads —
-# the consensus log and the replicated global flow state — each a few simulated members on
+# The deterministic simulation's long run (chaos/tests/dst.rs): seeds 1..N of the three workloads —
+# the consensus log, the replicated global flow state and the gossip — each a few simulated members on
 # turmoil's network under the seed's stalls, latency, crashes and restarts, every invariant
 # checked after each seed. A release build, a thread per core. Default: 5000 seeds each.
 #   deploy/local/dst-soak.sh [SEEDS]

@@ -397,7 +397,10 @@ async fn member(
                 }
             }
             () = tokio::time::sleep_until(next_route), if now < t.calm_end => {
-                next_route += Duration::from_millis(rng.random_range(20..120));
+                // Busy during the faults (pods evict: their bound is exceeded), quieter after the
+                // heal, so that everything recorded then fits every pod's bound.
+                let gap = if now < t.faults_end { 20..120 } else { 60..300 };
+                next_route += Duration::from_millis(rng.random_range(gap));
                 router.route(&mut rng, &store, &producer, &bindings, &rec);
             }
         }

@@ -198,6 +198,10 @@ where
         .tick_duration(Duration::from_millis(10))
         .min_message_latency(Duration::from_millis(1))
         .max_message_latency(Duration::from_millis(10))
+        // Connections waiting to be accepted, and segments waiting to be read, per socket: a
+        // long stall releases every dial retried meanwhile at once (turmoil panics past this
+        // bound, where a host's TCP would drop SYNs and the dialer retry).
+        .tcp_capacity(4096)
         .rng_seed(seed)
         .build();
     for id in 1..=n {
@@ -313,7 +317,19 @@ pub fn run_seeds(name: &str, default_seeds: u64, check: impl Fn(u64, bool) -> Ou
                 let mine: Vec<u64> = seeds.iter().copied().skip(t).step_by(threads).collect();
                 scope.spawn(move || {
                     mine.into_iter()
-                        .map(|s| (s, check(s, verbose)))
+                        .map(|s| {
+                            // A panic (the simulator's or the code's) is that seed's failure.
+                            let run = std::panic::AssertUnwindSafe(|| check(s, verbose));
+                            let outcome = std::panic::catch_unwind(run).unwrap_or_else(|p| {
+                                let why = p
+                                    .downcast_ref::<String>()
+                                    .cloned()
+                                    .or_else(|| p.downcast_ref::<&str>().map(ToString::to_string))
+                                    .unwrap_or_default();
+                                Outcome::failed(format!("panicked: {why}"))
+                            });
+                            (s, outcome)
+                        })
                         .collect::<Vec<_>>()
                 })
             })
