@@ -21,8 +21,12 @@ name = "index_old"
 edition = "2024"
 version = "0.0.0"
 [dependencies]
-xxhash-rust = { version = "0.8.21", features = ["xxh3", "xxh64"] }
 EOF
+  # The revision's dependencies, as its workspace pinned them.
+  for dep in $(git -C "$root" show "$rev:index/Cargo.toml" \
+      | sed -n '/^\[dependencies\]/,/^\[/p' | sed -n 's/^\([a-z0-9_-]*\)\.workspace = true/\1/p'); do
+    git -C "$root" show "$rev:Cargo.toml" | grep "^$dep = " >> "$dir/index-old/Cargo.toml"
+  done
   old_dep='index_old = { path = "index-old" }'
   old_run='measure!(index_old, format!("{rev}"));'
 fi
@@ -64,16 +68,17 @@ fn text(n: usize, seed: u32) -> Vec<u8> {
     (0..n).map(|i| b'a' + (((i as u32).wrapping_mul(31) ^ seed.wrapping_mul(2654435761)) % 26) as u8).collect()
 }
 
-// Fill an index with 16k-token prompts (250 blocks, all hashes distinct) and count its heap.
+// Fill an index with 16k-token prompts (250 blocks, all hashes distinct) and count its heap; the
+// middle case is llm-d's default capacity (31,250 entries per pod) filled on 100 pods.
 macro_rules! measure {
     (\$krate:ident, \$label:expr) => {
-        for (pods, prompts) in [(100u32, 20u32), (200, 60)] {
+        for (pods, prompts, cap) in [(100u32, 20u32, 1usize << 20), (100, 125, 31_250), (200, 60, 1 << 20)] {
             let h = index::BlockHasher::new("model", None, 64, 2048);
             let hashes: Vec<Vec<Vec<u64>>> = (0..pods)
                 .map(|p| (0..prompts).map(|k| index::block_hashes_of_text(&h, &text(65_536, p * 1000 + k))).collect())
                 .collect();
             let base = LIVE.load(Ordering::Relaxed);
-            let mut ix = \$krate::ApproxIndex::new(1 << 20);
+            let mut ix = \$krate::ApproxIndex::new(cap);
             for (p, ps) in hashes.iter().enumerate() {
                 let pod = ix.pod(&format!("pod-{p}"));
                 for (k, hs) in ps.iter().enumerate() { ix.insert(pod, hs, k as u64); }
