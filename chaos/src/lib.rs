@@ -31,6 +31,7 @@ pub mod dprouter;
 pub mod envoy;
 pub mod epp;
 pub mod extproc;
+pub mod fleet;
 pub mod kvfleet;
 pub mod locate;
 pub mod netproxy;

@@ -110,6 +110,25 @@ enum Cmd {
         #[arg(long = "pod-knobs")]
         pod_knobs: Vec<sim::PodOverride>,
     },
+    /// A fleet-scale run: `pods` simulated pods, `replicas` replicas in cluster mode with sharded
+    /// scraping, open-loop decisions ([`chaos::fleet`]).
+    Fleet {
+        #[arg(long, default_value_t = 1000)]
+        pods: usize,
+        #[arg(long, default_value_t = 5)]
+        replicas: usize,
+        #[arg(long, default_value_t = 2)]
+        scrape_owners: usize,
+        #[arg(long, default_value_t = 50)]
+        refresh_ms: u64,
+        /// Decisions per second over all replicas.
+        #[arg(long, default_value_t = 200.0)]
+        rate: f64,
+        #[arg(long, default_value_t = 20.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 500)]
+        prefixes: usize,
+    },
     /// CPU per replica following `pods` pods' KV-event streams with R owners per pod.
     KvFleet {
         #[arg(long, default_value_t = 200)]
@@ -198,6 +217,28 @@ async fn main() -> anyhow::Result<()> {
                 pod_knobs,
             };
             peers(&opts, &json, &svg).await
+        }
+        Cmd::Fleet {
+            pods,
+            replicas,
+            scrape_owners,
+            refresh_ms,
+            rate,
+            seconds,
+            prefixes,
+        } => {
+            let opts = chaos::fleet::Options {
+                pods,
+                replicas,
+                scrape_owners,
+                refresh: Duration::from_millis(refresh_ms),
+                rate,
+                seconds,
+                prefixes,
+            };
+            let report = chaos::fleet::run(&opts).await?;
+            chaos::fleet::print(&opts, &report);
+            Ok(())
         }
         Cmd::KvFleet {
             pods,

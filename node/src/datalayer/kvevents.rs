@@ -295,9 +295,9 @@ pub async fn follow(
             _ = tick.tick() => {}
         }
         let endpoints = store.endpoints();
-        let known = store.hostports();
+        let known = store.by_hostport();
         for pod in producer.pods() {
-            if !known.contains(&pod) {
+            if !known.contains_key(&pod) {
                 producer.remove(&pod);
             }
         }

@@ -38,14 +38,14 @@ impl Gossip {
         let Some((_, feed)) = self.load.get() else {
             return;
         };
-        let known = self.store.hostports();
+        let known = self.store.by_hostport();
         let mut reports = self.peer_load.lock().unwrap_or_else(|p| p.into_inner());
         reports.insert(from, (Instant::now(), load));
         reports.retain(|_, (at, _)| at.elapsed() < PEER_LIVENESS);
         let mut sum: HashMap<String, InflightLoad> = HashMap::new();
         for (_, pods) in reports.values() {
             for p in pods {
-                if !known.contains(&p.pod) {
+                if !known.contains_key(&p.pod) {
                     continue;
                 }
                 let e = sum.entry(p.pod.clone()).or_default();
@@ -103,13 +103,11 @@ impl Gossip {
 
     /// Apply peers' samples that are newer than what this replica holds.
     pub(super) fn apply_samples(&self, batch: pb::SampleBatch) -> usize {
-        let endpoints = self.store.endpoints();
-        let by_addr: HashMap<&str, &Arc<crate::datalayer::Endpoint>> =
-            endpoints.iter().map(|e| (e.hostport.as_str(), e)).collect();
+        let by_addr = self.store.by_hostport();
         let (now, now_us) = (mono_now(), unix_us());
         let mut applied = 0;
         for s in batch.samples {
-            let Some(ep) = by_addr.get(s.pod.as_str()) else {
+            let Some(ep) = by_addr.get(&s.pod) else {
                 continue; // not (yet) in this replica's endpoint set
             };
             let age = Duration::from_micros(

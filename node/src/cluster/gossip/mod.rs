@@ -232,7 +232,7 @@ impl Gossip {
     /// than [`MAX_PEER_AHEAD`] (one far-future value would pin every replica's clock, or the pod's
     /// epoch, forever). The rest is dropped and counted.
     fn bounded(&self, states: Vec<PodState>) -> Vec<PodState> {
-        let known = self.store.hostports();
+        let known = self.store.by_hostport();
         let now_us = unix_us();
         let (max_ts, max_epoch) = (
             now_us.saturating_add(MAX_PEER_AHEAD.as_micros() as u64),
@@ -240,7 +240,7 @@ impl Gossip {
         );
         let mut out = Vec::with_capacity(states.len());
         for mut p in states {
-            let field = if !known.contains(&p.name) {
+            let field = if !known.contains_key(&p.name) {
                 "pod"
             } else if p.epoch > max_epoch {
                 "epoch"
@@ -550,13 +550,13 @@ impl Gossip {
         let same = |d: &pb::PodDigest, l: &PodDigest| {
             d.epoch == l.epoch && d.len == l.len && d.digest == l.digest
         };
-        let known = self.store.hostports();
+        let known = self.store.by_hostport();
         let mut wanted = Vec::new();
         let mut send: Vec<String> = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for d in &remote {
             seen.insert(d.pod.as_str());
-            if !known.contains(&d.pod) {
+            if !known.contains_key(&d.pod) {
                 continue; // not a pod of this replica's pool (yet): neither wanted nor sent
             }
             match local.get(&d.pod) {

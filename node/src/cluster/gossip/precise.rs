@@ -189,9 +189,10 @@ impl Gossip {
         let shard = &self.store.shard;
         let mut pods: Vec<pb::PreciseDigest> = self
             .store
-            .hostports()
-            .into_iter()
+            .by_hostport()
+            .keys()
             .filter(|pod| !shard.owns(pod) && self.primary_of(pod) == Some(peer_id))
+            .cloned()
             .map(|pod| {
                 let (distinct, digest) = producer.digest(&pod);
                 pb::PreciseDigest {
@@ -218,10 +219,10 @@ impl Gossip {
             .into_inner();
         let entries: usize = reply.pods.iter().map(|p| p.keys.len()).sum();
         self.metrics.gossip.received(reply.encoded_len(), entries);
-        let known = self.store.hostports();
+        let known = self.store.by_hostport();
         for st in reply.pods {
             // Ownership may have moved meanwhile: an owner's own stream wins.
-            if known.contains(&st.pod) && !shard.owns(&st.pod) {
+            if known.contains_key(&st.pod) && !shard.owns(&st.pod) {
                 producer.replace(&st.pod, st.block_size, &st.keys);
             }
         }
@@ -235,11 +236,11 @@ impl Gossip {
         digests: Vec<pb::PreciseDigest>,
     ) -> Result<pb::PreciseSyncReply, Status> {
         let producer = self.precise()?;
-        let known = self.store.hostports();
+        let known = self.store.by_hostport();
         let mut pods = Vec::new();
         let mut n = 0;
         for d in digests {
-            if !known.contains(&d.pod) || !self.store.shard.owns(&d.pod) {
+            if !known.contains_key(&d.pod) || !self.store.shard.owns(&d.pod) {
                 continue;
             }
             if producer.digest(&d.pod) == (d.distinct, d.digest) {
@@ -264,9 +265,9 @@ impl Gossip {
     /// A primary's changes: mirrored for known pods this replica does not own.
     fn precise_merge(&self, pods: Vec<pb::PreciseDelta>) -> Result<(), Status> {
         let producer = self.precise()?;
-        let known = self.store.hostports();
+        let known = self.store.by_hostport();
         for d in pods {
-            if !known.contains(&d.pod) {
+            if !known.contains_key(&d.pod) {
                 self.metrics.rejected_value("peer", "pod");
                 continue;
             }
