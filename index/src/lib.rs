@@ -44,6 +44,7 @@ mod idhash;
 pub mod kvevents;
 pub mod precise;
 pub mod replica;
+mod slots;
 
 pub use approx::{ApproxIndex, PodDigest, PodId, PodMatch, PodState};
 pub use clock::Hlc;

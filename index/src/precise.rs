@@ -327,16 +327,7 @@ impl PreciseIndex {
             [a, NONE] => h.0 = [a, pod],
             [a, b] => {
                 let list = vec![a, b, pod];
-                let i = match self.spill_free.pop() {
-                    Some(i) => {
-                        self.spill[i as usize] = list;
-                        i
-                    }
-                    None => {
-                        self.spill.push(list);
-                        (self.spill.len() - 1) as PodId
-                    }
-                };
+                let i = crate::slots::place(&mut self.spill, &mut self.spill_free, list);
                 h.0 = [SPILLED, i];
             }
         }
