@@ -210,3 +210,46 @@ pub fn proc_cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let stime: f64 = f.get(12).ok_or_else(|| anyhow!("no stime"))?.parse()?;
     Ok((utime + stime) / 100.0)
 }
+
+/// The `p` quantile of `sorted` (nearest rank; NaN when empty).
+pub fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// (bucket upper bound, cumulative count) of a Prometheus histogram summed over replicas.
+pub fn histogram(texts: &[String], name: &str) -> Vec<(f64, f64)> {
+    let mut buckets: std::collections::BTreeMap<u64, (f64, f64)> = Default::default();
+    for t in texts {
+        for l in t
+            .lines()
+            .filter(|l| l.starts_with(&format!("{name}_bucket{{")))
+        {
+            let le = l.split("le=\"").nth(1).and_then(|r| r.split('"').next());
+            let v = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+            if let (Some(le), Some(v)) = (le, v) {
+                let bound = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().unwrap_or(f64::INFINITY)
+                };
+                let e = buckets.entry(bound.to_bits()).or_insert((bound, 0.0));
+                e.1 += v;
+            }
+        }
+    }
+    let mut v: Vec<(f64, f64)> = buckets.into_values().collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v
+}
+
+/// The upper bound of the bucket holding the `q` quantile of histogram `h` ([`histogram`]).
+pub fn histogram_quantile(h: &[(f64, f64)], q: f64) -> f64 {
+    let total = h.last().map_or(0.0, |b| b.1);
+    h.iter()
+        .find(|b| b.1 >= q * total)
+        .map_or(f64::NAN, |b| b.0)
+}

@@ -136,6 +136,15 @@ pub type Client = envoy_types::pb::envoy::service::ext_proc::v3::external_proces
     tonic::transport::Channel,
 >;
 
+/// An ext_proc client of the EPP listening on `addr` (Nagle off, as Envoy's gRPC client).
+pub async fn connect(addr: std::net::SocketAddr) -> anyhow::Result<Client> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        .tcp_nodelay(true)
+        .connect()
+        .await?;
+    Ok(Client::new(channel))
+}
+
 /// Route one chat request `body` carrying `x-request-id: request_id` and read the answer to its
 /// end; the route info the EPP set (what the observing filter needs to settle it).
 pub async fn route(client: &mut Client, body: &[u8], request_id: &str) -> anyhow::Result<String> {

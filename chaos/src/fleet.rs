@@ -16,7 +16,7 @@ use futures::StreamExt;
 use sim::SimConfig;
 
 use crate::cluster::{ClusterSpec, LocalCluster};
-use crate::epp::{metric_sum, proc_cpu_seconds};
+use crate::epp::{histogram, histogram_quantile, metric_sum, pct, proc_cpu_seconds};
 use crate::extproc::Client;
 
 #[derive(Debug, Clone)]
@@ -122,12 +122,21 @@ fn take_worst(w: &[AtomicU64]) -> Vec<f64> {
         .collect()
 }
 
-async fn metrics_sum(c: &LocalCluster, replicas: usize, name: &str) -> anyhow::Result<f64> {
-    let mut total = 0.0;
+/// Prefix-gossip and scrape fan-out bytes the replicas sent so far, summed.
+async fn sent_bytes(c: &LocalCluster, replicas: usize) -> anyhow::Result<(f64, f64)> {
+    let (mut gossip, mut fanout) = (0.0, 0.0);
     for i in 0..replicas {
-        total += metric_sum(&c.epp(i)?.metrics().await?, name);
+        let m = c.epp(i)?.metrics().await?;
+        gossip += metric_sum(
+            &m,
+            "llm_d_epp_prefix_gossip_bytes_total{direction=\"sent\"}",
+        );
+        fanout += metric_sum(
+            &m,
+            "llm_d_epp_datalayer_fanout_bytes_total{direction=\"sent\"}",
+        );
     }
-    Ok(total)
+    Ok((gossip, fanout))
 }
 
 pub async fn run(opts: &Options) -> anyhow::Result<Report> {
@@ -195,26 +204,10 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
     // Open-loop decisions.
     let mut clients: Vec<Client> = Vec::new();
     for i in 0..replicas {
-        let addr = c.epp(i)?.addrs.ext_proc;
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-            .tcp_nodelay(true)
-            .connect()
-            .await?;
-        clients.push(Client::new(channel));
+        clients.push(crate::extproc::connect(c.epp(i)?.addrs.ext_proc).await?);
     }
     let bodies: Vec<Vec<u8>> = (0..opts.prefixes).map(|p| body(p, 0)).collect();
-    let gossip0 = metrics_sum(
-        &c,
-        replicas,
-        "llm_d_epp_prefix_gossip_bytes_total{direction=\"sent\"}",
-    )
-    .await?;
-    let fanout0 = metrics_sum(
-        &c,
-        replicas,
-        "llm_d_epp_datalayer_fanout_bytes_total{direction=\"sent\"}",
-    )
-    .await?;
+    let sent0 = sent_bytes(&c, replicas).await?;
     let total = (opts.rate * opts.seconds).round() as u64;
     let interval = Duration::from_secs_f64(1.0 / opts.rate.max(0.001));
     let me = std::process::id();
@@ -261,20 +254,8 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
     let stale_busy = take_worst(&worst);
     watcher.abort();
     decisions_ms.sort_by(f64::total_cmp);
-    let gossip = metrics_sum(
-        &c,
-        replicas,
-        "llm_d_epp_prefix_gossip_bytes_total{direction=\"sent\"}",
-    )
-    .await?
-        - gossip0;
-    let fanout = metrics_sum(
-        &c,
-        replicas,
-        "llm_d_epp_datalayer_fanout_bytes_total{direction=\"sent\"}",
-    )
-    .await?
-        - fanout0;
+    let sent1 = sent_bytes(&c, replicas).await?;
+    let (gossip, fanout) = (sent1.0 - sent0.0, sent1.1 - sent0.1);
     let mut texts = Vec::new();
     let mut rows = Vec::new();
     for (i, pid) in pids.iter().enumerate() {
@@ -289,7 +270,9 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
         });
         texts.push(m);
     }
-    let (scheduler_p50, scheduler_p99) = scheduler_quantiles(&texts);
+    let h = histogram(&texts, "llm_d_epp_scheduler_e2e_duration_seconds");
+    let (scheduler_p50, scheduler_p99) =
+        (histogram_quantile(&h, 0.5), histogram_quantile(&h, 0.99));
     c.shutdown().await;
     Ok(Report {
         replicas: rows,
@@ -303,43 +286,6 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
         fanout_bytes_per_s: fanout / busy_wall,
         harness_cores,
     })
-}
-
-/// Upper bucket bounds of the p50 and p99 of the replicas' summed scheduling histograms.
-fn scheduler_quantiles(texts: &[String]) -> (f64, f64) {
-    let name = "llm_d_epp_scheduler_e2e_duration_seconds_bucket{";
-    let mut buckets: Vec<(f64, f64)> = Vec::new();
-    for l in texts
-        .iter()
-        .flat_map(|t| t.lines())
-        .filter(|l| l.starts_with(name))
-    {
-        let le = l.split("le=\"").nth(1).and_then(|r| r.split('"').next());
-        let v = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-        if let (Some(le), Some(v)) = (le, v) {
-            let bound = le.parse().unwrap_or(f64::INFINITY);
-            match buckets.iter_mut().find(|b| b.0 == bound) {
-                Some(b) => b.1 += v,
-                None => buckets.push((bound, v)),
-            }
-        }
-    }
-    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let total = buckets.last().map_or(0.0, |b| b.1);
-    let q = |q: f64| {
-        buckets
-            .iter()
-            .find(|b| b.1 >= q * total && total > 0.0)
-            .map_or(f64::NAN, |b| b.0)
-    };
-    (q(0.5), q(0.99))
-}
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 /// Print the report as Markdown.

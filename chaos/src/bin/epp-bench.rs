@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use chaos::cluster::{ClusterSpec, LocalCluster};
-use chaos::epp::{EppProcess, proc_cpu_seconds};
+use chaos::epp::{EppProcess, histogram, histogram_quantile, pct, proc_cpu_seconds};
 use clap::{Parser, Subcommand};
 use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
@@ -312,14 +312,6 @@ async fn peers(
     Ok(())
 }
 
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
 async fn timed_requests(url: &str, n: usize, concurrency: usize) -> anyhow::Result<Vec<f64>> {
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(concurrency)
@@ -542,12 +534,7 @@ async fn decisions_once(
         "max_tokens": 16,
     }))?;
     let key = with_key.then_some(BENCH_KEY);
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://{}", epp.addrs.ext_proc))?
-            .tcp_nodelay(true)
-            .connect()
-            .await?;
-    let client = ExternalProcessorClient::new(channel);
+    let client = chaos::extproc::connect(epp.addrs.ext_proc).await?;
     // warm-up
     for _ in 0..200 {
         one_decision(&mut client.clone(), &body, key).await?;
@@ -653,11 +640,7 @@ async fn flow_cluster(
     let mut clients = Vec::new();
     for id in 1..=3 {
         let addr = raft.replica(id)?.addrs.ext_proc;
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-            .tcp_nodelay(true)
-            .connect()
-            .await?;
-        clients.push(ExternalProcessorClient::new(channel));
+        clients.push(chaos::extproc::connect(addr).await?);
     }
     Ok((raft, clients))
 }
@@ -681,39 +664,6 @@ async fn settle(
     route: &str,
 ) -> anyhow::Result<()> {
     chaos::extproc::observe(client, route, None).await
-}
-
-/// (bucket upper bound, cumulative count) of a Prometheus histogram summed over replicas.
-fn histogram(texts: &[String], name: &str) -> Vec<(f64, f64)> {
-    let mut buckets: std::collections::BTreeMap<u64, (f64, f64)> = Default::default();
-    for t in texts {
-        for l in t
-            .lines()
-            .filter(|l| l.starts_with(&format!("{name}_bucket{{")))
-        {
-            let le = l.split("le=\"").nth(1).and_then(|r| r.split('"').next());
-            let v = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-            if let (Some(le), Some(v)) = (le, v) {
-                let bound = if le == "+Inf" {
-                    f64::INFINITY
-                } else {
-                    le.parse().unwrap_or(f64::INFINITY)
-                };
-                let e = buckets.entry(bound.to_bits()).or_insert((bound, 0.0));
-                e.1 += v;
-            }
-        }
-    }
-    let mut v: Vec<(f64, f64)> = buckets.into_values().collect();
-    v.sort_by(|a, b| a.0.total_cmp(&b.0));
-    v
-}
-
-fn histogram_quantile(h: &[(f64, f64)], q: f64) -> f64 {
-    let total = h.last().map_or(0.0, |b| b.1);
-    h.iter()
-        .find(|b| b.1 >= q * total)
-        .map_or(f64::NAN, |b| b.0)
 }
 
 fn counter(texts: &[String], needle: &str) -> f64 {

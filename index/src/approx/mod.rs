@@ -60,6 +60,7 @@ pub(crate) fn map_heap_bytes<K, V>(capacity: usize) -> usize {
     buckets * (size_of::<(K, V)>() + 1) + 16
 }
 
+#[derive(Debug)]
 pub struct ApproxIndex {
     default_capacity: usize,
     pods: Vec<Option<PodEntries>>,
