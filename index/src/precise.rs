@@ -19,8 +19,6 @@
 //! engine blocks can map to one key when the engine hashes something we do not (multimodal
 //! identifiers, salts in old formats), and removing one of them must not forget the other.
 
-use std::collections::HashMap;
-
 use crate::hashing::MAX_BLOCK_SIZE;
 use crate::idhash::IdMap;
 use crate::kvevents::{BlockStored, KvEvent};
@@ -134,10 +132,35 @@ pub struct PreciseMatch {
     pub blocks: usize,
 }
 
+/// Holder lists up to this long are searched pod by pod when matching; longer ones are marked.
+const LINEAR_HOLDERS: usize = 8;
+
+/// The runs `out[..active]` whose pod `holds` block `i` grow to `i + 1` blocks; the others end
+/// (swapped behind). Returns how many still run.
+fn extend_runs(
+    out: &mut [PreciseMatch],
+    mut active: usize,
+    i: usize,
+    holds: impl Fn(PodId) -> bool,
+) -> usize {
+    let mut j = 0;
+    while j < active {
+        if holds(out[j].pod) {
+            out[j].blocks = i + 1;
+            j += 1;
+        } else {
+            active -= 1;
+            out.swap(j, active);
+        }
+    }
+    active
+}
+
 #[derive(Debug, Default)]
 pub struct PreciseIndex {
     pods: Vec<Pod>,
-    by_name: HashMap<String, PodId>,
+    /// Looked up once per candidate per decision: a fast hasher.
+    by_name: foldhash::HashMap<String, PodId>,
     blocks: IdMap<u64, Holders>,
     /// Holder lists of keys held by more than two pods, and the free slots among them.
     spill: Vec<Vec<PodId>>,
@@ -203,6 +226,11 @@ impl PreciseIndex {
 
     pub fn pod_id(&self, name: &str) -> Option<PodId> {
         self.by_name.get(name).copied()
+    }
+
+    /// One more than the largest pod id in use: a table indexed by [`PodId`] has this length.
+    pub fn pod_slots(&self) -> usize {
+        self.pods.len()
     }
 
     pub fn pod_name(&self, id: PodId) -> Option<&str> {
@@ -499,11 +527,16 @@ impl PreciseIndex {
             .iter()
             .copied()
             .chain(spec_first.iter().filter(|e| alive(e)).map(|e| e.0));
-        for pod in firsts {
-            if !out.iter().any(|m| m.pod == pod) {
-                out.push(PreciseMatch { pod, blocks: 1 });
-            }
+        // A pod may hold the first block and be speculated to: one run each.
+        out.extend(firsts.map(|pod| PreciseMatch { pod, blocks: 1 }));
+        if !spec_first.is_empty() {
+            out.sort_unstable_by_key(|m| m.pod);
+            out.dedup_by_key(|m| m.pod);
         }
+        // By pod id: the last block (1-based) seen held by that pod. A block every pod holds (a
+        // system prompt) has a holder list as long as the pool: asking it pod by pod would be
+        // quadratic, so long lists are marked here once and each run checks its mark.
+        let mut mark: Vec<u32> = Vec::new();
         // `out[..active]` are still running; finished runs are swapped behind them.
         let mut active = out.len();
         for (i, key) in keys.iter().enumerate().skip(1) {
@@ -514,17 +547,30 @@ impl PreciseIndex {
             if h.is_empty() && sp.is_empty() {
                 break;
             }
-            let mut j = 0;
-            while j < active {
-                let pod = out[j].pod;
-                if h.contains(&pod) || sp.iter().any(|e| e.0 == pod && alive(e)) {
-                    out[j].blocks = i + 1;
-                    j += 1;
-                } else {
-                    active -= 1;
-                    out.swap(j, active);
+            let marked = h.len() + sp.len() > LINEAR_HOLDERS && active > LINEAR_HOLDERS;
+            if marked {
+                if mark.is_empty() {
+                    mark = vec![0; self.pods.len()];
+                }
+                let pods = h
+                    .iter()
+                    .copied()
+                    .chain(sp.iter().filter(|e| alive(e)).map(|e| e.0));
+                for pod in pods {
+                    if let Some(m) = mark.get_mut(pod as usize) {
+                        *m = i as u32;
+                    }
                 }
             }
+            active = if marked {
+                extend_runs(out, active, i, |pod| {
+                    mark.get(pod as usize) == Some(&(i as u32))
+                })
+            } else {
+                extend_runs(out, active, i, |pod| {
+                    h.contains(&pod) || sp.iter().any(|e| e.0 == pod && alive(e))
+                })
+            };
         }
     }
 

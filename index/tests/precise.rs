@@ -1,5 +1,5 @@
-//! The precise index against a plain model: any sequence of stores, removals and clears over a few
-//! pods sharing blocks leaves every pod holding exactly the keys of its engine blocks, and every
+//! The precise index against a plain model: any sequence of stores, removals and clears over two
+//! dozen pods sharing blocks leaves every pod holding exactly the keys of its engine blocks, and every
 //! prefix match equal to the model's (the inline/spilled holder lists are an implementation
 //! detail that must not show).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -56,12 +56,15 @@ enum Op {
     },
 }
 
+/// Enough pods that a block is often held by more than the index searches one by one.
+const PODS: u8 = 24;
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0..6u8, 0..4u8, 1..5usize, 0..2u8)
+        4 => (0..PODS, 0..4u8, 1..5usize, 0..2u8)
             .prop_map(|(pod, p, n, generation)| Op::Store { pod, p, n, generation }),
-        3 => (0..6u8, 0..40usize).prop_map(|(pod, i)| Op::Remove { pod, i }),
-        1 => (0..6u8).prop_map(|pod| Op::Clear { pod }),
+        3 => (0..PODS, 0..40usize).prop_map(|(pod, i)| Op::Remove { pod, i }),
+        1 => (0..PODS).prop_map(|pod| Op::Clear { pod }),
     ]
 }
 
@@ -71,7 +74,7 @@ fn engine_hash(pod: u8, p: u8, block: usize, generation: u8) -> u64 {
 
 proptest! {
     #[test]
-    fn the_index_is_its_model(ops in prop::collection::vec(op(), 1..80)) {
+    fn the_index_is_its_model(ops in prop::collection::vec(op(), 1..160)) {
         let mut ix = PreciseIndex::new();
         ix.journal();
         // A replica mirroring `ix` from its journal, batches delivered in order.

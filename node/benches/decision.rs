@@ -1,7 +1,8 @@
 //! One full scheduling decision over 100 candidate pods, with llm-d's default profile plus LoRA
 //! affinity (approximate prefix producer + prefix, queue, KV-cache and LoRA scorers + max-score
 //! picker) and with the project's default (the cost model: prefix producer, in-flight ledger,
-//! TTFT prediction + its scorer + max-score picker).
+//! TTFT prediction + its scorer + max-score picker); and the default at fleet scale: 1000 pods, each
+//! with a cached prompt, two requests in flight and a learned speed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
@@ -79,6 +80,102 @@ fn bench(c: &mut Criterion) {
     ] {
         bench_profile(c, profile, config);
     }
+    bench_fleet(c);
+}
+
+fn sched_req<'a>(
+    id: &'a str,
+    prompt: &'a Prompt,
+    headers: &'a HashMap<String, String>,
+) -> SchedRequest<'a> {
+    SchedRequest {
+        request_id: id,
+        model: "m",
+        target_model: "m",
+        prompt,
+        cache_salt: None,
+        priority: 0,
+        headers,
+        tokens: None,
+        media: &[],
+    }
+}
+
+/// The default profile over 1000 pods: every pod served one other 4k-token prompt with the same
+/// system prompt (pod 42 this one), has two requests in flight and a speed learned from its
+/// responses — the maps a decision reads are as full as in a busy fleet, and every pod matches.
+fn bench_fleet(c: &mut Criterion) {
+    const PODS: usize = 1000;
+    const TOKENS: usize = 4096;
+    let config = EndpointPickerConfig::from_yaml(node::config::BUILTIN_DEFAULT).unwrap();
+    let built = node::scheduling::build(&config).unwrap();
+    let sched = built.scheduler;
+    let inflight = built.inflight.expect("the default keeps a ledger");
+    let cands = candidates(PODS);
+    let headers = HashMap::new();
+    let mut rng = rand::rng();
+    let route = |id: &str, prompt: &Prompt, pod: usize, rng: &mut rand::rngs::ThreadRng| {
+        let r = sched_req(id, prompt, &headers);
+        let d = sched.schedule(&r, &cands, rng).unwrap();
+        let predicted = d.data.predicted.get(pod).copied();
+        let d = node::scheduling::scheduler::Decision {
+            picked: vec![pod],
+            ..d
+        };
+        sched.pre_request(&r, &d, &cands);
+        predicted
+    };
+    // Every prompt opens with the same 1k-token system prompt: every pod holds it.
+    let system = text(4096, 3);
+    let with_system = |seed: u32| {
+        let mut t = system.clone();
+        t.extend(text((TOKENS - 1024) * 4, seed));
+        Prompt::Text(t)
+    };
+    for (i, cand) in cands.iter().enumerate() {
+        let id = format!("warm-{i}");
+        let prompt = with_system(i as u32 + 1000);
+        let predicted = route(&id, &prompt, i, &mut rng);
+        inflight.finish(&id);
+        let pod = cand.endpoint.hostport.clone();
+        for k in 0..3 {
+            sched.observed(&node::scheduling::Observation {
+                pod: &pod,
+                ttft_ms: Some(150.0 + (i % 13) as f64 * 10.0 + k as f64),
+                e2e_ms: 2000.0,
+                prompt_tokens: Some(TOKENS as u64),
+                cached_tokens: Some(0),
+                output_tokens: Some(200),
+                predicted,
+            });
+        }
+    }
+    let short = Prompt::Text(text(1024, 5));
+    for i in 0..PODS {
+        for k in 0..2 {
+            route(&format!("busy-{i}-{k}"), &short, i, &mut rng);
+        }
+    }
+    let prompt = with_system(7);
+    route("bench", &prompt, 42, &mut rng);
+    inflight.finish("bench");
+    let req = sched_req("bench", &prompt, &headers);
+    let d = sched.schedule(&req, &cands, &mut rng).unwrap();
+    assert_eq!(d.picked, vec![42], "the warm pod wins");
+    let mut g = c.benchmark_group("decision, 1000 pods, cost model (default)");
+    g.bench_function("4k-token prompt", |b| {
+        b.iter(|| sched.schedule(&req, &cands, &mut rng).unwrap().picked[0])
+    });
+    // With the per-request snapshot of the datastore (what the router schedules over).
+    let store = node::datalayer::store::Datastore::new(std::time::Duration::from_secs(10));
+    store.replace(cands.iter().map(|c| c.endpoint.clone()).collect());
+    g.bench_function("datastore snapshot + 4k-token prompt", |b| {
+        b.iter(|| {
+            let fresh = store.candidates(Instant::now());
+            sched.schedule(&req, &fresh, &mut rng).unwrap().picked[0]
+        })
+    });
+    g.finish();
 }
 
 fn bench_profile(c: &mut Criterion, profile: &str, config: &str) {

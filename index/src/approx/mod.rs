@@ -29,7 +29,7 @@ mod state;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 use entries::{Node, PodEntries};
 use holders::{Holder, Holders};
@@ -60,10 +60,30 @@ pub(crate) fn map_heap_bytes<K, V>(capacity: usize) -> usize {
     buckets * (size_of::<(K, V)>() + 1) + 16
 }
 
+/// Holder lists up to this long are searched pod by pod when matching; longer ones are marked.
+const LINEAR_HOLDERS: usize = 8;
+
+/// The runs `out[..active]` whose pod `holds` the next block grow by one; the others end (swapped
+/// behind). Returns how many still run.
+fn extend_runs(out: &mut [PodMatch], mut active: usize, holds: impl Fn(PodId) -> bool) -> usize {
+    let mut i = 0;
+    while i < active {
+        if holds(out[i].pod) {
+            out[i].blocks += 1;
+            i += 1;
+        } else {
+            active -= 1;
+            out.swap(i, active);
+        }
+    }
+    active
+}
+
 #[derive(Debug)]
 pub struct ApproxIndex {
     default_capacity: usize,
     pods: Vec<Option<PodEntries>>,
+    /// Looked up once per candidate per decision (1000 lookups at 1000 pods): a fast hasher.
     names: HashMap<String, PodId>,
     free: Vec<PodId>,
     rev: Holders,
@@ -79,7 +99,7 @@ impl ApproxIndex {
         ApproxIndex {
             default_capacity: default_capacity.max(1),
             pods: Vec::new(),
-            names: HashMap::new(),
+            names: HashMap::default(),
             free: Vec::new(),
             rev: Holders::default(),
             pending: Vec::new(),
@@ -134,6 +154,11 @@ impl ApproxIndex {
 
     pub fn pod_id(&self, name: &str) -> Option<PodId> {
         self.names.get(name).copied()
+    }
+
+    /// One more than the largest pod id in use: a table indexed by [`PodId`] has this length.
+    pub fn pod_slots(&self) -> usize {
+        self.pods.len()
     }
 
     pub fn pod_name(&self, id: PodId) -> Option<&str> {
@@ -317,23 +342,36 @@ impl ApproxIndex {
         );
         // `active` = prefix of `out` whose runs continue; finished runs are swapped behind it.
         let mut active = out.len();
-        for h in &hashes[1..] {
+        // By pod id: the last block (1-based) seen held by that pod. A block every pod holds (a
+        // system prompt) has a holder list as long as the pool: asking it pod by pod would be
+        // quadratic, so long lists are marked here once and each run checks its mark.
+        let mut mark: Vec<u32> = Vec::new();
+        for (k, h) in hashes.iter().enumerate().skip(1) {
             if active == 0 {
                 break;
             }
             let Some(holder) = self.rev.map.get(h) else {
                 break;
             };
-            let mut i = 0;
-            while i < active {
-                if self.rev.holds(holder, out[i].pod) {
-                    out[i].blocks += 1;
-                    i += 1;
-                } else {
-                    active -= 1;
-                    out.swap(i, active);
+            let pairs = self.rev.pairs(holder);
+            let marked = pairs.len() > LINEAR_HOLDERS && active > LINEAR_HOLDERS;
+            if marked {
+                if mark.is_empty() {
+                    mark = vec![0; self.pods.len()];
+                }
+                for &(pod, _) in pairs {
+                    if let Some(m) = mark.get_mut(pod as usize) {
+                        *m = k as u32;
+                    }
                 }
             }
+            active = if marked {
+                extend_runs(out, active, |pod| {
+                    mark.get(pod as usize) == Some(&(k as u32))
+                })
+            } else {
+                extend_runs(out, active, |pod| self.rev.holds(holder, pod))
+            };
         }
     }
 

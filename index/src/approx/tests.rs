@@ -34,6 +34,35 @@ fn longest_leading_run_per_pod() {
     );
 }
 
+/// Blocks held by many pods (a shared system prompt) are matched through marks, not pod by pod:
+/// the same runs either way, holes included, as the runs thin out below the marking threshold.
+#[test]
+fn runs_over_blocks_every_pod_holds() {
+    let mut ix = ApproxIndex::new(100);
+    let chain: Vec<u64> = (1..=12).collect();
+    let mut want = Vec::new();
+    for i in 0..40usize {
+        let name = format!("p{i:02}");
+        let id = ix.pod(&name);
+        // Pod i holds the first i % 12 + 1 blocks; every fifth pod also the block after a hole.
+        let run = i % 12 + 1;
+        ix.insert(id, &chain[..run], 10);
+        if i % 5 == 0 && run + 1 < chain.len() {
+            ix.insert(id, &[chain[run + 1]], 11);
+        }
+        want.push((name, run));
+    }
+    // A pod holding only later blocks has no run.
+    let late = ix.pod("late");
+    ix.insert(late, &chain[2..], 12);
+    assert_eq!(matches(&ix, &chain), want);
+    // A prompt diverging after the shared blocks.
+    let mut other = chain[..3].to_vec();
+    other.push(99);
+    let capped: Vec<(String, usize)> = want.iter().map(|(n, r)| (n.clone(), (*r).min(3))).collect();
+    assert_eq!(matches(&ix, &other), capped);
+}
+
 #[test]
 fn bounded_lru_evicts_oldest_then_smaller_hash() {
     let mut ix = ApproxIndex::new(3);

@@ -24,7 +24,8 @@
 //! its own state — so scorers see the cluster-wide load: this replica's own requests (including
 //! those not yet reported) plus everyone else's.
 
-use std::collections::HashMap;
+// Every map here is read per candidate per decision (1000 lookups at 1000 pods): a fast hasher.
+use foldhash::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -66,8 +67,9 @@ pub struct RemoteLoadFeed {
 impl RemoteLoadFeed {
     /// Replace the other replicas' per-endpoint load (their requests count from routing until
     /// settlement — they do not release tokens at the first response byte as local ones do).
-    pub fn publish_others(&self, others: HashMap<String, InflightLoad>) {
-        self.others.send_replace(Arc::new(others));
+    pub fn publish_others(&self, others: impl IntoIterator<Item = (String, InflightLoad)>) {
+        self.others
+            .send_replace(Arc::new(others.into_iter().collect()));
     }
 
     /// This replica's request `request_id` no longer runs: another replica observed its end
@@ -168,6 +170,33 @@ impl State {
         if !e.tokens_released {
             remove_pending(&mut self.pending, &e.endpoint, &e.blocks, false);
         }
+    }
+
+    /// How many of the `m` leading blocks of `hashes` matched on `ep` are still being prefilled
+    /// there. The blocks a request brings form one run of its chain, so the first pending block
+    /// is found by bisection.
+    fn pending_run(&self, ep: &str, hashes: &[u64], m: usize) -> usize {
+        let m = m.min(hashes.len());
+        if m == 0 || self.pending.is_empty() {
+            return 0;
+        }
+        let Some(set) = self.pending.get(ep) else {
+            return 0;
+        };
+        if !set.contains_key(&hashes[m - 1]) {
+            return 0;
+        }
+        // The first pending block: hashes[lo - 1] cached (or lo == 0), hashes[hi] pending.
+        let (mut lo, mut hi) = (0, m - 1);
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if set.contains_key(&hashes[mid]) {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        m - lo
     }
 
     fn finish(&mut self, request_id: &str) -> bool {
@@ -314,57 +343,51 @@ impl InflightTracker {
 
     /// [`Self::load`] of each endpoint, read at one instant.
     pub fn loads<'a>(&self, endpoints: impl IntoIterator<Item = &'a str>) -> Vec<InflightLoad> {
-        let st = self.lock();
-        let others = self.remote.get().map(|r| r.others.borrow().clone());
-        endpoints
-            .into_iter()
-            .map(|ep| {
-                let local = st.per_endpoint.get(ep).copied().unwrap_or_default();
-                match others.as_ref().and_then(|o| o.get(ep)) {
-                    Some(r) => local.plus(*r),
-                    None => local,
-                }
-            })
-            .collect()
+        self.loads_and_pending(endpoints, None).0
     }
 
     /// Per endpoint, how many of the `matched[i]` leading blocks of `hashes` matched there are
-    /// still being prefilled by a request routed before (0: the whole match is cached). The
-    /// blocks a request brings form one run of its chain, so the first pending block is found by
-    /// bisection.
+    /// still being prefilled by a request routed before (0: the whole match is cached).
     pub fn pending_matches<'a>(
         &self,
         endpoints: impl IntoIterator<Item = &'a str>,
         hashes: &[u64],
         matched: &[usize],
     ) -> Vec<usize> {
-        let st = self.lock();
-        endpoints
-            .into_iter()
-            .zip(matched)
-            .map(|(ep, &m)| {
-                let m = m.min(hashes.len());
-                let Some(set) = st.pending.get(ep).filter(|_| m > 0) else {
-                    return 0;
-                };
-                if !set.contains_key(&hashes[m - 1]) {
-                    return 0;
-                }
-                // The first pending block: hashes[lo - 1] cached (or lo == 0), hashes[hi] pending.
-                let (mut lo, mut hi) = (0, m - 1);
-                while lo < hi {
-                    let mid = (lo + hi) / 2;
-                    if set.contains_key(&hashes[mid]) {
-                        hi = mid;
-                    } else {
-                        lo = mid + 1;
-                    }
-                }
-                m - lo
-            })
-            .collect()
+        self.loads_and_pending(endpoints, Some((hashes, matched))).1
     }
 
+    /// [`Self::loads`] and, given a prefix match `(hashes, matched)`, [`Self::pending_matches`]
+    /// (empty without), read at one instant in one pass (a decision over 1000 pods reads both).
+    pub fn loads_and_pending<'a>(
+        &self,
+        endpoints: impl IntoIterator<Item = &'a str>,
+        prefix: Option<(&[u64], &[usize])>,
+    ) -> (Vec<InflightLoad>, Vec<usize>) {
+        let st = self.lock();
+        let others = self.remote.get().map(|r| r.others.borrow().clone());
+        let others = others.as_deref().filter(|o| !o.is_empty());
+        let endpoints = endpoints.into_iter();
+        let mut loads = Vec::with_capacity(endpoints.size_hint().0);
+        let mut pending = Vec::with_capacity(prefix.map_or(0, |(_, m)| m.len()));
+        for (i, ep) in endpoints.enumerate() {
+            let local = if st.per_endpoint.is_empty() {
+                InflightLoad::default()
+            } else {
+                st.per_endpoint.get(ep).copied().unwrap_or_default()
+            };
+            loads.push(match others.and_then(|o| o.get(ep)) {
+                Some(r) => local.plus(*r),
+                None => local,
+            });
+            if let Some((hashes, matched)) = prefix
+                && let Some(&m) = matched.get(i)
+            {
+                pending.push(st.pending_run(ep, hashes, m));
+            }
+        }
+        (loads, pending)
+    }
     /// This replica's own load per endpoint (what it shares with the other replicas).
     pub fn own_load(&self) -> Vec<(String, InflightLoad)> {
         self.lock()
@@ -520,7 +543,7 @@ mod tests {
         let (feed, view) = remote_load();
         assert!(t.connect_remote(view));
         t.reserve("r1", "a", 100);
-        feed.publish_others(HashMap::from([
+        feed.publish_others(std::collections::HashMap::from([
             (
                 "a".to_string(),
                 InflightLoad {
@@ -548,7 +571,7 @@ mod tests {
         );
         assert_eq!(t.load("b").requests, 1);
         // The remote view is replaced wholesale; local entries are untouched.
-        feed.publish_others(HashMap::new());
+        feed.publish_others([]);
         assert_eq!(t.load("a").requests, 1);
         assert_eq!(t.load("b"), InflightLoad::default());
     }

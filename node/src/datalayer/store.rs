@@ -29,7 +29,7 @@ impl Candidate {
 /// The endpoints by `ip:port`, built once per endpoint-set change: peers' samples, gossip and
 /// KV-event bookkeeping look pods up by address many times a second, which must not rebuild a
 /// set of the whole pool each time (1000 pods: a few ms per peer message).
-pub type ByHostport = std::collections::HashMap<String, Arc<Endpoint>>;
+pub type ByHostport = foldhash::HashMap<String, Arc<Endpoint>>;
 
 #[derive(Debug)]
 pub struct Datastore {
@@ -113,18 +113,28 @@ impl Datastore {
     pub fn candidates(&self, now: Instant) -> Vec<Candidate> {
         self.endpoints()
             .iter()
-            .map(|ep| {
-                let sample = ep.sample();
-                let stale = match &sample {
-                    Some(s) => now.saturating_duration_since(s.scraped_at) > self.staleness,
-                    None => true,
-                };
-                Candidate {
-                    endpoint: ep.clone(),
-                    sample,
-                    stale,
-                }
-            })
+            .map(|ep| self.candidate_of(ep, now))
             .collect()
+    }
+
+    /// The endpoint at `hostport` as [`Self::candidates`] shows it (one lookup, not a snapshot of
+    /// the pool).
+    pub fn candidate(&self, hostport: &str, now: Instant) -> Option<Candidate> {
+        self.by_hostport()
+            .get(hostport)
+            .map(|ep| self.candidate_of(ep, now))
+    }
+
+    fn candidate_of(&self, ep: &Arc<Endpoint>, now: Instant) -> Candidate {
+        let sample = ep.sample();
+        let stale = match &sample {
+            Some(s) => now.saturating_duration_since(s.scraped_at) > self.staleness,
+            None => true,
+        };
+        Candidate {
+            endpoint: ep.clone(),
+            sample,
+            stale,
+        }
     }
 }

@@ -46,7 +46,7 @@
 //! (ms): 1 for the cheapest candidate. The `prefix-cache-affinity-filter` can use the TTFT
 //! prediction as its penalty source (`ttftSource: costModel`).
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
@@ -518,7 +518,7 @@ impl CostModel {
                     samples: 0,
                     tpot: Tpot::default(),
                 },
-                pods: HashMap::new(),
+                pods: HashMap::default(),
             }),
             params,
         }

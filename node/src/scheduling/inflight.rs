@@ -50,13 +50,12 @@ impl Producer for InflightProducer {
     }
 
     fn produce(&self, _req: &SchedRequest<'_>, candidates: &[Candidate], data: &mut RequestData) {
-        let endpoints = || candidates.iter().map(|c| c.endpoint.hostport.as_str());
-        data.inflight = self.tracker.loads(endpoints());
-        if let Some(p) = &data.prefix {
-            data.pending = self
-                .tracker
-                .pending_matches(endpoints(), &p.hashes, &p.matched);
-        }
+        let endpoints = candidates.iter().map(|c| c.endpoint.hostport.as_str());
+        let prefix = data
+            .prefix
+            .as_ref()
+            .map(|p| (p.hashes.as_slice(), p.matched.as_slice()));
+        (data.inflight, data.pending) = self.tracker.loads_and_pending(endpoints, prefix);
     }
 
     fn pre_request(

@@ -264,6 +264,36 @@ pub trait Picker: Send + Sync + Debug {
 }
 
 /// The first `n` (at least one) candidate indices of an ordered list.
+/// Each candidate's matched blocks from an index's runs `(pod id, blocks)`, the candidates found
+/// by name (`pod_id`). Through a table by pod id (`slots` long): a system prompt every pod holds
+/// makes a run per pod, and a search of the runs per candidate would be quadratic in the pool.
+pub(crate) fn matched_by_candidate(
+    candidates: &[Candidate],
+    runs: impl IntoIterator<Item = (u32, usize)>,
+    slots: usize,
+    pod_id: impl Fn(&str) -> Option<u32>,
+) -> Vec<usize> {
+    let mut by_pod = vec![0usize; slots];
+    let mut any = false;
+    for (pod, blocks) in runs {
+        if let Some(b) = by_pod.get_mut(pod as usize) {
+            *b = blocks;
+            any = true;
+        }
+    }
+    if !any {
+        return vec![0; candidates.len()];
+    }
+    candidates
+        .iter()
+        .map(|c| {
+            pod_id(&c.endpoint.hostport)
+                .and_then(|id| by_pod.get(id as usize).copied())
+                .unwrap_or(0)
+        })
+        .collect()
+}
+
 pub(crate) fn first_n(ordered: &[(usize, f64)], n: usize) -> Vec<usize> {
     ordered.iter().take(n.max(1)).map(|(i, _)| *i).collect()
 }

@@ -413,11 +413,12 @@ impl Producer for PrecisePrefixProducer {
         let now = self.speculation.map(|_| self.now_ms());
         ix.match_prefix_at(&keys, now, &mut runs);
         if !runs.is_empty() {
-            for (slot, c) in matched.iter_mut().zip(candidates) {
-                if let Some(id) = ix.pod_id(&c.endpoint.hostport) {
-                    *slot = runs.iter().find(|m| m.pod == id).map_or(0, |m| m.blocks);
-                }
-            }
+            matched = super::matched_by_candidate(
+                candidates,
+                runs.iter().map(|m| (m.pod, m.blocks)),
+                ix.pod_slots(),
+                |name| ix.pod_id(name),
+            );
         }
         data.prefix = Some(PrefixMatchInfo {
             block_size,

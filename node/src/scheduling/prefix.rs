@@ -326,11 +326,12 @@ impl Producer for ApproxPrefixProducer {
             let mut runs: Vec<PodMatch> = Vec::new();
             ix.match_prefix(&hashes, &mut runs);
             if !runs.is_empty() {
-                for (slot, c) in matched.iter_mut().zip(candidates) {
-                    if let Some(id) = ix.pod_id(&c.endpoint.hostport) {
-                        *slot = runs.iter().find(|m| m.pod == id).map_or(0, |m| m.blocks);
-                    }
-                }
+                matched = super::matched_by_candidate(
+                    candidates,
+                    runs.iter().map(|m| (m.pod, m.blocks)),
+                    ix.pod_slots(),
+                    |name| ix.pod_id(name),
+                );
             }
         }
         data.prefix = Some(PrefixMatchInfo {

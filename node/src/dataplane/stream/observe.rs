@@ -149,8 +149,8 @@ impl StreamState {
         let primary = primary.as_str();
         let corrected = match &self.ctx.scheduler.prefix_index {
             Some(ix) => {
-                let candidates = self.ctx.store.candidates(Instant::now());
-                ix.served(&self.key, primary, served, &candidates)
+                let target = self.ctx.store.candidate(served, Instant::now());
+                ix.served(&self.key, primary, served, target.as_slice())
             }
             None => false,
         };

@@ -252,8 +252,14 @@ impl StreamState {
     fn candidates(&self, binding: Option<(&str, Binding)>, now: Instant) -> Vec<Candidate> {
         let mut candidates = self.ctx.store.candidates(now);
         if let Some(allowed) = self.subset.as_ref().filter(|_| self.ctx.subset_filter) {
-            // Matched by IP, as llm-d does; an empty hint leaves nothing (503).
-            candidates.retain(|c| allowed.contains(&c.endpoint.addr.ip()));
+            // Matched by IP, as llm-d does; an empty hint leaves nothing (503). A long hint
+            // (a fleet's worth of IPs) through a set: not pods × hint comparisons.
+            if allowed.len() > 16 {
+                let allowed: foldhash::HashSet<_> = allowed.iter().collect();
+                candidates.retain(|c| allowed.contains(&c.endpoint.addr.ip()));
+            } else {
+                candidates.retain(|c| allowed.contains(&c.endpoint.addr.ip()));
+            }
         }
         if let Some((id, binding)) = binding {
             self.pin_to_response(id, binding, &mut candidates);
