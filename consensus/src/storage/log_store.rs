@@ -3,10 +3,13 @@
 // openraft's trait-mandated `StorageError` is large; helpers return it as-is.
 #![allow(clippy::result_large_err)]
 
+use std::collections::VecDeque;
 use std::fmt::Debug;
 use std::marker::PhantomData;
 use std::ops::Bound;
 use std::ops::RangeBounds;
+use std::sync::Arc;
+use std::sync::Mutex;
 
 use openraft::LogState;
 use openraft::RaftLogReader;
@@ -29,23 +32,85 @@ const KEY_LAST_PURGED: &[u8] = b"last_purged";
 
 type Entry<S> = openraft::Entry<TypeConfig<S>>;
 
+/// Most recent entries kept decoded in memory.
+const RECENT_ENTRIES: usize = 1024;
+
+/// The newest appended entries, decoded, with contiguous indexes: the leader reads each new entry
+/// once per follower to replicate it and every node once more to apply it — from here, instead of
+/// decoding it from sled each time (decoding was ~15% of a busy cluster's CPU). The log on disk
+/// stays the truth: a range not wholly here is read from sled.
+struct Recent<S: StateMachine>(VecDeque<Entry<S>>);
+
+impl<S: StateMachine> Recent<S> {
+    fn first_index(&self) -> Option<u64> {
+        self.0.front().map(|e| e.log_id.index)
+    }
+
+    fn push(&mut self, entry: Entry<S>) {
+        let next = self.0.back().map(|e| e.log_id.index + 1);
+        if next.is_some_and(|n| n != entry.log_id.index) {
+            self.0.clear();
+        }
+        if self.0.len() == RECENT_ENTRIES {
+            self.0.pop_front();
+        }
+        self.0.push_back(entry);
+    }
+
+    /// Entries `start..end` (`end` exclusive, `None` = to the last), if all are here.
+    fn get(&self, start: u64, end: Option<u64>) -> Option<Vec<Entry<S>>> {
+        let first = self.first_index()?;
+        let last = self.0.back()?.log_id.index;
+        let end = end.unwrap_or(last + 1);
+        if start < first || end > last + 1 {
+            return None;
+        }
+        if start >= end {
+            return Some(Vec::new());
+        }
+        let from = (start - first) as usize;
+        Some(
+            self.0
+                .range(from..from + (end - start) as usize)
+                .cloned()
+                .collect(),
+        )
+    }
+
+    /// Entries from `index` on are gone.
+    fn truncate(&mut self, index: u64) {
+        while self.0.back().is_some_and(|e| e.log_id.index >= index) {
+            self.0.pop_back();
+        }
+    }
+
+    /// Entries up to `index` are gone.
+    fn purge(&mut self, index: u64) {
+        while self.0.front().is_some_and(|e| e.log_id.index <= index) {
+            self.0.pop_front();
+        }
+    }
+}
+
 /// The Raft log store. Cloning is cheap (sled trees are reference counted); a clone is also the
 /// log reader handed to replication tasks.
-pub struct LogStore<S> {
+pub struct LogStore<S: StateMachine> {
     db: sled::Db,
     logs: sled::Tree,
     meta: sled::Tree,
     inline_flush: bool,
+    recent: Arc<Mutex<Recent<S>>>,
     _state: PhantomData<fn() -> S>,
 }
 
-impl<S> Clone for LogStore<S> {
+impl<S: StateMachine> Clone for LogStore<S> {
     fn clone(&self) -> Self {
         Self {
             db: self.db.clone(),
             logs: self.logs.clone(),
             meta: self.meta.clone(),
             inline_flush: self.inline_flush,
+            recent: self.recent.clone(),
             _state: PhantomData,
         }
     }
@@ -64,8 +129,13 @@ impl<S: StateMachine> LogStore<S> {
             logs,
             meta,
             inline_flush,
+            recent: Arc::new(Mutex::new(Recent(VecDeque::new()))),
             _state: PhantomData,
         })
+    }
+
+    fn recent(&self) -> std::sync::MutexGuard<'_, Recent<S>> {
+        self.recent.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn read_meta<T: serde::de::DeserializeOwned>(
@@ -125,6 +195,14 @@ impl<S: StateMachine> RaftLogReader<TypeConfig<S>> for LogStore<S> {
             Bound::Excluded(i) => i.saturating_add(1),
             Bound::Unbounded => 0,
         };
+        let end_index = match range.end_bound() {
+            Bound::Included(i) => Some(i.saturating_add(1)),
+            Bound::Excluded(i) => Some(*i),
+            Bound::Unbounded => None,
+        };
+        if let Some(hit) = self.recent().get(start, end_index) {
+            return Ok(hit);
+        }
         let end = match range.end_bound() {
             Bound::Included(i) => Bound::Included(index_key(*i)),
             Bound::Excluded(i) => Bound::Excluded(index_key(*i)),
@@ -189,14 +267,22 @@ impl<S: StateMachine> RaftLogStorage<TypeConfig<S>> for LogStore<S> {
         I::IntoIter: Send,
     {
         let mut batch = sled::Batch::default();
+        let mut appended = Vec::new();
         for entry in entries {
             let bytes = codec::encode(&entry)
                 .map_err(|e| StorageIOError::write_log_entry(entry.log_id, sled_io(e)))?;
             batch.insert(&index_key(entry.log_id.index), bytes);
+            appended.push(entry);
         }
         self.logs
             .apply_batch(batch)
             .map_err(|e| StorageIOError::write_logs(sled_io(e)))?;
+        {
+            let mut recent = self.recent();
+            for entry in appended {
+                recent.push(entry);
+            }
+        }
         // Acknowledge only once the entries are on disk.
         let flushed = self.flush().await.map_err(std::io::Error::other);
         callback.log_io_completed(flushed);
@@ -205,6 +291,7 @@ impl<S: StateMachine> RaftLogStorage<TypeConfig<S>> for LogStore<S> {
 
     async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
         tracing::debug!(%log_id, "truncate log since");
+        self.recent().truncate(log_id.index);
         let mut batch = sled::Batch::default();
         for item in self.logs.range(index_key(log_id.index)..) {
             let (key, _) = item.map_err(|e| StorageIOError::write_logs(sled_io(e)))?;
@@ -224,6 +311,7 @@ impl<S: StateMachine> RaftLogStorage<TypeConfig<S>> for LogStore<S> {
         // Record the purge point first: if we crash halfway, get_log_state still reports a
         // consistent `last_purged_log_id` and the leftover entries are below it.
         self.write_meta(KEY_LAST_PURGED, &log_id)?;
+        self.recent().purge(log_id.index);
         let mut batch = sled::Batch::default();
         for item in self.logs.range(..=index_key(log_id.index)) {
             let (key, _) = item.map_err(|e| StorageIOError::write_logs(sled_io(e)))?;
@@ -236,5 +324,57 @@ impl<S: StateMachine> RaftLogStorage<TypeConfig<S>> for LogStore<S> {
             .await
             .map_err(|e| StorageIOError::write_logs(sled_io(e)))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::{CommittedLeaderId, EntryPayload};
+
+    use super::*;
+    use crate::testkit::LogMachine;
+
+    fn entry(index: u64) -> Entry<LogMachine> {
+        Entry {
+            log_id: LogId::new(CommittedLeaderId::new(1, 0), index),
+            payload: EntryPayload::Blank,
+        }
+    }
+
+    fn indexes(v: Option<Vec<Entry<LogMachine>>>) -> Option<Vec<u64>> {
+        v.map(|v| v.iter().map(|e| e.log_id.index).collect())
+    }
+
+    #[test]
+    fn recent_entries_serve_only_ranges_they_hold_whole() {
+        let mut r: Recent<LogMachine> = Recent(VecDeque::new());
+        assert_eq!(indexes(r.get(0, None)), None);
+        for i in 5..10 {
+            r.push(entry(i));
+        }
+        assert_eq!(indexes(r.get(6, Some(8))), Some(vec![6, 7]));
+        assert_eq!(indexes(r.get(5, None)), Some(vec![5, 6, 7, 8, 9]));
+        assert_eq!(indexes(r.get(9, Some(9))), Some(vec![]));
+        // Partly below or above the window: the disk answers.
+        assert_eq!(indexes(r.get(4, Some(7))), None);
+        assert_eq!(indexes(r.get(8, Some(11))), None);
+        // A conflicting suffix truncated, then rewritten.
+        r.truncate(8);
+        assert_eq!(indexes(r.get(5, None)), Some(vec![5, 6, 7]));
+        r.push(entry(8));
+        assert_eq!(indexes(r.get(7, None)), Some(vec![7, 8]));
+        r.purge(6);
+        assert_eq!(indexes(r.get(6, None)), None);
+        assert_eq!(indexes(r.get(7, None)), Some(vec![7, 8]));
+        // A gap (a snapshot installed past the log): only the new run is kept.
+        r.push(entry(20));
+        assert_eq!(indexes(r.get(20, None)), Some(vec![20]));
+        assert_eq!(indexes(r.get(8, Some(9))), None);
+        // Bounded.
+        for i in 21..21 + RECENT_ENTRIES as u64 {
+            r.push(entry(i));
+        }
+        assert_eq!(r.0.len(), RECENT_ENTRIES);
+        assert_eq!(r.first_index(), Some(21));
     }
 }
