@@ -388,6 +388,7 @@ impl InflightTracker {
         }
         (loads, pending)
     }
+
     /// This replica's own load per endpoint (what it shares with the other replicas).
     pub fn own_load(&self) -> Vec<(String, InflightLoad)> {
         self.lock()
