@@ -188,6 +188,15 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
         .collect::<anyhow::Result<_>>()?;
     let cpu =
         || -> anyhow::Result<Vec<f64>> { pids.iter().map(|p| proc_cpu_seconds(*p)).collect() };
+    // Each replica's cores since `(before, t)` = (`cpu()`, instant).
+    let cores_since = |(before, t): (Vec<f64>, Instant)| -> anyhow::Result<Vec<f64>> {
+        let wall = t.elapsed().as_secs_f64();
+        Ok(cpu()?
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| (a - b) / wall)
+            .collect())
+    };
     let (worst, watcher) = watch_staleness(&c, replicas)?;
     // Settle: ownership assigned, first samples fanned out, membership stable.
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -195,14 +204,9 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
 
     // Idle.
     let idle_s = opts.seconds.min(10.0);
-    let (cpu0, t0) = (cpu()?, Instant::now());
+    let idle0 = (cpu()?, Instant::now());
     tokio::time::sleep(Duration::from_secs_f64(idle_s)).await;
-    let idle_wall = t0.elapsed().as_secs_f64();
-    let idle_cores: Vec<f64> = cpu()?
-        .iter()
-        .zip(&cpu0)
-        .map(|(a, b)| (a - b) / idle_wall)
-        .collect();
+    let idle_cores = cores_since(idle0)?;
     let stale_idle = take_worst(&worst);
 
     // Open-loop decisions.
@@ -216,7 +220,8 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
     let interval = Duration::from_secs_f64(1.0 / opts.rate.max(0.001));
     let me = std::process::id();
     let harness0 = proc_cpu_seconds(me)?;
-    let (cpu1, t1) = (cpu()?, Instant::now());
+    let busy0 = (cpu()?, Instant::now());
+    let t1 = busy0.1;
     let ticks = futures::stream::iter(0..total).then(|k| {
         let due = t1 + interval.mul_f64(k as f64);
         async move {
@@ -249,11 +254,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
         }
     }
     let busy_wall = t1.elapsed().as_secs_f64();
-    let busy_cores: Vec<f64> = cpu()?
-        .iter()
-        .zip(&cpu1)
-        .map(|(a, b)| (a - b) / busy_wall)
-        .collect();
+    let busy_cores = cores_since(busy0)?;
     let harness_cores = (proc_cpu_seconds(me)? - harness0) / busy_wall;
     let stale_busy = take_worst(&worst);
     watcher.abort();
