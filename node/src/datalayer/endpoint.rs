@@ -189,6 +189,8 @@ pub struct Endpoint {
     capacity_epoch: AtomicU64,
     /// The running count of the previous sample if it showed the pod saturated, else 0.
     saturated_at: AtomicU64,
+    /// Samples in a row that showed requests waiting ([`Self::queueing`]).
+    waiting_streak: AtomicU64,
     /// A value out of [`bounds`] was logged at `warn` (later ones are logged at `debug`).
     warned: AtomicBool,
 }
@@ -206,6 +208,7 @@ impl Endpoint {
             batch_capacity: AtomicU64::new(0),
             capacity_epoch: AtomicU64::new(0),
             saturated_at: AtomicU64::new(0),
+            waiting_streak: AtomicU64::new(0),
             warned: AtomicBool::new(false),
         }
     }
@@ -237,6 +240,14 @@ impl Endpoint {
         ledger: Option<InflightLoad>,
     ) {
         self.learn_capacity(&metrics, ledger);
+        if metrics
+            .waiting_queue_size
+            .is_some_and(|w| w.is_finite() && w >= 1.0)
+        {
+            self.waiting_streak.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.waiting_streak.store(0, Ordering::Relaxed);
+        }
         let sample = Arc::new(MetricsSample {
             metrics,
             scraped_at,
@@ -245,6 +256,14 @@ impl Endpoint {
             Ok(mut guard) => *guard = Some(sample),
             Err(poisoned) => *poisoned.into_inner() = Some(sample),
         }
+    }
+
+    /// Whether requests have waited in the pod in the last two samples. One sample showing a
+    /// request waiting says little: a continuously batching engine counts a request as waiting
+    /// from its arrival to the next step, and a scrape catches that often on a busy pod. Requests
+    /// still waiting a scrape later do queue there.
+    pub fn queueing(&self) -> bool {
+        self.waiting_streak.load(Ordering::Relaxed) >= 2
     }
 
     /// Requests the engine runs at once, once it has been seen saturated (requests waiting while
@@ -313,6 +332,24 @@ mod tests {
             waiting_queue_size: Some(waiting),
             started_ms: Some(started_ms),
             ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_pod_queues_when_requests_wait_in_two_samples_in_a_row() {
+        let e = Endpoint::new(
+            "p".into(),
+            "127.0.0.1:1".parse().unwrap(),
+            Default::default(),
+        );
+        let now = Instant::now();
+        let waits = [0.0, 1.0, 0.0, 1.0, 3.0, f64::NAN, 2.0, 2.0, 2.0, 0.0];
+        let want = [
+            false, false, false, false, true, false, false, true, true, false,
+        ];
+        for (w, want) in waits.into_iter().zip(want) {
+            e.set_metrics(m(2.0, w, 1), now, None);
+            assert_eq!(e.queueing(), want, "after waiting = {w}");
         }
     }
 

@@ -59,7 +59,16 @@ impl Lsq {
             a[j][j] += w;
             b[j] += w * p[j];
         }
-        let t = solve(a, b).unwrap_or(p);
+        let mut t = solve(a, b).unwrap_or(p);
+        // A request's own uncached tokens are prefilled no faster than the tokens queued ahead of
+        // it (an engine that batches prefills runs both in the same steps; one that does not
+        // leaves q ≈ 0): s ≥ q. A burst's samples break it — every request's prompt is about as
+        // long, so `s` trades against the intercept, and later arrivals stretch earlier ones'
+        // TTFT — and an `s` near 0 makes every cache hit look worthless. The fit under the
+        // constraint lies on `s = q` then (a convex problem with one violated inequality).
+        if t[1] < t[2] {
+            t = tied(a, b).unwrap_or(t);
+        }
         Fit {
             base_ms: t[0].clamp(0.0, bounds.max_base_ms),
             ms_per_token: t[1].clamp(bounds.min_ms_per_token, bounds.max_ms_per_token),
@@ -67,6 +76,22 @@ impl Lsq {
             ms_per_running: t[3].clamp(0.0, bounds.max_ms_per_running),
         }
     }
+}
+
+/// The ridge system's solution with the uncached- and queued-token coefficients equal: the
+/// normal equations over the features `[1, uncached + queued, running]`.
+fn tied(a: [[f64; N]; N], b: [f64; N]) -> Option<[f64; N]> {
+    const GROUP: [usize; N] = [0, 1, 1, 2];
+    let mut ra = [[0.0; 3]; 3];
+    let mut rb = [0.0; 3];
+    for i in 0..N {
+        rb[GROUP[i]] += b[i];
+        for j in 0..N {
+            ra[GROUP[i]][GROUP[j]] += a[i][j];
+        }
+    }
+    let [base, per_token, per_running] = solve(ra, rb)?;
+    Some([base, per_token, per_token, per_running])
 }
 
 /// Gaussian elimination with partial pivoting; `None` if (numerically) singular.
@@ -166,6 +191,68 @@ pub(super) fn features(uncached: u64, queued: u64, running: u64) -> [f64; N] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn unbounded() -> Bounds {
+        Bounds {
+            max_base_ms: f64::MAX,
+            min_ms_per_token: 0.0,
+            max_ms_per_token: f64::MAX,
+            max_ms_per_running: f64::MAX,
+        }
+    }
+
+    const PRIOR: Fit = Fit {
+        base_ms: 0.0,
+        ms_per_token: 0.05,
+        ms_per_queued_token: 0.05,
+        ms_per_running: 0.0,
+    };
+
+    #[test]
+    fn a_consistent_engine_is_fitted_exactly() {
+        // TTFT = 10 + 0.07·U + 0.03·Q + 2·R, varied features: s > q, no constraint binds.
+        let mut l = Lsq::default();
+        for i in 0..64u64 {
+            let (u, q, r) = ((i * 37) % 900 + 50, (i * 53) % 1500, i % 7);
+            let y = 10.0 + 0.07 * u as f64 + 0.03 * q as f64 + 2.0 * r as f64;
+            l.add(features(u, q, r), y, 1.0);
+        }
+        let f = l.solve(PRIOR, 1e-6, &unbounded());
+        for (got, want) in f.theta().iter().zip([10.0, 0.07, 0.03, 2.0]) {
+            assert!((got - want).abs() < 1e-3, "{f:?}");
+        }
+    }
+
+    #[test]
+    fn a_burst_cannot_fit_uncached_tokens_cheaper_than_queued_ones() {
+        // A burst: every prompt ~600 tokens, TTFT driven by the work queued ahead and stretched
+        // by later arrivals (+ noise the features do not see). The free fit puts the prompts'
+        // cost into the intercept (s ≈ 0 < q); under s ≥ q the two are tied.
+        let mut l = Lsq::default();
+        for i in 0..16u64 {
+            let (u, q, r) = (600 + i % 3, i * 600, i % 4);
+            let y = 150.0 + 0.09 * q as f64 + [30.0, -20.0, 10.0, -5.0][i as usize % 4];
+            l.add(features(u, q, r), y, 1.0);
+        }
+        let free = solve(
+            {
+                let mut a = l.xtx;
+                for (j, row) in a.iter_mut().enumerate() {
+                    row[j] += 1e-6 * SCALE[j] * SCALE[j];
+                }
+                a
+            },
+            l.xty,
+        )
+        .unwrap();
+        assert!(
+            free[1] < free[2],
+            "the unconstrained fit breaks s ≥ q: {free:?}"
+        );
+        let f = l.solve(PRIOR, 1e-6, &unbounded());
+        assert_eq!(f.ms_per_token, f.ms_per_queued_token, "{f:?}");
+        assert!(f.ms_per_token > 0.05, "{f:?}");
+    }
 
     #[test]
     fn solve_matches_a_known_system() {

@@ -18,8 +18,9 @@
 //! flow control), or the pod's own running + waiting gauges when it queues requests the ledger
 //! does not explain (or there is no ledger) — `Q_i` the ledger's unprefilled tokens, `C_i` the
 //! pod's batch limit as the pod has shown it (the data layer learns it from the requests running
-//! while others wait; unknown until then, when waiting requests themselves say the batch is
-//! full), `S_i` the pod's mean service time. A pod without fresh metrics is penalised by
+//! while others wait; unknown until then, when requests still waiting a scrape later say the
+//! batch is full — one sample catching a request between its arrival and the engine's next step
+//! says nothing), `S_i` the pod's mean service time. A pod without fresh metrics is penalised by
 //! `staleMetricsPenaltyMs`.
 //!
 //! # Learning
@@ -27,7 +28,8 @@
 //! carries what was predicted; the response gives its TTFT, its duration and, from its usage,
 //! the tokens that were really uncached. Samples routed to a pod with a free slot fit the
 //! fleet's `(a, s, q, d)` by exponentially-forgetting least squares (memory `memorySamples`) —
-//! so an engine whose concurrent prefills do not slow each other learns `q ≈ 0` — pulled toward
+//! so an engine whose concurrent prefills do not slow each other learns `q ≈ 0`; `s ≥ q`, a
+//! request's own tokens are prefilled no faster than those queued ahead of it — pulled toward
 //! the prior (`prefillTokensPerSecond`, `serviceTimeMs`), so the model is sane before any data.
 //! Each pod learns one speed factor against the fleet's prediction (least squares through the
 //! origin, pulled toward 1), not a fit of its own: a slower GPU shows as its factor, while the
@@ -201,8 +203,15 @@ impl CostModel {
             })
         };
         let m = c.metrics();
+        // Waiting requests count once they have waited a scrape long (`Endpoint::queueing`):
+        // one sample catching a request between its arrival and the engine's next step is no queue.
         let (running_m, waiting_m) = m.map_or((0, 0), |m| {
-            (gauge(m.running_requests), gauge(m.waiting_queue_size))
+            let waiting = if c.endpoint.queueing() {
+                gauge(m.waiting_queue_size)
+            } else {
+                0
+            };
+            (gauge(m.running_requests), waiting)
         });
         // The ledger knows every routed request at once; the gauges are up to a scrape old (a slot
         // that just freed still shows busy) but see traffic the ledger does not: they count when

@@ -66,18 +66,33 @@ fn predictions_by_hand() {
         sample: c.endpoint.sample(),
         ..c
     };
-    // d: requests waiting but no known limit; e: no metrics at all.
+    // d: requests waiting in two samples but no known limit; e: no metrics at all; f: one sample
+    // with a request waiting (caught between its arrival and the engine's next step).
     let d = cand_at("d", "10.0.0.4:1", gauges(0.0, 2.0), false, &[]);
+    d.endpoint
+        .set_metrics(gauges(0.0, 2.0).unwrap(), Instant::now(), None);
+    let d = Candidate {
+        sample: d.endpoint.sample(),
+        ..d
+    };
     let e = cand_at("e", "10.0.0.5:1", None, false, &[]);
-    let cs = [a, b, c, d, e];
+    let f = cand_at("f", "10.0.0.6:1", gauges(1.0, 0.0), false, &[]);
+    f.endpoint
+        .set_metrics(gauges(0.0, 1.0).unwrap(), Instant::now(), None);
+    let f = Candidate {
+        sample: f.endpoint.sample(),
+        ..f
+    };
+    let cs = [a, b, c, d, e, f];
     let mut rd = data(
-        vec![10, 0, 0, 0, 0],
+        vec![10, 0, 0, 0, 0, 0],
         vec![
             load(1, 200),
             load(0, 0),
             load(3, 100),
             load(0, 0),
             load(0, 0),
+            load(1, 1000),
         ],
     );
     m.produce(&req(), &cs, &mut rd);
@@ -95,11 +110,15 @@ fn predictions_by_hand() {
     assert_eq!((t[2], rd.predicted[2].running), (1500.0, 2));
     // …and its 3 requests cost a new one a quarter of their slot time: 0.25 · 3 · 400 / 2.
     assert_eq!(rd.predicted[2].others_ms, 150.0);
-    // d: 2 waiting and none running (an engine still loading): no limit learned, the waiting
-    // queue says full → (2 + 1) · 400 / 1 = 1200 ms.
+    // d: 2 waiting and none running in two samples (an engine still loading): no limit
+    // learned, the waiting queue says full → (2 + 1) · 400 / 1 = 1200 ms.
     assert_eq!(t[3], 1000.0 + 1200.0);
     // e: never scraped → the stale penalty.
     assert_eq!(t[4], 1000.0 + 5000.0);
+    // f: one request routed there, waiting for its first step in the last sample: its 1000
+    // tokens are queued prefill work, not a full batch — no slot wait.
+    assert_eq!(rd.predicted[5].queue_ms, 0.0);
+    assert_eq!(t[5], 2000.0);
 
     let s = CostModelScorer;
     let scores = score_all(&s, &rd, &cs);
@@ -109,6 +128,7 @@ fn predictions_by_hand() {
         561.0 / 1651.0,
         561.0 / 2201.0,
         561.0 / 6001.0,
+        561.0 / 2001.0,
     ];
     for (got, want) in scores.iter().zip(want) {
         assert!((got - want).abs() < 1e-12, "{scores:?}");
@@ -291,9 +311,11 @@ fn learns_a_pods_speed_from_its_responses() {
 /// it everywhere).
 fn learn_pool(slow: f64) -> (CostModel, [&'static str; 4], impl Fn(u64, u64) -> f64) {
     let m = model(true);
+    // Convex in the queued tokens (a misfit for the linear model), whose cost per token stays
+    // near the request's own on average, as in an engine: both are prefilled in the same steps.
     let truth = |uncached: u64, queued: u64| {
         let q = queued as f64;
-        20.0 + 0.07 * uncached as f64 + 0.02 * q + 0.00002 * q * q
+        20.0 + 0.07 * uncached as f64 + 0.02 * q + 0.00001 * q * q
     };
     let pods = ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.4:1"];
     let mut rng = 7u64;
