@@ -166,13 +166,21 @@ fn bench_fleet(c: &mut Criterion) {
     g.bench_function("4k-token prompt", |b| {
         b.iter(|| sched.schedule(&req, &cands, &mut rng).unwrap().picked[0])
     });
-    // With the per-request snapshot of the datastore (what the router schedules over).
+    // Over the datastore's snapshot, as the router schedules: taken for every decision (the
+    // worst case: decisions further apart than its TTL), and shared as the request path shares
+    // it (`Datastore::snapshot`: decisions within 2 ms of each other).
     let store = node::datalayer::store::Datastore::new(std::time::Duration::from_secs(10));
     store.replace(cands.iter().map(|c| c.endpoint.clone()).collect());
     g.bench_function("datastore snapshot + 4k-token prompt", |b| {
         b.iter(|| {
             let fresh = store.candidates(Instant::now());
             sched.schedule(&req, &fresh, &mut rng).unwrap().picked[0]
+        })
+    });
+    g.bench_function("shared datastore snapshot + 4k-token prompt", |b| {
+        b.iter(|| {
+            let shared = store.snapshot(Instant::now());
+            sched.schedule(&req, &shared, &mut rng).unwrap().picked[0]
         })
     });
     g.finish();

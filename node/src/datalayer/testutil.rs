@@ -43,3 +43,16 @@ pub fn metrics(q: f64, running: f64, kv: f64) -> Option<EndpointMetrics> {
         ..Default::default()
     })
 }
+
+/// `c` with its metrics scraped a second time: a pod whose requests still wait a scrape later
+/// ([`Endpoint::queueing`]).
+pub fn scraped_twice(c: Candidate) -> Candidate {
+    if let Some(s) = &c.sample {
+        c.endpoint
+            .set_metrics(s.metrics.clone(), s.scraped_at, None);
+    }
+    Candidate {
+        sample: c.endpoint.sample(),
+        ..c
+    }
+}

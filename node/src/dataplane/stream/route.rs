@@ -9,6 +9,7 @@
 //! ```
 //! Any stage may refuse: its [`Rejection`] becomes an immediate response and the journey ends.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse;
@@ -247,24 +248,35 @@ impl StreamState {
         })
     }
 
-    /// The datastore's endpoints with their last metrics, within the proxy's subset hint; only
-    /// the pod holding the conversation for a Responses-API follow-up.
-    fn candidates(&self, binding: Option<(&str, Binding)>, now: Instant) -> Vec<Candidate> {
-        let mut candidates = self.ctx.store.candidates(now);
-        if let Some(allowed) = self.subset.as_ref().filter(|_| self.ctx.subset_filter) {
+    /// The datastore's endpoints with their last metrics (the shared snapshot), within the
+    /// proxy's subset hint; only the pod holding the conversation for a Responses-API follow-up.
+    fn candidates(&self, binding: Option<(&str, Binding)>, now: Instant) -> Arc<Vec<Candidate>> {
+        let all = self.ctx.store.snapshot(now);
+        let hint = self.subset.as_ref().filter(|_| self.ctx.subset_filter);
+        if hint.is_none() && binding.is_none() {
+            return all;
+        }
+        let mut candidates: Vec<Candidate> = match hint {
             // Matched by IP, as llm-d does; an empty hint leaves nothing (503). A long hint
             // (a fleet's worth of IPs) through a set: not pods × hint comparisons.
-            if allowed.len() > 16 {
+            Some(allowed) if allowed.len() > 16 => {
                 let allowed: foldhash::HashSet<_> = allowed.iter().collect();
-                candidates.retain(|c| allowed.contains(&c.endpoint.addr.ip()));
-            } else {
-                candidates.retain(|c| allowed.contains(&c.endpoint.addr.ip()));
+                all.iter()
+                    .filter(|c| allowed.contains(&c.endpoint.addr.ip()))
+                    .cloned()
+                    .collect()
             }
-        }
+            Some(allowed) => all
+                .iter()
+                .filter(|c| allowed.contains(&c.endpoint.addr.ip()))
+                .cloned()
+                .collect(),
+            None => all.to_vec(),
+        };
         if let Some((id, binding)) = binding {
             self.pin_to_response(id, binding, &mut candidates);
         }
-        candidates
+        Arc::new(candidates)
     }
 
     /// A follow-up naming `previous_response_id`: the engine keeps the conversation in the

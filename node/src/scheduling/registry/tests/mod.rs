@@ -520,7 +520,13 @@ fn the_latency_plugins_route_by_slo_headroom() {
     );
     // a: 9 waiting beside 8 running (1.25 s of queue at the prior's 1 s slot); b: nearly idle.
     let cs = vec![
-        cand_at("a", "10.0.0.1:8000", metrics(9.0, 8.0, 0.5), false, &[]),
+        scraped_twice(cand_at(
+            "a",
+            "10.0.0.1:8000",
+            metrics(9.0, 8.0, 0.5),
+            false,
+            &[],
+        )),
         cand_at("b", "10.0.0.2:8000", metrics(0.0, 1.0, 0.5), false, &[]),
     ];
     let text: Vec<u8> = (0..1024u32).map(|i| b'a' + (i % 23) as u8).collect();
@@ -613,7 +619,13 @@ schedulingProfiles:
     assert_eq!(s.admitters.len(), 1);
     // A long queue on a: only b meets a 200 ms TTFT SLO, so the tier filter keeps b alone.
     let cs = vec![
-        cand_at("a", "10.0.0.1:8000", metrics(9.0, 8.0, 0.5), false, &[]),
+        scraped_twice(cand_at(
+            "a",
+            "10.0.0.1:8000",
+            metrics(9.0, 8.0, 0.5),
+            false,
+            &[],
+        )),
         cand_at("b", "10.0.0.2:8000", metrics(0.0, 1.0, 0.5), false, &[]),
     ];
     let h =
