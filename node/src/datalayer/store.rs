@@ -182,3 +182,42 @@ impl Datastore {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoint(port: u16) -> Arc<Endpoint> {
+        Arc::new(Endpoint::new(
+            format!("p{port}"),
+            format!("127.0.0.1:{port}").parse().unwrap(),
+            Default::default(),
+        ))
+    }
+
+    #[test]
+    fn the_snapshot_is_shared_for_its_ttl_and_until_the_pool_changes() {
+        let store = Datastore::new(Duration::from_secs(1));
+        store.replace(vec![endpoint(1), endpoint(2)]);
+        let t0 = Instant::now();
+        let a = store.snapshot(t0);
+        assert_eq!(a.len(), 2);
+        assert!(a.iter().all(|c| c.stale), "never scraped");
+        let b = store.snapshot(t0 + SNAPSHOT_TTL / 2);
+        assert!(Arc::ptr_eq(&a, &b), "shared within the TTL");
+        // A sample taken meanwhile shows in the next snapshot, not in the shared one.
+        let m = EndpointMetrics {
+            running_requests: Some(1.0),
+            ..Default::default()
+        };
+        store.set_metrics(&a[0].endpoint, m, t0);
+        let c = store.snapshot(t0 + SNAPSHOT_TTL);
+        assert!(!Arc::ptr_eq(&a, &c), "taken again after the TTL");
+        assert!(!c[0].stale && c[1].stale);
+        // Discovery's new list invalidates it at once.
+        store.replace(vec![endpoint(3)]);
+        let d = store.snapshot(t0 + SNAPSHOT_TTL);
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].endpoint.hostport, "127.0.0.1:3");
+    }
+}
