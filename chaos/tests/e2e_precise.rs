@@ -15,8 +15,8 @@ use std::time::Duration;
 use chaos::cluster::{ClusterSpec, LocalCluster};
 use chaos::workloads;
 use serde_json::Value;
-use sim::SimConfig;
 use sim::loadgen::{self, LoadConfig};
+use sim::{KvEventsConfig, SimConfig};
 
 fn pods() -> SimConfig {
     workloads::kv_event_pods(8)
@@ -227,6 +227,66 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
     assert!(
         equal.is_ok(),
         "index blocks vs the pods' cached blocks (pod, index, pod): {mismatched:?}"
+    );
+}
+
+/// llm-d's centralized mode through `epp serve`: the EPP binds `zmqEndpoint` and every pod's
+/// publisher connects to it (vLLM given an endpoint that names the router); the replay sockets
+/// come from the pods' labels. Each pod's stream is told apart by its topic, and the predictions
+/// match what the pods report as closely as with a subscription per pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn centralized_mode_the_pods_publish_to_the_epp() {
+    // A port for the EPP to bind, chosen by the OS; the pods connect first (ZMQ retries until
+    // the EPP binds).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let sim = SimConfig {
+        kv_events: Some(KvEventsConfig {
+            connect: Some(endpoint.clone()),
+            ..KvEventsConfig::default()
+        }),
+        ..pods()
+    };
+    let cfg = config("precise-prefix-cache-producer").replacen(
+        "- type: precise-prefix-cache-producer\n",
+        &format!(
+            "- type: precise-prefix-cache-producer\n  parameters:\n    kvEventsConfig:\n      \
+             discoverPods: false\n      zmqEndpoint: \"{endpoint}\"\n"
+        ),
+        1,
+    );
+    let c = start(sim, cfg).await;
+    subscribed(&c).await;
+    let v = c
+        .epp(0)
+        .unwrap()
+        .admin_json("/debug/kv-events")
+        .await
+        .unwrap();
+    assert_eq!(v["central_endpoint"], endpoint.as_str(), "{v}");
+    let r = run(&c).await;
+    let streams = recoveries(&c).await;
+    c.shutdown().await;
+    eprintln!(
+        "centralized: predicted {} observed {} |error| {} ({:.2}%) | cached ratio {:.3}; streams \
+         (pod, gaps, resyncs, restarts): {streams:?}",
+        r.predicted,
+        r.observed,
+        r.abs_error,
+        r.error() * 100.0,
+        r.report.cached_ratio
+    );
+    assert_eq!((r.report.errors, r.report.requests), (0, 24 * 5), "{r:?}");
+    assert_eq!(r.observed, r.report.cached_tokens, "{r:?}");
+    assert!(r.observed > 0, "{r:?}");
+    assert!(
+        r.error() <= 0.02,
+        "centralized prediction error {:.2}% > 2%: {r:?}",
+        r.error() * 100.0
     );
 }
 

@@ -89,6 +89,7 @@ fn a_late_subscriber_replays_the_past_then_follows_evictions_and_restarts() {
             "kv@".into(),
             None,
             Arc::new(Metrics::new("p")),
+            None,
         )
         .unwrap();
         let ep = &publisher.endpoints[0];
@@ -96,6 +97,7 @@ fn a_late_subscriber_replays_the_past_then_follows_evictions_and_restarts() {
             pod: "pod".into(),
             endpoint: ep.publisher.clone(),
             replay: Some(ep.replay.clone()),
+            shared: false,
         }]);
         // Keep publishing until the subscriber has the whole stream: on subscribing it replays
         // the past from 0, holding what arrives live meanwhile.
@@ -143,12 +145,14 @@ fn without_a_replay_socket_a_gap_resyncs_the_pod() {
         "kv@".into(),
         None,
         Arc::new(Metrics::new("p")),
+        None,
     )
     .unwrap();
     sub.set_targets(vec![Target {
         pod: "pod".into(),
         endpoint: publisher.endpoints[0].publisher.clone(),
         replay: None,
+        shared: false,
     }]);
     // Joined mid-stream without replay: what came before is unknown, so a block whose parent it
     // never saw is an orphan; a root block (no parent) is indexed.
@@ -183,11 +187,13 @@ fn garbage_and_absurd_sequence_numbers_are_counted_and_survived() {
     let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
     let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
     let metrics = Arc::new(Metrics::new("p"));
-    let sub = Subscriber::start(producer.clone(), "kv@".into(), None, metrics.clone()).unwrap();
+    let sub =
+        Subscriber::start(producer.clone(), "kv@".into(), None, metrics.clone(), None).unwrap();
     sub.set_targets(vec![Target {
         pod: "pod".into(),
         endpoint,
         replay: None,
+        shared: false,
     }]);
     let batch = |i: u64| sim::kvevents::encode_batch(0.0, &[stored(i)], Encoding::Map);
     let topic: &[u8] = b"kv@pod@m";
@@ -245,4 +251,100 @@ fn garbage_and_absurd_sequence_numbers_are_counted_and_survived() {
         st.restarts >= 1,
         "a sequence going back is a restart: {st:?}"
     );
+}
+
+/// llm-d's centralized mode: the subscriber binds one socket and the pods' publishers connect to
+/// it (`discoverPods: false`); each topic's stream is followed on its own — replayed from its
+/// pod's replay socket, evicted, restarted — and a pod outside the targets is counted, not indexed.
+#[test]
+fn centralized_mode_follows_every_pod_through_one_bound_socket() {
+    let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
+    let metrics = Arc::new(Metrics::new("p"));
+    let sub = Subscriber::start(
+        producer.clone(),
+        "kv@".into(),
+        None,
+        metrics.clone(),
+        Some("tcp://127.0.0.1:*"),
+    )
+    .unwrap();
+    let central = sub.central_endpoint().unwrap().to_string();
+    assert!(central.starts_with("tcp://127.0.0.1:"), "{central}");
+    let cfg = KvEventsConfig {
+        connect: Some(central.clone()),
+        ..KvEventsConfig::default()
+    };
+    let pods = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.9:8000"];
+    let publisher = Publisher::start(
+        &cfg,
+        "127.0.0.1".parse().unwrap(),
+        pods.iter().map(|p| format!("kv@{p}@m")).collect(),
+    )
+    .unwrap();
+    let tx = publisher.sender().unwrap();
+    let send =
+        |pod: usize, events: Vec<KvEvent>| tx.send(Command::Publish { pod, events }).unwrap();
+    // Pod 0 published three batches before the subscriber follows it: replayed.
+    for i in 0..3 {
+        send(0, vec![stored(i)]);
+    }
+    // The third pod is not in the pool.
+    sub.set_targets(
+        pods[..2]
+            .iter()
+            .zip(&publisher.endpoints)
+            .map(|(pod, ep)| Target {
+                pod: pod.to_string(),
+                endpoint: central.clone(),
+                replay: Some(ep.replay.clone()),
+                shared: true,
+            })
+            .collect(),
+    );
+    let (mut n0, mut n1) = (3, 0);
+    // Until both are followed live (a connecting publisher's first messages are lost until its
+    // connection is up; the replays fill that in).
+    wait("both streams", || {
+        send(0, vec![stored(n0)]);
+        send(1, vec![stored(n1)]);
+        send(2, vec![stored(0)]);
+        n0 += 1;
+        n1 += 1;
+        std::thread::sleep(Duration::from_millis(20));
+        let live = |pod: &str| sub.status().get(pod).is_some_and(|s| s.applied > 0);
+        held(&producer, pods[0]) == sorted(keys(n0))
+            && held(&producer, pods[1]) == sorted(keys(n1))
+            && live(pods[0])
+            && live(pods[1])
+    });
+    assert!(held(&producer, pods[2]).is_empty());
+    wait("the status", || {
+        let st = sub.status();
+        st.len() == 2
+            && st[pods[0]].last_seq == Some(n0 - 1)
+            && st[pods[1]].last_seq == Some(n1 - 1)
+    });
+    assert!(sub.status()[pods[0]].replayed >= 3, "{:?}", sub.status());
+    // Pod 1 evicts its first block; pod 0 restarts: each stream on its own.
+    send(
+        1,
+        vec![KvEvent::BlockRemoved {
+            block_hashes: vec![100],
+        }],
+    );
+    tx.send(Command::Reset { pod: 0 }).unwrap();
+    send(0, vec![stored(0)]);
+    wait("the eviction", || {
+        held(&producer, pods[1]).len() as u64 == n1 - 1
+    });
+    wait("the restart", || held(&producer, pods[0]) == keys(1));
+    wait("the restart's status", || {
+        sub.status()[pods[0]].restarts == 1
+    });
+    assert_eq!(sub.status()[pods[1]].restarts, 0);
+    wait("the outside pod's messages counted", || {
+        metrics
+            .encode()
+            .contains("llm_d_epp_kv_events_messages_total{pod=\"\",outcome=\"unknown\"}")
+    });
 }

@@ -233,8 +233,9 @@ async fn scrape_view(State(admin): State<Arc<Admin>>) -> axum::response::Respons
     .into_response()
 }
 
-/// `GET /debug/kv-events`: the precise index (size; per pod its distinct blocks and digest) and
-/// this replica's KV-event subscriptions (endpoint, sequence, counters, blocks held).
+/// `GET /debug/kv-events`: the precise index (size; per pod its distinct blocks and digest),
+/// this replica's KV-event subscriptions (endpoint, sequence, counters, blocks held) and, in
+/// centralized mode, the address the pods publish to.
 async fn kv_events_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {
     let (Some(sub), Some(p)) = (&admin.kv_events, &admin.ctx.scheduler.precise) else {
         return (
@@ -263,6 +264,8 @@ async fn kv_events_view(State(admin): State<Arc<Admin>>) -> axum::response::Resp
         "index": {"blocks": blocks, "distinct_keys": keys, "untokenized_requests": p.untokenized()},
         "pods": index,
         "subscriptions": sub.status(),
+        // Centralized mode: where the pods publish (the bound address).
+        "central_endpoint": sub.central_endpoint(),
     }))
     .into_response()
 }

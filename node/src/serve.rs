@@ -463,17 +463,31 @@ pub async fn serve(
         _ => None,
     };
 
-    // The precise prefix index's feed: a subscription per pod of the pool.
+    // The precise prefix index's feed: a subscription per pod of the pool, or (centralized mode)
+    // one socket the pods publish to.
     let kv_events = match &built.scheduler.precise {
-        Some(p) => Some(Arc::new(
-            crate::datalayer::kvevents::Subscriber::start(
-                p.clone(),
-                p.params.kv_events_config.topic_filter.clone(),
-                p.params.model_name().map(str::to_string),
-                metrics.clone(),
-            )
-            .map_err(|e| ServeError::Server(format!("kv-event subscriber thread: {e}")))?,
-        )),
+        Some(p) => {
+            let central = p.params.kv_events_config.central_endpoint();
+            if central.is_some() && cluster.is_some() {
+                return Err(ServeError::Config(ConfigError::invalid(
+                    "precise-prefix-cache-producer: kvEventsConfig.discoverPods: false (pods \
+                     connecting to zmqEndpoint) needs a single replica — in cluster mode a pod's \
+                     publisher reaches whichever replica its connection lands on, not the pod's \
+                     owners; use discoverPods: true (each pod's stream read by its owners and \
+                     shared with every replica)",
+                )));
+            }
+            Some(Arc::new(
+                crate::datalayer::kvevents::Subscriber::start(
+                    p.clone(),
+                    p.params.kv_events_config.topic_filter.clone(),
+                    p.params.model_name().map(str::to_string),
+                    metrics.clone(),
+                    central,
+                )
+                .map_err(|e| ServeError::Server(format!("kv-event subscriber: {e}")))?,
+            ))
+        }
         None => None,
     };
     let ctx = Arc::new(PickerContext {

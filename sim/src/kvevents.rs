@@ -51,6 +51,10 @@ pub struct KvEventsConfig {
     pub buffer_steps: usize,
     /// PUB send high-water mark.
     pub hwm: i32,
+    /// Publish by connecting to this endpoint, as vLLM does with an `endpoint` without a
+    /// wildcard (llm-d's centralized mode: the router binds, every pod connects), instead of
+    /// binding a PUB socket per pod. The replay ROUTER is bound either way.
+    pub connect: Option<String>,
 }
 
 impl Default for KvEventsConfig {
@@ -59,6 +63,7 @@ impl Default for KvEventsConfig {
             encoding: Encoding::Map,
             buffer_steps: 10_000,
             hwm: 100_000,
+            connect: None,
         }
     }
 }
@@ -235,6 +240,8 @@ pub struct KvEndpoints {
     /// ROUTER socket serving replay.
     pub replay: String,
     pub topic: String,
+    /// The PUB socket connects to `publisher` (a centralized subscriber) rather than binding it.
+    pub connects: bool,
 }
 
 /// Messages from the engine to the publisher thread.
@@ -299,8 +306,8 @@ fn bound_endpoint(socket: &zmq::Socket) -> Result<String, KvEventsError> {
 }
 
 impl Publisher {
-    /// Binds a PUB and a ROUTER socket on `host` (OS-chosen ports) for each topic and starts the
-    /// thread that owns them.
+    /// Binds a PUB (or connects it to [`KvEventsConfig::connect`]) and a ROUTER socket on `host`
+    /// (OS-chosen ports) for each topic and starts the thread that owns them.
     pub fn start(
         cfg: &KvEventsConfig,
         host: std::net::IpAddr,
@@ -317,14 +324,21 @@ impl Publisher {
             let publisher = ctx.socket(zmq::PUB).map_err(zerr("PUB socket"))?;
             publisher.set_sndhwm(cfg.hwm).map_err(zerr("set hwm"))?;
             publisher.set_linger(0).map_err(zerr("set linger"))?;
-            bind(&publisher, &format!("tcp://{host}:*"), "bind PUB")?;
+            match &cfg.connect {
+                Some(to) => publisher.connect(to).map_err(zerr("connect PUB"))?,
+                None => bind(&publisher, &format!("tcp://{host}:*"), "bind PUB")?,
+            }
             let replay = ctx.socket(zmq::ROUTER).map_err(zerr("ROUTER socket"))?;
             replay.set_linger(0).map_err(zerr("set linger"))?;
             bind(&replay, &format!("tcp://{host}:*"), "bind ROUTER")?;
             endpoints.push(KvEndpoints {
-                publisher: bound_endpoint(&publisher)?,
+                publisher: match &cfg.connect {
+                    Some(to) => to.clone(),
+                    None => bound_endpoint(&publisher)?,
+                },
                 replay: bound_endpoint(&replay)?,
                 topic: topic.clone(),
+                connects: cfg.connect.is_some(),
             });
             pods.push(PodSockets {
                 publisher,

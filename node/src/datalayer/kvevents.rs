@@ -3,7 +3,12 @@
 //!
 //! Where a pod publishes: its label (or, from Kubernetes, annotation) `llm-d.ai/kv-events-endpoint`
 //! (and `llm-d.ai/kv-events-replay-endpoint`), else llm-d's pod discovery:
-//! `tcp://<pod IP>:<socketPort>` (replay on `replayPort` when configured). A task follows the
+//! `tcp://<pod IP>:<socketPort>` (replay on `replayPort` when configured). In llm-d's centralized
+//! mode (`discoverPods: false`) the pods connect instead: one SUB socket bound on `zmqEndpoint`
+//! takes every pod's stream, told apart by the pod in its topic (`kv@<ip>:<port>@<model>`, the
+//! candidate's address; an IP alone when one pod of the pool has it), then followed as a stream
+//! of its own — sequence, gaps, replays (from the pod's replay socket), restarts. Messages from
+//! a pod outside the pool are counted (`unknown`) and dropped. A task follows the
 //! pool ([`follow`]) and hands the subscription set to the thread that owns every socket (ZMQ
 //! sockets are not thread-safe), which polls them, decodes each batch
 //! ([`index::kvevents`]) and applies it under the index's write lock, one message at a time.
@@ -111,7 +116,8 @@ pub struct KvEventsParams {
     /// llm-d's worker count; one thread here serves every subscription.
     #[serde(default)]
     pub concurrency: Option<usize>,
-    /// Subscribe to each pod of the pool (the only mode this build implements).
+    /// Subscribe to each pod of the pool; false: centralized mode, the pods connect to
+    /// `zmqEndpoint` (default `tcp://*:5557`), which this replica binds.
     #[serde(default = "d_true")]
     pub discover_pods: bool,
     #[serde(default)]
@@ -123,6 +129,13 @@ pub struct KvEventsParams {
 
 fn d_topic() -> String {
     "kv@".into()
+}
+
+impl KvEventsParams {
+    /// Where the pods publish in centralized mode (`discoverPods: false`), else `None`.
+    pub fn central_endpoint(&self) -> Option<&str> {
+        (!self.discover_pods).then(|| self.zmq_endpoint.as_deref().unwrap_or("tcp://*:5557"))
+    }
 }
 fn d_true() -> bool {
     true
@@ -148,6 +161,9 @@ pub struct Target {
     pub pod: String,
     pub endpoint: String,
     pub replay: Option<String>,
+    /// The pod publishes to the socket this replica binds (centralized mode): no socket of its
+    /// own; `endpoint` names the bound one.
+    pub shared: bool,
 }
 
 fn host(ip: std::net::IpAddr) -> String {
@@ -157,26 +173,32 @@ fn host(ip: std::net::IpAddr) -> String {
     }
 }
 
-/// Where each endpoint publishes, by label or by llm-d's pod discovery.
+/// Where each endpoint publishes: its label, else llm-d's pod discovery, or (centralized mode)
+/// the socket this replica binds.
 pub fn targets(endpoints: &[Arc<Endpoint>], params: &KvEventsParams) -> Vec<Target> {
     let d = &params.pod_discovery_config;
+    let central = params.central_endpoint();
     let mut out: Vec<Target> = endpoints
         .iter()
-        .filter_map(|e| {
-            let endpoint = e.labels.get(ENDPOINT_LABEL).cloned().or_else(|| {
-                params
-                    .discover_pods
-                    .then(|| format!("tcp://{}:{}", host(e.addr.ip()), d.socket_port))
-            })?;
+        .map(|e| {
+            let (endpoint, shared) = match (e.labels.get(ENDPOINT_LABEL), central) {
+                (Some(label), _) => (label.clone(), false),
+                (None, Some(central)) => (central.to_string(), true),
+                (None, None) => (
+                    format!("tcp://{}:{}", host(e.addr.ip()), d.socket_port),
+                    false,
+                ),
+            };
             let replay = e.labels.get(REPLAY_LABEL).cloned().or_else(|| {
                 d.replay_port
                     .map(|p| format!("tcp://{}:{p}", host(e.addr.ip())))
             });
-            Some(Target {
+            Target {
                 pod: e.hostport.clone(),
                 endpoint,
                 replay,
-            })
+                shared,
+            }
         })
         .collect();
     out.sort_by(|a, b| a.pod.cmp(&b.pod));
@@ -205,6 +227,8 @@ pub struct PodStatus {
 /// The running subscriber; dropping it stops the thread.
 pub struct Subscriber {
     tx: mpsc::Sender<Vec<Target>>,
+    /// Centralized mode: the address the shared SUB socket is bound to.
+    central: Option<String>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     status: Arc<Mutex<BTreeMap<String, PodStatus>>>,
@@ -218,13 +242,43 @@ impl std::fmt::Debug for Subscriber {
 
 impl Subscriber {
     /// `topic_filter`: the SUB sockets' subscription prefix; `fallback_model`: the model of
-    /// pods whose topic names none.
+    /// pods whose topic names none; `central`: centralized mode's address to bind, where the
+    /// pods connect (an error if it cannot be bound).
     pub fn start(
         index: Arc<dyn KvIndex>,
         topic_filter: String,
         fallback_model: Option<String>,
         metrics: Arc<Metrics>,
+        central: Option<&str>,
     ) -> std::io::Result<Subscriber> {
+        let ctx = zmq::Context::new();
+        let central = match central {
+            Some(addr) => {
+                let zerr = |what: &str, e: zmq::Error| {
+                    std::io::Error::other(format!("kv events: {what} {addr}: {e}"))
+                };
+                let socket = ctx.socket(zmq::SUB).map_err(|e| zerr("socket for", e))?;
+                socket
+                    .set_rcvhwm(RCVHWM)
+                    .and_then(|()| socket.set_linger(0))
+                    .and_then(|()| socket.set_subscribe(topic_filter.as_bytes()))
+                    .map_err(|e| zerr("configuring", e))?;
+                socket.bind(addr).map_err(|e| zerr("binding", e))?;
+                let bound = socket
+                    .get_last_endpoint()
+                    .ok()
+                    .and_then(Result::ok)
+                    .unwrap_or_else(|| addr.to_string());
+                tracing::info!(endpoint = %bound, "kv events: centralized mode, pods publish here");
+                Some(Central {
+                    socket,
+                    endpoint: bound,
+                    by_pod: BTreeMap::new(),
+                })
+            }
+            None => None,
+        };
+        let bound = central.as_ref().map(|c| c.endpoint.clone());
         let (tx, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
         let status = Arc::new(Mutex::new(BTreeMap::new()));
@@ -234,7 +288,8 @@ impl Subscriber {
                 .name("kv-events".into())
                 .spawn(move || {
                     Thread {
-                        ctx: zmq::Context::new(),
+                        ctx,
+                        central,
                         subs: Vec::new(),
                         producer: index,
                         topic_filter,
@@ -248,10 +303,16 @@ impl Subscriber {
         };
         Ok(Subscriber {
             tx,
+            central: bound,
             stop,
             thread: Some(thread),
             status,
         })
+    }
+
+    /// Centralized mode: where the pods publish (the bound address, ports resolved).
+    pub fn central_endpoint(&self) -> Option<&str> {
+        self.central.as_deref()
     }
 
     /// Subscribe to exactly these streams.
@@ -318,9 +379,19 @@ struct Replaying {
     backlog: VecDeque<(u64, Vec<u8>, Vec<u8>)>,
 }
 
+/// Centralized mode's shared socket.
+struct Central {
+    socket: zmq::Socket,
+    endpoint: String,
+    /// The shared streams' subscriptions: by the pod's address, and by its IP when one pod of
+    /// the pool has it (a topic naming the IP alone).
+    by_pod: BTreeMap<String, usize>,
+}
+
 struct Sub {
     target: Target,
-    sub: zmq::Socket,
+    /// `None` for a pod publishing to the shared socket.
+    sub: Option<zmq::Socket>,
     dealer: Option<zmq::Socket>,
     /// The last sequence number applied.
     last: Option<u64>,
@@ -338,6 +409,7 @@ struct Sub {
 
 struct Thread {
     ctx: zmq::Context,
+    central: Option<Central>,
     subs: Vec<Sub>,
     producer: Arc<dyn KvIndex>,
     topic_filter: String,
@@ -412,6 +484,27 @@ impl Thread {
                 }
             }
         }
+        if let Some(c) = &mut self.central {
+            c.by_pod.clear();
+            let mut ips: BTreeMap<String, Option<usize>> = BTreeMap::new();
+            for (i, s) in self
+                .subs
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.target.shared)
+            {
+                c.by_pod.insert(s.target.pod.clone(), i);
+                if let Some((ip, _)) = s.target.pod.rsplit_once(':') {
+                    let ip = ip.trim_start_matches('[').trim_end_matches(']').to_string();
+                    ips.entry(ip).and_modify(|e| *e = None).or_insert(Some(i));
+                }
+            }
+            for (ip, i) in ips {
+                if let Some(i) = i {
+                    c.by_pod.entry(ip).or_insert(i);
+                }
+            }
+        }
         self.publish_status();
     }
 
@@ -426,11 +519,20 @@ impl Thread {
     }
 
     fn try_connect(&self, t: &Target) -> Result<Sub, zmq::Error> {
-        let sub = self.ctx.socket(zmq::SUB)?;
-        sub.set_rcvhwm(RCVHWM)?;
-        sub.set_linger(0)?;
-        sub.set_subscribe(self.topic_filter.as_bytes())?;
-        sub.connect(&t.endpoint)?;
+        let sub = if t.shared {
+            if self.central.is_none() {
+                // Targets and the subscriber's mode come from the same parameters.
+                return Err(zmq::Error::EINVAL);
+            }
+            None
+        } else {
+            let sub = self.ctx.socket(zmq::SUB)?;
+            sub.set_rcvhwm(RCVHWM)?;
+            sub.set_linger(0)?;
+            sub.set_subscribe(self.topic_filter.as_bytes())?;
+            sub.connect(&t.endpoint)?;
+            Some(sub)
+        };
         let dealer = match &t.replay {
             Some(r) => {
                 let d = self.ctx.socket(zmq::DEALER)?;
@@ -443,7 +545,11 @@ impl Thread {
         };
         Ok(Sub {
             status: PodStatus {
-                endpoint: t.endpoint.clone(),
+                // A shared stream shows the bound address (ports resolved).
+                endpoint: match (&self.central, t.shared) {
+                    (Some(c), true) => c.endpoint.clone(),
+                    _ => t.endpoint.clone(),
+                },
                 replay: t.replay.clone(),
                 ..PodStatus::default()
             },
@@ -460,11 +566,16 @@ impl Thread {
     }
 
     fn poll_round(&mut self) {
-        // Which sockets are readable: SUB then DEALER for each pod.
-        let ready: Vec<(bool, bool)> = {
-            let mut items = Vec::with_capacity(self.subs.len() * 2);
+        // Which sockets are readable: the shared SUB, then each pod's SUB and DEALER.
+        let (central, ready): (bool, Vec<(bool, bool)>) = {
+            let mut items = Vec::with_capacity(self.subs.len() * 2 + 1);
+            if let Some(c) = &self.central {
+                items.push(c.socket.as_poll_item(zmq::POLLIN));
+            }
             for s in &self.subs {
-                items.push(s.sub.as_poll_item(zmq::POLLIN));
+                if let Some(sub) = &s.sub {
+                    items.push(sub.as_poll_item(zmq::POLLIN));
+                }
                 if let Some(d) = &s.dealer {
                     items.push(d.as_poll_item(zmq::POLLIN));
                 }
@@ -473,19 +584,23 @@ impl Thread {
                 return;
             }
             let mut k = 0;
-            self.subs
-                .iter()
-                .map(|s| {
-                    let live = items[k].is_readable();
+            let mut next = |present: bool| {
+                present && {
                     k += 1;
-                    let replay = s.dealer.is_some() && {
-                        k += 1;
-                        items[k - 1].is_readable()
-                    };
-                    (live, replay)
-                })
-                .collect()
+                    items[k - 1].is_readable()
+                }
+            };
+            let central = next(self.central.is_some());
+            let ready = self
+                .subs
+                .iter()
+                .map(|s| (next(s.sub.is_some()), next(s.dealer.is_some())))
+                .collect();
+            (central, ready)
         };
+        if central {
+            self.drain_central();
+        }
         for (i, (live, replay)) in ready.into_iter().enumerate() {
             if replay {
                 self.drain_replay(i);
@@ -496,9 +611,43 @@ impl Thread {
         }
     }
 
+    /// Centralized mode: the shared socket's messages, each to its pod's stream. One budget per
+    /// shared stream a round; the socket delivers in arrival order, so a flooding pod delays the
+    /// others by at most its share of the high-water mark.
+    fn drain_central(&mut self) {
+        let shared = self.subs.iter().filter(|s| s.target.shared).count();
+        for _ in 0..BUDGET * shared.max(1) {
+            let Some(c) = &self.central else { return };
+            let Ok(frames) = c.socket.recv_multipart(zmq::DONTWAIT) else {
+                return;
+            };
+            let m = match kvevents::parse_live(&frames) {
+                Ok(m) => m,
+                Err(e) => {
+                    // No pod to charge it to.
+                    self.metrics.kv_events.messages("", "garbage", 1);
+                    tracing::debug!(error = %e, "kv events: garbage on the shared socket");
+                    continue;
+                }
+            };
+            let pod = kvevents::parse_topic(m.topic).and_then(|t| c.by_pod.get(t.pod).copied());
+            let Some(i) = pod else {
+                // A pod outside the pool (or this replica's targets): its label stays fixed, a
+                // topic is whatever the publisher sends.
+                self.metrics.kv_events.messages("", "unknown", 1);
+                tracing::debug!(topic = %String::from_utf8_lossy(m.topic), "kv events: a pod outside the pool");
+                continue;
+            };
+            self.subs[i].last_message = Some(Instant::now());
+            let (seq, topic, payload) = (m.seq, m.topic.to_vec(), m.payload.to_vec());
+            self.receive_live(i, seq, topic, payload);
+        }
+    }
+
     fn drain_live(&mut self, i: usize) {
         for _ in 0..BUDGET {
-            let Ok(frames) = self.subs[i].sub.recv_multipart(zmq::DONTWAIT) else {
+            let Some(sub) = &self.subs[i].sub else { return };
+            let Ok(frames) = sub.recv_multipart(zmq::DONTWAIT) else {
                 return;
             };
             self.subs[i].last_message = Some(Instant::now());
@@ -749,5 +898,56 @@ impl Thread {
                 .set_index(self.subs.len(), entries, bytes);
         }
         *self.status.lock().unwrap_or_else(|p| p.into_inner()) = out;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_by_label_pod_discovery_or_the_shared_socket() {
+        let ep = |addr: &str, label: Option<&str>| {
+            let labels = label
+                .map(|l| BTreeMap::from([(ENDPOINT_LABEL.to_string(), l.to_string())]))
+                .unwrap_or_default();
+            Arc::new(Endpoint::new(addr.into(), addr.parse().unwrap(), labels))
+        };
+        let pool = [
+            ep("10.0.0.2:8000", None),
+            ep("10.0.0.1:8000", Some("tcp://10.0.0.1:7777")),
+        ];
+        let discovery = KvEventsParams {
+            pod_discovery_config: PodDiscoveryConfig {
+                socket_port: 5557,
+                replay_port: Some(5558),
+            },
+            ..KvEventsParams::default()
+        };
+        let t = targets(&pool, &discovery);
+        assert_eq!(
+            t.iter()
+                .map(|t| (t.pod.as_str(), t.endpoint.as_str(), t.shared))
+                .collect::<Vec<_>>(),
+            [
+                ("10.0.0.1:8000", "tcp://10.0.0.1:7777", false),
+                ("10.0.0.2:8000", "tcp://10.0.0.2:5557", false),
+            ]
+        );
+        assert_eq!(t[1].replay.as_deref(), Some("tcp://10.0.0.2:5558"));
+        // Centralized: the unlabelled pod publishes to the bound socket; the label still wins.
+        let central = KvEventsParams {
+            discover_pods: false,
+            zmq_endpoint: Some("tcp://*:6000".into()),
+            ..discovery
+        };
+        let t = targets(&pool, &central);
+        assert_eq!(
+            t.iter()
+                .map(|t| (t.endpoint.as_str(), t.shared))
+                .collect::<Vec<_>>(),
+            [("tcp://10.0.0.1:7777", false), ("tcp://*:6000", true)]
+        );
+        assert_eq!(t[1].replay.as_deref(), Some("tcp://10.0.0.2:5558"));
     }
 }

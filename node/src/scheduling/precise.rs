@@ -85,14 +85,6 @@ impl PreciseParams {
                 Err(e) => return Err(field("speculativeTTL", e)),
             }
         }
-        if !self.kv_events_config.discover_pods {
-            return Err(field(
-                "kvEventsConfig.discoverPods",
-                "only per-pod subscriptions (discoverPods: true) are implemented; centralized \
-                 mode (pods connecting to zmqEndpoint) is not yet"
-                    .into(),
-            ));
-        }
         let bs = self.token_processor_config.block_size;
         if bs == 0 || bs > index::hashing::MAX_BLOCK_SIZE {
             return Err(field(
@@ -486,13 +478,28 @@ mod tests {
         for bad in [
             serde_json::json!({"speculativeIndexing": true, "speculativeTTL": "0s"}),
             serde_json::json!({"speculativeTTL": "soon"}),
-            serde_json::json!({"kvEventsConfig": {"discoverPods": false, "zmqEndpoint": "tcp://*:5557"}}),
             serde_json::json!({"tokenProcessorConfig": {"blockSize": 0}}),
         ] {
             let p: PreciseParams = serde_json::from_value(bad.clone()).unwrap();
             assert!(p.validate("p").is_err(), "{bad}");
         }
         assert!(serde_json::from_value::<PreciseParams>(serde_json::json!({"nope": 1})).is_err());
+        // Centralized mode: the pods connect to zmqEndpoint (llm-d's default address).
+        let central = |v| {
+            let p: PreciseParams = serde_json::from_value(v).unwrap();
+            p.validate("p").unwrap();
+            p.kv_events_config.central_endpoint().map(str::to_string)
+        };
+        assert_eq!(
+            central(serde_json::json!({"kvEventsConfig": {"discoverPods": false}})).as_deref(),
+            Some("tcp://*:5557")
+        );
+        assert_eq!(
+            central(serde_json::json!({"kvEventsConfig": {"discoverPods": false, "zmqEndpoint": "tcp://0.0.0.0:6000"}}))
+                .as_deref(),
+            Some("tcp://0.0.0.0:6000")
+        );
+        assert_eq!(central(serde_json::json!({})), None);
         assert_eq!(p.speculation(), None);
         let on = |v| {
             serde_json::from_value::<PreciseParams>(v)

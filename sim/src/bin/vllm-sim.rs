@@ -67,6 +67,10 @@ struct Args {
     /// Batches kept per pod for replay.
     #[arg(long, default_value_t = 10_000)]
     kv_events_buffer_steps: usize,
+    /// Publish by connecting every pod's PUB socket to this endpoint (llm-d's centralized mode,
+    /// e.g. `tcp://127.0.0.1:5557`) instead of binding one per pod.
+    #[arg(long)]
+    kv_events_connect: Option<String>,
     /// Label the first N pods `llm-d.ai/role: prefill`.
     #[arg(long, default_value_t = 0)]
     prefill_pods: usize,
@@ -175,6 +179,7 @@ impl Args {
                     Encoding::Map
                 },
                 buffer_steps: self.kv_events_buffer_steps,
+                connect: self.kv_events_connect.clone(),
                 ..KvEventsConfig::default()
             }),
             prefill_pods: self.prefill_pods,

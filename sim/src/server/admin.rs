@@ -29,11 +29,18 @@ pub fn pods_yaml(fleet: &Fleet) -> String {
         if let Some(role) = &p.role {
             out.push_str(&format!("      llm-d.ai/role: {role}\n"));
         }
-        // Where the pod publishes its KV events (the EPP's subscriber reads these keys).
+        // Where the pod publishes its KV events (the EPP's subscriber reads these keys); a pod
+        // that connects to a centralized subscriber names its replay socket only.
         if let Some(kv) = fleet.kv_endpoints(p.index) {
+            if !kv.connects {
+                out.push_str(&format!(
+                    "      llm-d.ai/kv-events-endpoint: \"{}\"\n",
+                    kv.publisher
+                ));
+            }
             out.push_str(&format!(
-                "      llm-d.ai/kv-events-endpoint: \"{}\"\n      llm-d.ai/kv-events-replay-endpoint: \"{}\"\n",
-                kv.publisher, kv.replay
+                "      llm-d.ai/kv-events-replay-endpoint: \"{}\"\n",
+                kv.replay
             ));
         }
     }
