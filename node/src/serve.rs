@@ -165,6 +165,18 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let cfg = load_config(&opts)?;
     let built = scheduling::build(&cfg)?;
+    if opts.cluster.is_some()
+        && let Some(p) = &built.scheduler.precise
+        && p.params.kv_events_config.central_endpoint().is_some()
+    {
+        return Err(ServeError::Config(ConfigError::invalid(
+            "precise-prefix-cache-producer: kvEventsConfig.discoverPods: false (pods connecting \
+             to zmqEndpoint) needs a single replica — in cluster mode a pod's publisher reaches \
+             whichever replica its connection lands on, not the pod's owners; use \
+             discoverPods: true (each pod's stream read by its owners and shared with every \
+             replica)",
+        )));
+    }
     tracing::info!(config = %built.summary, "effective configuration");
     let interval = match &built.metrics_source.interval {
         Some(i) => parse_duration(i)
@@ -468,15 +480,6 @@ pub async fn serve(
     let kv_events = match &built.scheduler.precise {
         Some(p) => {
             let central = p.params.kv_events_config.central_endpoint();
-            if central.is_some() && cluster.is_some() {
-                return Err(ServeError::Config(ConfigError::invalid(
-                    "precise-prefix-cache-producer: kvEventsConfig.discoverPods: false (pods \
-                     connecting to zmqEndpoint) needs a single replica — in cluster mode a pod's \
-                     publisher reaches whichever replica its connection lands on, not the pod's \
-                     owners; use discoverPods: true (each pod's stream read by its owners and \
-                     shared with every replica)",
-                )));
-            }
             Some(Arc::new(
                 crate::datalayer::kvevents::Subscriber::start(
                     p.clone(),
