@@ -50,7 +50,7 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
     let root = chaos::locate::workspace_root();
     let flow = root.join("deploy/examples/flow-control.yaml");
     let config = format!("config=@{}", flow.display());
-    let cases: [(&str, Vec<&str>); 3] = [
+    let cases: [(&str, Vec<&str>); 4] = [
         (
             "three replicas",
             vec!["pool.name=llm", "cluster.tls.secretName=epp-peer-tls"],
@@ -80,9 +80,34 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
                 &config,
             ],
         ),
+        (
+            "one replica, centralized KV events",
+            vec!["pool.name=llm", "replicas=1", "kvEvents.centralPort=5557"],
+        ),
     ];
     for (what, values) in &cases {
         let (text, docs) = render(&helm, values);
+        // Centralized KV events: the port the model servers publish to, on the pod and the
+        // Service; no such port otherwise.
+        let central = values.contains(&"kvEvents.centralPort=5557");
+        let port = |list: &Value| {
+            list.as_array()
+                .into_iter()
+                .flatten()
+                .find(|p| p["name"] == "zmq-kv-events")
+                .cloned()
+        };
+        let svc = find(&docs, "Service", FULL).expect("the Service");
+        assert_eq!(
+            port(&svc["spec"]["ports"]).map(|p| (p["port"].clone(), p["targetPort"].clone())),
+            central.then(|| (Value::from(5557), Value::from("zmq-kv-events"))),
+            "{what}"
+        );
+        assert_eq!(
+            port(&epp_container(&docs)["ports"]).map(|p| p["containerPort"].clone()),
+            central.then(|| Value::from(5557)),
+            "{what}"
+        );
         // Extra volumes reach the pod, and their mounts the EPP container only.
         let pod = &find(&docs, "StatefulSet", FULL).unwrap()["spec"]["template"]["spec"];
         let named = |list: &Value, name: &str| {
@@ -338,6 +363,14 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
                 "terminationGracePeriodSeconds=30",
             ],
             "terminationGracePeriodSeconds must exceed",
+        ),
+        (
+            vec![
+                "pool.name=llm",
+                "cluster.tls.secretName=epp-peer-tls",
+                "kvEvents.centralPort=5557",
+            ],
+            "kvEvents.centralPort (centralized KV events",
         ),
     ] {
         let out = helm.template(RELEASE, NS, &values).unwrap();
