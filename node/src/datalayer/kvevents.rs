@@ -137,6 +137,7 @@ impl KvEventsParams {
         (!self.discover_pods).then(|| self.zmq_endpoint.as_deref().unwrap_or("tcp://*:5557"))
     }
 }
+
 fn d_true() -> bool {
     true
 }
