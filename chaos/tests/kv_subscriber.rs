@@ -348,3 +348,62 @@ fn centralized_mode_follows_every_pod_through_one_bound_socket() {
             .contains("llm_d_epp_kv_events_messages_total{pod=\"\",outcome=\"unknown\"}")
     });
 }
+
+/// A publisher that restarts after the subscriber replayed its past but before any live message
+/// reached it: the new stream's first batches reuse sequence numbers the replay applied, and are
+/// told apart from late duplicates by their content — the pod's old blocks are dropped, the new
+/// ones indexed.
+#[test]
+fn a_restart_before_the_first_live_message_is_not_taken_for_duplicates() {
+    let publisher = publisher(Encoding::Map);
+    let tx = publisher.sender().unwrap();
+    let send = |events: Vec<KvEvent>| tx.send(Command::Publish { pod: 0, events }).unwrap();
+    for i in 0..4 {
+        send(vec![stored(i)]);
+    }
+    let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
+    let sub = Subscriber::start(
+        producer.clone(),
+        "kv@".into(),
+        None,
+        Arc::new(Metrics::new("p")),
+        None,
+    )
+    .unwrap();
+    let ep = &publisher.endpoints[0];
+    sub.set_targets(vec![Target {
+        pod: "pod".into(),
+        endpoint: ep.publisher.clone(),
+        replay: Some(ep.replay.clone()),
+        shared: false,
+    }]);
+    // The past, from the replay alone (nothing published live yet).
+    wait("the replay", || held(&producer, "pod") == sorted(keys(4)));
+    // The engine restarts and stores another chain (engine hashes 200.., other tokens).
+    tx.send(Command::Reset { pod: 0 }).unwrap();
+    let other = |i: u64| KvEvent::BlockStored {
+        block_hashes: vec![200 + i],
+        parent_block_hash: i.checked_sub(1).map(|p| 200 + p),
+        token_ids: (0..BS as u32).map(|t| 1000 + i as u32 * 10 + t).collect(),
+        block_size: BS,
+        lora_id: None,
+        lora_name: None,
+        cache_salt: None,
+    };
+    let want = |n: u64| {
+        let tokens: Vec<u32> = (0..n)
+            .flat_map(|i| (0..BS as u32).map(move |t| 1000 + i as u32 * 10 + t))
+            .collect();
+        let mut out = Vec::new();
+        chain_full_blocks(root("m"), &tokens, BS, &mut out);
+        sorted(out)
+    };
+    let mut n = 0;
+    wait("the new chain alone", || {
+        send(vec![other(n)]);
+        n += 1;
+        std::thread::sleep(Duration::from_millis(20));
+        held(&producer, "pod") == want(n)
+    });
+    wait("the restart's status", || sub.status()["pod"].restarts == 1);
+}

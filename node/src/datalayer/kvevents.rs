@@ -22,7 +22,9 @@
 //!   its entries are dropped (a stale entry routes to a pod that no longer holds the blocks; a
 //!   missing one only costs a hit) and the stream is followed from there;
 //! - backwards (the publisher restarted: its cache is empty) → drop the pod's entries, then as a
-//!   new publisher.
+//!   new publisher. Before the first live message, a sequence the replay already applied is a
+//!   duplicate only if it carries the same batch (payload digests of the last [`RECENT`] batches):
+//!   a different one is a publisher that restarted after the replay.
 //!
 //! A pod flooding events cannot starve the others or routing: each poll round reads at most
 //! [`BUDGET`] messages per pod, the SUB socket's high-water mark bounds what waits in ZMQ, and
@@ -59,6 +61,9 @@ const REPLAY_DEADLINE: Duration = Duration::from_secs(2);
 const REPLAY_COOLDOWN: Duration = Duration::from_secs(5);
 /// SUB receive high-water mark (messages).
 const RCVHWM: i32 = 10_000;
+/// Batches remembered per stream (sequence and payload digest) to tell a late duplicate from a
+/// restarted publisher's new batch.
+const RECENT: usize = 64;
 const POLL_MS: i64 = 20;
 
 /// What the subscriber feeds: the precise index (`scheduling::precise` implements it).
@@ -402,6 +407,8 @@ struct Sub {
     live_last: Option<u64>,
     /// Whether the index holds anything from this stream (a resync has something to drop).
     has_state: bool,
+    /// The last [`RECENT`] batches applied: (sequence, payload digest).
+    recent: VecDeque<(u64, u64)>,
     replaying: Option<Replaying>,
     cooldown_until: Option<Instant>,
     status: PodStatus,
@@ -560,6 +567,7 @@ impl Thread {
             last: None,
             live_last: None,
             has_state: false,
+            recent: VecDeque::new(),
             replaying: None,
             cooldown_until: None,
             last_message: None,
@@ -691,7 +699,16 @@ impl Thread {
     /// A message from the SUB socket.
     fn receive_live(&mut self, i: usize, seq: u64, topic: Vec<u8>, payload: Vec<u8>) {
         let s = &mut self.subs[i];
-        let restarted = s.live_last.is_some_and(|l| seq <= l);
+        let restarted = match s.live_last {
+            Some(l) => seq <= l,
+            // The stream's first live message at a sequence a replay already applied: the same
+            // batch again, or a publisher that restarted meanwhile (its new batch differs).
+            None => s
+                .recent
+                .iter()
+                .find(|(q, _)| *q == seq)
+                .is_some_and(|(_, d)| *d != xxhash_rust::xxh3::xxh3_64(&payload)),
+        };
         s.live_last = Some(seq);
         if restarted {
             // The publisher restarted: its cache is empty, its old batches are gone.
@@ -701,6 +718,7 @@ impl Thread {
             self.producer.clear(&s.target.pod);
             s.has_state = false;
             s.last = None;
+            s.recent.clear();
         }
         self.on_live(i, seq, topic, payload);
     }
@@ -849,6 +867,11 @@ impl Thread {
     fn apply(&mut self, i: usize, seq: u64, topic: &[u8], payload: &[u8], outcome: &'static str) {
         let s = &mut self.subs[i];
         s.last = Some(seq);
+        if s.recent.len() >= RECENT {
+            s.recent.pop_front();
+        }
+        s.recent
+            .push_back((seq, xxhash_rust::xxh3::xxh3_64(payload)));
         let batch = match kvevents::decode_batch(payload) {
             Ok(b) => b,
             Err(e) => {
