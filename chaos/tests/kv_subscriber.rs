@@ -73,6 +73,27 @@ fn publisher(encoding: Encoding) -> Publisher {
     .unwrap()
 }
 
+/// A subscriber (per-pod sockets) following the sim publisher's pod 0, with its replay socket.
+fn follow_pod0(publisher: &Publisher) -> (Arc<PrecisePrefixProducer>, Subscriber) {
+    let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
+    let sub = Subscriber::start(
+        producer.clone(),
+        "kv@".into(),
+        None,
+        Arc::new(Metrics::new("p")),
+        None,
+    )
+    .unwrap();
+    let ep = &publisher.endpoints[0];
+    sub.set_targets(vec![Target {
+        pod: "pod".into(),
+        endpoint: ep.publisher.clone(),
+        replay: Some(ep.replay.clone()),
+        shared: false,
+    }]);
+    (producer, sub)
+}
+
 #[test]
 fn a_late_subscriber_replays_the_past_then_follows_evictions_and_restarts() {
     for encoding in [Encoding::Map, Encoding::Array] {
@@ -83,22 +104,7 @@ fn a_late_subscriber_replays_the_past_then_follows_evictions_and_restarts() {
         for i in 0..5 {
             send(vec![stored(i)]);
         }
-        let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
-        let sub = Subscriber::start(
-            producer.clone(),
-            "kv@".into(),
-            None,
-            Arc::new(Metrics::new("p")),
-            None,
-        )
-        .unwrap();
-        let ep = &publisher.endpoints[0];
-        sub.set_targets(vec![Target {
-            pod: "pod".into(),
-            endpoint: ep.publisher.clone(),
-            replay: Some(ep.replay.clone()),
-            shared: false,
-        }]);
+        let (producer, sub) = follow_pod0(&publisher);
         // Keep publishing until the subscriber has the whole stream: on subscribing it replays
         // the past from 0, holding what arrives live meanwhile.
         let mut n = 5;
@@ -361,22 +367,7 @@ fn a_restart_before_the_first_live_message_is_not_taken_for_duplicates() {
     for i in 0..4 {
         send(vec![stored(i)]);
     }
-    let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
-    let sub = Subscriber::start(
-        producer.clone(),
-        "kv@".into(),
-        None,
-        Arc::new(Metrics::new("p")),
-        None,
-    )
-    .unwrap();
-    let ep = &publisher.endpoints[0];
-    sub.set_targets(vec![Target {
-        pod: "pod".into(),
-        endpoint: ep.publisher.clone(),
-        replay: Some(ep.replay.clone()),
-        shared: false,
-    }]);
+    let (producer, sub) = follow_pod0(&publisher);
     // The past, from the replay alone (nothing published live yet).
     wait("the replay", || held(&producer, "pod") == sorted(keys(4)));
     // The engine restarts and stores another chain (engine hashes 200.., other tokens).

@@ -494,6 +494,20 @@ fn the_encoder_cache_scorer_brings_an_image_back_to_its_pod() {
     assert!(e.contains("cacheSize"), "{e}");
 }
 
+/// a: 9 requests waiting beside 8 running, in two scrapes in a row (a real queue); b: nearly idle.
+fn queue_on_a() -> Vec<crate::datalayer::store::Candidate> {
+    vec![
+        scraped_twice(cand_at(
+            "a",
+            "10.0.0.1:8000",
+            metrics(9.0, 8.0, 0.5),
+            false,
+            &[],
+        )),
+        cand_at("b", "10.0.0.2:8000", metrics(0.0, 1.0, 0.5), false, &[]),
+    ]
+}
+
 /// llm-d's latency plugins on the cost model: the scorer sends a request to the pod predicted to
 /// meet its TTFT SLO; the admitter turns away a sheddable request no busy pod can serve in time;
 /// `ttftSource: latencyPredictor` reads the same predictions.
@@ -519,16 +533,7 @@ fn the_latency_plugins_route_by_slo_headroom() {
         ]
     );
     // a: 9 waiting beside 8 running (1.25 s of queue at the prior's 1 s slot); b: nearly idle.
-    let cs = vec![
-        scraped_twice(cand_at(
-            "a",
-            "10.0.0.1:8000",
-            metrics(9.0, 8.0, 0.5),
-            false,
-            &[],
-        )),
-        cand_at("b", "10.0.0.2:8000", metrics(0.0, 1.0, 0.5), false, &[]),
-    ];
+    let cs = queue_on_a();
     let text: Vec<u8> = (0..1024u32).map(|i| b'a' + (i % 23) as u8).collect();
     let prompt = crate::request::parse::Prompt::Text(text);
     let slo = |ms: &str| {
@@ -618,16 +623,7 @@ schedulingProfiles:
     );
     assert_eq!(s.admitters.len(), 1);
     // A long queue on a: only b meets a 200 ms TTFT SLO, so the tier filter keeps b alone.
-    let cs = vec![
-        scraped_twice(cand_at(
-            "a",
-            "10.0.0.1:8000",
-            metrics(9.0, 8.0, 0.5),
-            false,
-            &[],
-        )),
-        cand_at("b", "10.0.0.2:8000", metrics(0.0, 1.0, 0.5), false, &[]),
-    ];
+    let cs = queue_on_a();
     let h =
         std::collections::HashMap::from([("x-llm-d-slo-ttft-ms".to_string(), "200".to_string())]);
     let mut r = req();
