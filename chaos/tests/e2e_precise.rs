@@ -290,6 +290,79 @@ async fn centralized_mode_the_pods_publish_to_the_epp() {
     );
 }
 
+/// vLLM's CPU offloading: every pod copies what its (small) GPU cache holds to a CPU tier and
+/// publishes those copies as hash-only `BlockStored` events with medium "CPU"; a prompt whose
+/// blocks the GPU evicted is loaded back from there and reported cached. The EPP resolves the
+/// hash-only events through the blocks it already keyed, keeps the tiers apart, and predicts
+/// what the pods report within 2% — while the pods do load from their CPU tier (their own
+/// counters). Per pod, the index's blocks by tier equal the pod's GPU cache and CPU tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offloaded_blocks_are_predicted_from_the_cpu_tiers_events() {
+    let mut sim = pods();
+    sim.knobs.kv_blocks = 300;
+    sim.knobs.cpu_offload_blocks = 1200;
+    let c = start(sim, config("precise-prefix-cache-producer")).await;
+    subscribed(&c).await;
+    let r = run(&c).await;
+    let streams = recoveries(&c).await;
+    let loaded: u64 = (0..8).map(|i| c.sim.stats(i).offload_hits_tokens).sum();
+    // Per pod: (pod, index gpu, index cpu, pod gpu, pod cpu), once the last events are in.
+    let tiers = || async {
+        let v = c
+            .epp(0)
+            .unwrap()
+            .admin_json("/debug/kv-events")
+            .await
+            .unwrap();
+        (0..8)
+            .map(|i| {
+                let addr = c.sim.pods()[i].addr.to_string();
+                let t = &v["pods"][&addr]["tiers"];
+                let n = |k: &str| t[k].as_u64().unwrap_or(0);
+                let s = c.sim.stats(i);
+                (
+                    addr,
+                    n("gpu"),
+                    n("cpu"),
+                    s.cached_blocks,
+                    s.offloaded_blocks,
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let equal = chaos::wait::until(
+        "the index's tiers equal the pods'",
+        Duration::from_secs(5),
+        || async { tiers().await.iter().all(|(_, a, b, c, d)| (a, b) == (c, d)) },
+    )
+    .await;
+    let last = tiers().await;
+    c.shutdown().await;
+    eprintln!(
+        "offload: predicted {} observed {} |error| {} ({:.2}%) | loaded from CPU {loaded} tokens |          cached ratio {:.3}; tiers (pod, index gpu/cpu, pod gpu/cpu): {last:?}; streams {streams:?}",
+        r.predicted,
+        r.observed,
+        r.abs_error,
+        r.error() * 100.0,
+        r.report.cached_ratio
+    );
+    assert_eq!((r.report.errors, r.report.requests), (0, 24 * 5), "{r:?}");
+    assert_eq!(r.observed, r.report.cached_tokens, "{r:?}");
+    assert!(
+        loaded > 0,
+        "the pods must load from their CPU tier for the test to mean anything"
+    );
+    assert!(
+        r.error() <= 0.02,
+        "offload prediction error {:.2}% > 2%: {r:?}; streams {streams:?}",
+        r.error() * 100.0
+    );
+    assert!(
+        equal.is_ok(),
+        "index tiers vs the pods' (pod, index gpu, cpu, pod gpu, cpu): {last:?}"
+    );
+}
+
 /// llm-d's precise profile with the `local` token producer: the tokenizer directory in-process.
 fn local_config(tokenizer: &std::path::Path) -> String {
     config("precise-prefix-cache-producer").replacen(

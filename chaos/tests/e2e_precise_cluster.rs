@@ -2,11 +2,13 @@
 //! each pod's KV-event stream is subscribed by its two scrape owners only (`--scrape-owners 2`,
 //! the default).
 //!
-//! Eight simulated pods with small KV caches publish KV events. Checked from outside the EPP:
+//! Eight simulated pods with small KV caches and a CPU offload tier (vLLM's native offloading:
+//! hash-only `BlockStored` events with medium "CPU") publish KV events. Checked from outside the
+//! EPP:
 //! every pod is subscribed by exactly two replicas; with Envoy spreading the streams over the
 //! three replicas, the cached tokens each replica predicted for the pod it chose match what the
-//! pods reported within 5%; once traffic stops every replica's index equals every pod's cache (the
-//! simulator's own count), subscribed or mirrored; after `kill -9` of a replica the survivors
+//! pods reported within 5%; once traffic stops every replica's index equals every pod's GPU cache
+//! and CPU tier (the simulator's own counts), subscribed or mirrored, tier by tier; after `kill -9` of a replica the survivors
 //! take its subscriptions over (replaying the streams) and converge again; a replica cut off from
 //! its peers for 30 s converges after healing.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -19,8 +21,10 @@ use chaos::workloads;
 use sim::loadgen::{self, LoadConfig};
 
 fn spec() -> ClusterSpec {
+    let mut sim = workloads::kv_event_pods(8);
+    sim.knobs.cpu_offload_blocks = 1200;
     ClusterSpec {
-        sim: workloads::kv_event_pods(8),
+        sim,
         replicas: 3,
         raft: true,
         epp_args: vec![
@@ -103,13 +107,16 @@ async fn recoveries(c: &LocalCluster, live: &[usize]) -> Vec<(usize, String, u64
     out
 }
 
-/// Every pod's cached blocks, from the simulator.
-fn truth(c: &LocalCluster) -> BTreeMap<String, u64> {
+/// Every pod's blocks on the GPU and in the CPU tier, from the simulator.
+fn truth(c: &LocalCluster) -> BTreeMap<String, (u64, u64)> {
     c.sim
         .pods()
         .iter()
         .enumerate()
-        .map(|(i, p)| (p.addr.to_string(), c.sim.stats(i).cached_blocks))
+        .map(|(i, p)| {
+            let s = c.sim.stats(i);
+            (p.addr.to_string(), (s.cached_blocks, s.offloaded_blocks))
+        })
         .collect()
 }
 
@@ -122,9 +129,10 @@ async fn converged(c: &LocalCluster, live: &[usize], limit: Duration) -> Result<
         for &i in live {
             views.push(view(c, i).await["pods"].clone());
         }
-        let blocks = |v: &serde_json::Value| -> BTreeMap<String, u64> {
+        let blocks = |v: &serde_json::Value| -> BTreeMap<String, (u64, u64)> {
+            let n = |pod: &str, t: &str| v[pod]["tiers"][t].as_u64().unwrap_or(0);
             want.keys()
-                .map(|pod| (pod.clone(), v[pod]["blocks"].as_u64().unwrap_or(0)))
+                .map(|pod| (pod.clone(), (n(pod, "gpu"), n(pod, "cpu"))))
                 .collect()
         };
         if views.windows(2).all(|w| w[0] == w[1]) && blocks(&views[0]) == want {
@@ -215,6 +223,12 @@ async fn three_replicas_share_one_precise_index_from_sharded_subscriptions() {
     );
     assert!(routed.iter().all(|n| *n > 0), "Envoy spreads: {routed:?}");
     assert_eq!(observed, r.cached_tokens);
+    let loaded: u64 = (0..8).map(|i| c.sim.stats(i).offload_hits_tokens).sum();
+    eprintln!("prompt tokens the pods loaded back from their CPU tier: {loaded}");
+    assert!(
+        loaded > 0,
+        "the CPU tier must be used for the tiers' replication to be tested"
+    );
     // Not exact even with every stream followed live: conversations share a 640-word system
     // prompt and start six at a time, so two first turns can reach a pod together — the second
     // is predicted from the index before the first's blocks are stored, and finds them computed

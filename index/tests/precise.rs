@@ -1,7 +1,8 @@
-//! The precise index against a plain model: any sequence of stores, removals and clears over two
-//! dozen pods sharing blocks leaves every pod holding exactly the keys of its engine blocks, and every
-//! prefix match equal to the model's (the inline/spilled holder lists are an implementation
-//! detail that must not show).
+//! The precise index against a plain model: any sequence of stores, offloads to the CPU tier
+//! (hash-only, as vLLM's offloading connector publishes them), removals from either tier and
+//! clears over two dozen pods sharing blocks leaves every pod holding exactly the keys of its
+//! engine blocks, and every prefix match — run length and tier-weighted score — equal to the
+//! model's (the inline/spilled holder lists are an implementation detail that must not show).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -46,8 +47,14 @@ enum Op {
         n: usize,
         generation: u8,
     },
-    /// Pod evicts the i-th engine block it stored (by insertion order), if any.
+    /// Pod evicts the i-th engine block it holds in a tier (by insertion order), if any.
     Remove {
+        pod: u8,
+        i: usize,
+        cpu: bool,
+    },
+    /// Pod copies the i-th engine block of its GPU tier to its CPU tier (hash-only event).
+    Offload {
         pod: u8,
         i: usize,
     },
@@ -63,7 +70,9 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0..PODS, 0..4u8, 1..5usize, 0..2u8)
             .prop_map(|(pod, p, n, generation)| Op::Store { pod, p, n, generation }),
-        3 => (0..PODS, 0..40usize).prop_map(|(pod, i)| Op::Remove { pod, i }),
+        3 => (0..PODS, 0..40usize, any::<bool>())
+            .prop_map(|(pod, i, cpu)| Op::Remove { pod, i, cpu }),
+        2 => (0..PODS, 0..20usize).prop_map(|(pod, i)| Op::Offload { pod, i }),
         1 => (0..PODS).prop_map(|pod| Op::Clear { pod }),
     ]
 }
@@ -76,11 +85,14 @@ proptest! {
     #[test]
     fn the_index_is_its_model(ops in prop::collection::vec(op(), 1..160)) {
         let mut ix = PreciseIndex::new();
+        ix.set_tier_weights(&[("cpu".into(), 0.5)]);
         ix.journal();
         // A replica mirroring `ix` from its journal, batches delivered in order.
         let mut mirror = PreciseIndex::new();
-        // The model: per pod, engine hash → key, in insertion order.
+        // The model: per pod, engine hash → key in insertion order, GPU tier.
         let mut model: BTreeMap<u8, Vec<(u64, u64)>> = BTreeMap::new();
+        // The same for the CPU tier.
+        let mut cpu: BTreeMap<u8, Vec<(u64, u64)>> = BTreeMap::new();
         for op in &ops {
             match *op {
                 Op::Store { pod, p, n, generation } => {
@@ -101,29 +113,48 @@ proptest! {
                         }
                     }
                 }
-                Op::Remove { pod, i } => {
-                    let Some(m) = model.get_mut(&pod) else { continue };
+                Op::Remove { pod, i, cpu: on_cpu } => {
+                    let tier = if on_cpu { &mut cpu } else { &mut model };
+                    let Some(m) = tier.get_mut(&pod) else { continue };
                     if i < m.len() {
                         let (h, _) = m.remove(i);
                         let id = ix.pod(&format!("pod{pod}"));
                         ix.apply(id, "m", &[KvEvent::BlockRemoved {
-                            block_hashes: vec![h], medium: None, group_idx: None,
+                            block_hashes: vec![h],
+                            medium: Some(if on_cpu { "CPU" } else { "GPU" }.into()),
+                            group_idx: None,
                         }], &root);
+                    }
+                }
+                Op::Offload { pod, i } => {
+                    let Some(&(h, k)) = model.get(&pod).and_then(|m| m.get(i)) else { continue };
+                    let id = ix.pod(&format!("pod{pod}"));
+                    ix.apply(id, "m", &[KvEvent::BlockStored(BlockStored {
+                        block_hashes: vec![h],
+                        block_size: BS as u32,
+                        medium: Some("CPU".into()),
+                        ..BlockStored::default()
+                    })], &root);
+                    let m = cpu.entry(pod).or_default();
+                    if !m.iter().any(|(e, _)| *e == h) {
+                        m.push((h, k));
                     }
                 }
                 Op::Clear { pod } => {
                     model.remove(&pod);
+                    cpu.remove(&pod);
                     let id = ix.pod(&format!("pod{pod}"));
                     ix.apply(id, "m", &[KvEvent::AllBlocksCleared], &root);
                 }
             }
-            for (pod, key, added) in ix.take_journal() {
-                let name = ix.pod_name(pod).unwrap().to_string();
+            for c in ix.take_journal() {
+                let name = ix.pod_name(c.pod).unwrap().to_string();
                 let m = mirror.pod(&name);
-                if added {
-                    mirror.mirror(m, BS as u32, &[key], &[]);
+                let tier = mirror.tier(ix.tier_name(c.tier)).unwrap();
+                if c.added {
+                    mirror.mirror(m, tier, BS as u32, &[c.key], &[]);
                 } else {
-                    mirror.mirror(m, BS as u32, &[], &[key]);
+                    mirror.mirror(m, tier, BS as u32, &[], &[c.key]);
                 }
             }
         }
@@ -131,14 +162,14 @@ proptest! {
         for name in ix.pod_names() {
             let (a, b) = (ix.pod_id(&name).unwrap(), mirror.pod(&name));
             prop_assert_eq!(ix.digest(a), mirror.digest(b));
-            prop_assert_eq!(ix.pod_state(a).1, mirror.pod_state(b).1);
+            prop_assert_eq!(ix.pod_state(a), mirror.pod_state(b));
             // A full-state transfer gives the same.
             let mut fresh = PreciseIndex::new();
             let f = fresh.pod(&name);
-            fresh.replace_mirror(f, BS as u32, &ix.pod_state(a).1);
+            fresh.replace_mirror(f, &ix.pod_state(a));
             prop_assert_eq!(fresh.digest(f), ix.digest(a));
         }
-        let total: usize = model.values().map(Vec::len).sum();
+        let total: usize = model.values().chain(cpu.values()).map(Vec::len).sum();
         prop_assert_eq!(ix.len(), total);
         for (pod, m) in &model {
             let id = ix.pod_id(&format!("pod{pod}")).unwrap();
@@ -151,17 +182,27 @@ proptest! {
             let ks = keys(p, 4);
             let mut got = Vec::new();
             ix.match_prefix(&ks, &mut got);
-            let got: BTreeSet<(String, usize)> = got
+            // Scores in halves (GPU 1, CPU 0.5) compare exactly.
+            let got: BTreeSet<(String, usize, u32)> = got
                 .iter()
-                .map(|PreciseMatch { pod, blocks }| (ix.pod_name(*pod).unwrap().to_string(), *blocks))
-                .collect();
-            let want: BTreeSet<(String, usize)> = model
-                .iter()
-                .map(|(pod, m)| {
-                    let held: BTreeSet<u64> = m.iter().map(|(_, k)| *k).collect();
-                    (format!("pod{pod}"), ks.iter().take_while(|k| held.contains(k)).count())
+                .map(|PreciseMatch { pod, blocks, score }| {
+                    (ix.pod_name(*pod).unwrap().to_string(), *blocks, (score * 2.0).round() as u32)
                 })
-                .filter(|(_, n)| *n > 0)
+                .collect();
+            let none = Vec::new();
+            let want: BTreeSet<(String, usize, u32)> = (0..PODS)
+                .map(|pod| {
+                    let of = |t: &BTreeMap<u8, Vec<(u64, u64)>>| -> BTreeSet<u64> {
+                        t.get(&pod).unwrap_or(&none).iter().map(|(_, k)| *k).collect()
+                    };
+                    let (g, c) = (of(&model), of(&cpu));
+                    let run: Vec<u32> = ks
+                        .iter()
+                        .map_while(|k| if g.contains(k) { Some(2) } else if c.contains(k) { Some(1) } else { None })
+                        .collect();
+                    (format!("pod{pod}"), run.len(), run.iter().sum::<u32>())
+                })
+                .filter(|(_, n, _)| *n > 0)
                 .collect();
             prop_assert_eq!(got, want);
         }

@@ -233,7 +233,8 @@ async fn scrape_view(State(admin): State<Arc<Admin>>) -> axum::response::Respons
     .into_response()
 }
 
-/// `GET /debug/kv-events`: the precise index (size; per pod its distinct blocks and digest),
+/// `GET /debug/kv-events`: the precise index (size; per pod its distinct blocks, digest and
+/// blocks by tier),
 /// this replica's KV-event subscriptions (endpoint, sequence, counters, blocks held) and, in
 /// centralized mode, the address the pods publish to.
 async fn kv_events_view(State(admin): State<Arc<Admin>>) -> axum::response::Response {
@@ -248,16 +249,23 @@ async fn kv_events_view(State(admin): State<Arc<Admin>>) -> axum::response::Resp
         let ix = p.read();
         (ix.len(), ix.distinct_keys())
     };
-    // Every pod in the index (subscribed here or mirrored from its owner): distinct blocks and
-    // their digest, equal on every replica once converged.
+    // Every pod in the index (subscribed here or mirrored from its owner): distinct blocks
+    // (over its tiers) and their digest, equal on every replica once converged, and its blocks
+    // by tier.
+    let mut tiers = p.tiers();
     let index: serde_json::Map<String, serde_json::Value> = p
         .digests()
         .into_iter()
         .map(|(pod, (n, d))| {
-            (
-                pod,
-                serde_json::json!({"blocks": n, "digest": format!("{d:016x}")}),
-            )
+            let by_tier: serde_json::Map<String, serde_json::Value> = tiers
+                .remove(&pod)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(t, c)| (t, c.into()))
+                .collect();
+            let v =
+                serde_json::json!({"blocks": n, "digest": format!("{d:016x}"), "tiers": by_tier});
+            (pod, v)
         })
         .collect();
     axum::Json(serde_json::json!({

@@ -12,6 +12,13 @@ pub struct PodKnobs {
     pub block_size: usize,
     /// KV capacity in blocks.
     pub kv_blocks: usize,
+    /// CPU offload tier in blocks (vLLM's native offloading, `--kv-offloading-size`): every
+    /// block cached on the GPU is copied there too, least recently used dropped first; a
+    /// prompt's blocks found there after the GPU's are loaded back instead of computed and
+    /// count as cached. 0: no offload tier.
+    pub cpu_offload_blocks: usize,
+    /// Loading one token's KV back from the CPU tier, in µs (scaled by `time_scale`).
+    pub cpu_load_us_per_token: f64,
     /// Running slots; further requests wait in a FIFO queue.
     pub max_num_seqs: usize,
     /// Fixed cost of a prefill, in ms.
@@ -87,6 +94,8 @@ impl Default for PodKnobs {
         Self {
             block_size: 16,
             kv_blocks: 4096,
+            cpu_offload_blocks: 0,
+            cpu_load_us_per_token: 2.0,
             max_num_seqs: 8,
             prefill_overhead_ms: 2.0,
             prefill_us_per_token: 20.0,
@@ -151,6 +160,7 @@ impl PodKnobs {
         non_negative("time_scale", self.time_scale)?;
         non_negative("extra_latency_ms", self.extra_latency_ms)?;
         non_negative("lora_load_ms", self.lora_load_ms)?;
+        non_negative("cpu_load_us_per_token", self.cpu_load_us_per_token)?;
         non_negative("metrics_delay_ms", self.metrics_delay_ms)?;
         if self.max_num_batched_tokens == 0 {
             return Err(invalid("max_num_batched_tokens", "must be > 0"));
@@ -174,6 +184,8 @@ impl PodKnobs {
         apply!(
             block_size,
             kv_blocks,
+            cpu_offload_blocks,
+            cpu_load_us_per_token,
             max_num_seqs,
             prefill_overhead_ms,
             prefill_us_per_token,
@@ -251,6 +263,10 @@ pub struct KnobsPatch {
     pub step_ns_per_context_token: Option<f64>,
     #[serde(default)]
     pub stream_interval: Option<u32>,
+    #[serde(default)]
+    pub cpu_offload_blocks: Option<usize>,
+    #[serde(default)]
+    pub cpu_load_us_per_token: Option<f64>,
 }
 
 /// Knobs for some pods only: a heterogeneous pool from one process (a slower GPU, a smaller

@@ -27,6 +27,8 @@ use serde::{Deserialize, Serialize};
 
 /// Medium of the simulated KV pool.
 pub const MEDIUM_GPU: &str = "GPU";
+/// The medium of vLLM's CPU offloading tier.
+pub const MEDIUM_CPU: &str = "CPU";
 
 /// Seq value of the replay end marker (-1 as i64).
 pub const END_OF_REPLAY: [u8; 8] = [0xff; 8];
@@ -83,6 +85,16 @@ pub enum KvEvent {
         cache_salt: Option<String>,
     },
     BlockRemoved {
+        block_hashes: Vec<u64>,
+    },
+    /// Blocks copied to the CPU offload tier: a `BlockStored` with medium "CPU" naming the
+    /// blocks by hash only (no tokens, no parent), as offloading connectors publish them.
+    Offloaded {
+        block_hashes: Vec<u64>,
+        block_size: usize,
+    },
+    /// Blocks dropped from the CPU offload tier (`BlockRemoved` with medium "CPU").
+    OffloadRemoved {
         block_hashes: Vec<u64>,
     },
     AllBlocksCleared,
@@ -167,21 +179,50 @@ impl Serialize for Wire<'_> {
                 a.serialize_element(&0u32)?; // group_idx
                 a.end()
             }
-            (KvEvent::BlockRemoved { block_hashes }, Encoding::Map) => {
-                let mut m = s.serialize_map(Some(4))?;
-                m.serialize_entry("type", "BlockRemoved")?;
+            (
+                KvEvent::Offloaded {
+                    block_hashes,
+                    block_size,
+                },
+                Encoding::Map,
+            ) => {
+                let mut m = s.serialize_map(Some(9))?;
+                m.serialize_entry("type", "BlockStored")?;
                 m.serialize_entry("block_hashes", block_hashes)?;
-                m.serialize_entry("medium", MEDIUM_GPU)?;
+                m.serialize_entry("parent_block_hash", &None::<u64>)?;
+                m.serialize_entry("token_ids", &[0u32; 0])?;
+                m.serialize_entry("block_size", block_size)?;
+                m.serialize_entry("lora_id", &None::<u64>)?;
+                m.serialize_entry("medium", MEDIUM_CPU)?;
+                m.serialize_entry("lora_name", &None::<String>)?;
                 m.serialize_entry("group_idx", &0u32)?;
                 m.end()
             }
-            (KvEvent::BlockRemoved { block_hashes }, Encoding::Array) => {
-                let mut a = s.serialize_seq(Some(4))?;
-                a.serialize_element("BlockRemoved")?;
+            (
+                KvEvent::Offloaded {
+                    block_hashes,
+                    block_size,
+                },
+                Encoding::Array,
+            ) => {
+                let mut a = s.serialize_seq(Some(10))?;
+                a.serialize_element("BlockStored")?;
                 a.serialize_element(block_hashes)?;
-                a.serialize_element(MEDIUM_GPU)?;
-                a.serialize_element(&0u32)?;
+                a.serialize_element(&None::<u64>)?;
+                a.serialize_element(&[0u32; 0])?;
+                a.serialize_element(block_size)?;
+                a.serialize_element(&None::<u64>)?;
+                a.serialize_element(MEDIUM_CPU)?;
+                a.serialize_element(&None::<String>)?;
+                a.serialize_element(&None::<Vec<u8>>)?; // extra_keys
+                a.serialize_element(&0u32)?; // group_idx
                 a.end()
+            }
+            (KvEvent::BlockRemoved { block_hashes }, enc) => {
+                removed(s, enc, block_hashes, MEDIUM_GPU)
+            }
+            (KvEvent::OffloadRemoved { block_hashes }, enc) => {
+                removed(s, enc, block_hashes, MEDIUM_CPU)
             }
             (KvEvent::AllBlocksCleared, Encoding::Map) => {
                 let mut m = s.serialize_map(Some(1))?;
@@ -193,6 +234,32 @@ impl Serialize for Wire<'_> {
                 a.serialize_element("AllBlocksCleared")?;
                 a.end()
             }
+        }
+    }
+}
+
+fn removed<S: Serializer>(
+    s: S,
+    enc: Encoding,
+    block_hashes: &[u64],
+    medium: &str,
+) -> Result<S::Ok, S::Error> {
+    match enc {
+        Encoding::Map => {
+            let mut m = s.serialize_map(Some(4))?;
+            m.serialize_entry("type", "BlockRemoved")?;
+            m.serialize_entry("block_hashes", block_hashes)?;
+            m.serialize_entry("medium", medium)?;
+            m.serialize_entry("group_idx", &0u32)?;
+            m.end()
+        }
+        Encoding::Array => {
+            let mut a = s.serialize_seq(Some(4))?;
+            a.serialize_element("BlockRemoved")?;
+            a.serialize_element(block_hashes)?;
+            a.serialize_element(medium)?;
+            a.serialize_element(&0u32)?;
+            a.end()
         }
     }
 }
@@ -563,5 +630,47 @@ mod tests {
         );
         assert_eq!(v[1][1], json!(["BlockRemoved", [9], "GPU", 0]));
         assert_eq!(v[1][2], json!(["AllBlocksCleared"]));
+    }
+
+    /// The CPU tier's events: hash-only stores, removals, in both encodings.
+    #[test]
+    fn offload_events_are_hash_only_cpu_stores_and_removals() {
+        let ev = [
+            KvEvent::Offloaded {
+                block_hashes: vec![9, 10],
+                block_size: 16,
+            },
+            KvEvent::OffloadRemoved {
+                block_hashes: vec![9],
+            },
+        ];
+        let v = decode(&encode_batch(0.0, &ev, Encoding::Map));
+        assert_eq!(
+            v[1][0],
+            json!({"type": "BlockStored", "block_hashes": [9, 10], "parent_block_hash": null,
+                   "token_ids": [], "block_size": 16, "lora_id": null, "medium": "CPU",
+                   "lora_name": null, "group_idx": 0})
+        );
+        assert_eq!(
+            v[1][1],
+            json!({"type": "BlockRemoved", "block_hashes": [9], "medium": "CPU", "group_idx": 0})
+        );
+        let v = decode(&encode_batch(0.0, &ev, Encoding::Array));
+        assert_eq!(
+            v[1][0],
+            json!([
+                "BlockStored",
+                [9, 10],
+                null,
+                [],
+                16,
+                null,
+                "CPU",
+                null,
+                null,
+                0
+            ])
+        );
+        assert_eq!(v[1][1], json!(["BlockRemoved", [9], "CPU", 0]));
     }
 }

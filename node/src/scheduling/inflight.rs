@@ -119,6 +119,7 @@ mod tests {
                 total_blocks: 16,
                 matched: vec![0, 10],
                 hashes: vec![],
+                weighted: Vec::new(),
             }),
             inflight: vec![],
             ..Default::default()

@@ -330,9 +330,8 @@ impl LatencyScorer {
                 1.0
             };
             let prefix = data.prefix.as_ref().map_or(0.0, |p| {
-                let m = p.matched.get(i).copied().unwrap_or(0);
                 if p.total_blocks > 0 {
-                    m as f64 / p.total_blocks as f64
+                    p.effective(i) / p.total_blocks as f64
                 } else {
                     0.0
                 }
@@ -598,6 +597,7 @@ mod tests {
                 total_blocks: 4,
                 matched: vec![4, 0],
                 hashes: vec![],
+                weighted: Vec::new(),
             }),
             ..Default::default()
         };

@@ -241,6 +241,7 @@ mod tests {
                 total_blocks: 4,
                 matched: vec![0, 4],
                 hashes: vec![],
+                weighted: Vec::new(),
             }),
             inflight: vec![
                 InflightLoad {

@@ -76,6 +76,21 @@ pub struct PrefixMatchInfo {
     pub matched: Vec<usize>,
     /// The request's block hashes (recorded for the chosen pod after routing).
     pub hashes: Vec<u64>,
+    /// The matched blocks weighted by the tier holding each (the precise index with offload
+    /// tiers: a CPU block counts 0.8 by default), per candidate; empty when every matched
+    /// block counts 1.
+    pub weighted: Vec<f64>,
+}
+
+impl PrefixMatchInfo {
+    /// Candidate `i`'s matched blocks as worth to the request: tier-weighted when known (what
+    /// the scorers and the latency models use; `matched` is what the engine will report).
+    pub fn effective(&self, i: usize) -> f64 {
+        match self.weighted.get(i) {
+            Some(w) => *w,
+            None => self.matched.get(i).copied().unwrap_or(0) as f64,
+        }
+    }
 }
 
 /// One candidate's prediction against the request's SLOs (llm-d's `LatencyPredictionInfo`).
@@ -118,7 +133,7 @@ impl RequestData {
         match &self.prefix {
             Some(p) => self
                 .prompt_tokens
-                .saturating_sub(p.matched.get(i).copied().unwrap_or(0) * p.block_size),
+                .saturating_sub((p.effective(i) * p.block_size as f64).round() as usize),
             None => self.prompt_tokens,
         }
     }
@@ -267,13 +282,13 @@ pub trait Picker: Send + Sync + Debug {
 /// Each candidate's matched blocks from an index's runs `(pod id, blocks)`, the candidates found
 /// by name (`pod_id`). Through a table by pod id (`slots` long): a system prompt every pod holds
 /// makes a run per pod, and a search of the runs per candidate would be quadratic in the pool.
-pub(crate) fn matched_by_candidate(
+pub(crate) fn matched_by_candidate<T: Copy + Default>(
     candidates: &[Candidate],
-    runs: impl IntoIterator<Item = (u32, usize)>,
+    runs: impl IntoIterator<Item = (u32, T)>,
     slots: usize,
     pod_id: impl Fn(&str) -> Option<u32>,
-) -> Vec<usize> {
-    let mut by_pod = vec![0usize; slots];
+) -> Vec<T> {
+    let mut by_pod = vec![T::default(); slots];
     let mut any = false;
     for (pod, blocks) in runs {
         if let Some(b) = by_pod.get_mut(pod as usize) {
@@ -282,14 +297,14 @@ pub(crate) fn matched_by_candidate(
         }
     }
     if !any {
-        return vec![0; candidates.len()];
+        return vec![T::default(); candidates.len()];
     }
     candidates
         .iter()
         .map(|c| {
             pod_id(&c.endpoint.hostport)
                 .and_then(|id| by_pod.get(id as usize).copied())
-                .unwrap_or(0)
+                .unwrap_or_default()
         })
         .collect()
 }

@@ -172,6 +172,7 @@ mod tests {
                 total_blocks: 4,
                 matched: m,
                 hashes: vec![],
+                weighted: Vec::new(),
             }),
             ..RequestData::default()
         }

@@ -21,7 +21,7 @@ use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use index::kvevents::KvEvent;
-use index::precise::{Applied, chain_full_blocks};
+use index::precise::{Applied, GPU, PodKeys, chain_full_blocks};
 use index::{BlockHasher, PreciseIndex, PreciseMatch};
 use serde::Deserialize;
 
@@ -95,6 +95,9 @@ impl PreciseParams {
                 ),
             ));
         }
+        if let Err(e) = self.tier_weights() {
+            return Err(field("indexerConfig.kvCacheBackendConfigs", e));
+        }
         if let Some(e) = &self.kv_events_config.engine_type
             && !["vllm", "sglang"].contains(&e.as_str())
         {
@@ -123,6 +126,43 @@ impl PreciseParams {
         })
     }
 
+    /// The scoring weight of each KV-cache tier by medium name: `indexerConfig.kvCacheBackendConfigs`
+    /// (llm-d's `[{name, weight}]`), else llm-d's defaults. A medium not listed weighs 1.
+    pub fn tier_weights(&self) -> Result<Vec<(String, f32)>, String> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Backend {
+            name: String,
+            weight: f64,
+        }
+        let Some(v) = self
+            .indexer_config
+            .as_ref()
+            .and_then(|c| c.get("kvCacheBackendConfigs"))
+        else {
+            return Ok(default_tier_weights());
+        };
+        let list: Vec<Backend> = serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
+        let mut out: Vec<(String, f32)> = Vec::with_capacity(list.len());
+        for b in list {
+            let name = b.name.to_ascii_lowercase();
+            if name.is_empty() {
+                return Err("a backend has an empty name".into());
+            }
+            if !(b.weight.is_finite() && (0.0..=1000.0).contains(&b.weight)) {
+                return Err(format!(
+                    "weight {} of `{name}` is not in 0..=1000",
+                    b.weight
+                ));
+            }
+            if out.iter().any(|(n, _)| *n == name) {
+                return Err(format!("`{name}` is listed twice"));
+            }
+            out.push((name, b.weight as f32));
+        }
+        Ok(out)
+    }
+
     /// `indexerConfig.tokenizersPoolConfig.modelName`: the model of pods whose topic names none.
     pub fn model_name(&self) -> Option<&str> {
         self.indexer_config
@@ -132,6 +172,21 @@ impl PreciseParams {
             .as_str()
             .filter(|m| !m.is_empty())
     }
+}
+
+/// llm-d's tier weights: a block in CPU memory is worth 0.8 of one on the GPU (it must be
+/// loaded back), storage tiers less.
+pub fn default_tier_weights() -> Vec<(String, f32)> {
+    [
+        ("gpu", 1.0),
+        ("cpu", 0.8),
+        ("shared_storage", 0.4),
+        ("storage", 0.3),
+        ("object_store", 0.2),
+    ]
+    .into_iter()
+    .map(|(n, w)| (n.to_string(), w))
+    .collect()
 }
 
 /// The root of a key chain: the effective model's seed (the adapter's name for LoRA blocks), as
@@ -144,8 +199,10 @@ pub fn root(model: &str) -> u64 {
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct PodChanges {
     pub block_size: u32,
-    /// key → added (true) or removed (false); the last change of a key wins.
+    /// GPU tier: key → added (true) or removed (false); the last change of a key wins.
     pub keys: HashMap<u64, bool>,
+    /// The same for the offload tiers, by medium name (lowercase).
+    pub offload: HashMap<String, HashMap<u64, bool>>,
 }
 
 #[derive(Debug)]
@@ -164,10 +221,17 @@ pub struct PrecisePrefixProducer {
 
 impl PrecisePrefixProducer {
     pub fn new(params: PreciseParams) -> Self {
+        let mut index = PreciseIndex::new();
+        // Validated with the configuration; a bad list here falls back to the defaults.
+        index.set_tier_weights(
+            &params
+                .tier_weights()
+                .unwrap_or_else(|_| default_tier_weights()),
+        );
         PrecisePrefixProducer {
             speculation: params.speculation(),
             params,
-            index: RwLock::new(PreciseIndex::new()),
+            index: RwLock::new(index),
             untokenized: AtomicU64::new(0),
             outbox: Mutex::new(None),
             started: Instant::now(),
@@ -198,13 +262,17 @@ impl PrecisePrefixProducer {
         }
         let mut out = self.outbox.lock().unwrap_or_else(|p| p.into_inner());
         let Some(out) = out.as_mut() else { return };
-        for (id, key, added) in journal {
-            let Some(name) = ix.pod_name(id) else {
+        for ch in journal {
+            let (Some(name), Some(medium)) = (ix.pod_name(ch.pod), ix.tier_name(ch.tier)) else {
                 continue;
             };
             let c = out.entry(name.to_string()).or_default();
-            c.block_size = ix.block_size(id).unwrap_or(0) as u32;
-            c.keys.insert(key, added);
+            c.block_size = ix.block_size(ch.pod).unwrap_or(0) as u32;
+            let keys = match ch.tier {
+                GPU => &mut c.keys,
+                _ => c.offload.entry(medium.to_string()).or_default(),
+            };
+            keys.insert(ch.key, ch.added);
         }
     }
 
@@ -254,8 +322,8 @@ impl PrecisePrefixProducer {
     pub fn hand_over(&self, pod: &str) {
         let mut ix = self.write();
         if let Some(id) = ix.pod_id(pod) {
-            let (bs, keys) = ix.pod_state(id);
-            ix.replace_mirror(id, bs, &keys);
+            let state = ix.pod_state(id);
+            ix.replace_mirror(id, &state);
         }
         self.journaled(&mut ix, false);
     }
@@ -266,19 +334,23 @@ impl PrecisePrefixProducer {
         self.journaled(&mut ix, false);
     }
 
-    /// A peer's changes of pod `pod` (which it subscribes to).
-    pub fn mirror(&self, pod: &str, block_size: u32, adds: &[u64], removes: &[u64]) {
+    /// A peer's changes of pod `pod` (which it subscribes to) in the tier of `medium` (empty:
+    /// the GPU). A tier this index cannot take (past its limit) is dropped.
+    pub fn mirror(&self, pod: &str, medium: &str, block_size: u32, adds: &[u64], removes: &[u64]) {
         let mut ix = self.write();
+        let Some(tier) = ix.tier(Some(medium).filter(|m| !m.is_empty())) else {
+            return;
+        };
         let id = ix.pod(pod);
-        ix.mirror(id, block_size, adds, removes);
+        ix.mirror(id, tier, block_size, adds, removes);
         self.journaled(&mut ix, false);
     }
 
     /// A peer's whole state of pod `pod`, replacing ours.
-    pub fn replace(&self, pod: &str, block_size: u32, keys: &[u64]) {
+    pub fn replace(&self, pod: &str, state: &PodKeys) {
         let mut ix = self.write();
         let id = ix.pod(pod);
-        ix.replace_mirror(id, block_size, keys);
+        ix.replace_mirror(id, state);
         self.journaled(&mut ix, false);
     }
 
@@ -288,8 +360,8 @@ impl PrecisePrefixProducer {
         ix.pod_id(pod).map_or((0, 0), |id| ix.digest(id))
     }
 
-    /// Pod `pod`'s block size and distinct keys.
-    pub fn state(&self, pod: &str) -> Option<(u32, Vec<u64>)> {
+    /// Pod `pod`'s block size and distinct keys by tier.
+    pub fn state(&self, pod: &str) -> Option<PodKeys> {
         let ix = self.read();
         ix.pod_id(pod).map(|id| ix.pod_state(id))
     }
@@ -300,6 +372,22 @@ impl PrecisePrefixProducer {
         ix.pod_names()
             .into_iter()
             .filter_map(|n| Some((n.clone(), ix.digest(ix.pod_id(&n)?))))
+            .collect()
+    }
+
+    /// Blocks each pod holds by tier ("gpu", "cpu", ...), the tiers holding any.
+    pub fn tiers(&self) -> std::collections::BTreeMap<String, Vec<(String, usize)>> {
+        let ix = self.read();
+        ix.pod_names()
+            .into_iter()
+            .filter_map(|n| {
+                let id = ix.pod_id(&n)?;
+                let tiers = ix.tier_lens(id);
+                Some((
+                    n,
+                    tiers.into_iter().map(|(t, c)| (t.to_string(), c)).collect(),
+                ))
+            })
             .collect()
     }
 
@@ -395,6 +483,7 @@ impl Producer for PrecisePrefixProducer {
                 total_blocks: data.prompt_tokens.div_ceil(block_size.max(1)),
                 matched,
                 hashes: Vec::new(),
+                weighted: Vec::new(),
             });
             return;
         }
@@ -404,6 +493,7 @@ impl Producer for PrecisePrefixProducer {
         let mut runs: Vec<PreciseMatch> = Vec::new();
         let now = self.speculation.map(|_| self.now_ms());
         ix.match_prefix_at(&keys, now, &mut runs);
+        let mut weighted = Vec::new();
         if !runs.is_empty() {
             matched = super::matched_by_candidate(
                 candidates,
@@ -411,6 +501,15 @@ impl Producer for PrecisePrefixProducer {
                 ix.pod_slots(),
                 |name| ix.pod_id(name),
             );
+            // Offloaded blocks in some run: they count at their tier's weight.
+            if runs.iter().any(|m| m.score != m.blocks as f32) {
+                weighted = super::matched_by_candidate(
+                    candidates,
+                    runs.iter().map(|m| (m.pod, f64::from(m.score))),
+                    ix.pod_slots(),
+                    |name| ix.pod_id(name),
+                );
+            }
         }
         data.prefix = Some(PrefixMatchInfo {
             block_size,
@@ -418,6 +517,7 @@ impl Producer for PrecisePrefixProducer {
             total_blocks: tokens.len().div_ceil(block_size),
             matched,
             hashes: keys,
+            weighted,
         });
     }
 
@@ -479,11 +579,26 @@ mod tests {
             serde_json::json!({"speculativeIndexing": true, "speculativeTTL": "0s"}),
             serde_json::json!({"speculativeTTL": "soon"}),
             serde_json::json!({"tokenProcessorConfig": {"blockSize": 0}}),
+            serde_json::json!({"indexerConfig": {"kvCacheBackendConfigs": [{"name": "cpu", "weight": -1}]}}),
+            serde_json::json!({"indexerConfig": {"kvCacheBackendConfigs": [{"name": "", "weight": 1}]}}),
+            serde_json::json!({"indexerConfig": {"kvCacheBackendConfigs": [{"name": "cpu", "weight": 1, "x": 1}]}}),
+            serde_json::json!({"indexerConfig": {"kvCacheBackendConfigs": [{"name": "cpu", "weight": 1}, {"name": "CPU", "weight": 1}]}}),
         ] {
             let p: PreciseParams = serde_json::from_value(bad.clone()).unwrap();
             assert!(p.validate("p").is_err(), "{bad}");
         }
         assert!(serde_json::from_value::<PreciseParams>(serde_json::json!({"nope": 1})).is_err());
+        // Tier weights: llm-d's defaults, or its `kvCacheBackendConfigs` (names lowercased).
+        assert_eq!(p.tier_weights().unwrap(), default_tier_weights());
+        let p: PreciseParams = serde_json::from_value(serde_json::json!({
+            "indexerConfig": {"kvCacheBackendConfigs": [{"name": "GPU", "weight": 1.0}, {"name": "cpu", "weight": 0.5}]},
+        }))
+        .unwrap();
+        p.validate("p").unwrap();
+        assert_eq!(
+            p.tier_weights().unwrap(),
+            vec![("gpu".to_string(), 1.0), ("cpu".to_string(), 0.5)]
+        );
         // Centralized mode: the pods connect to zmqEndpoint (llm-d's default address).
         let central = |v| {
             let p: PreciseParams = serde_json::from_value(v).unwrap();
@@ -573,6 +688,69 @@ mod tests {
         p.produce(&r, &cs, &mut data);
         assert_eq!(data.prefix.unwrap().matched, vec![0, 1]);
         assert_eq!(p.clear("10.0.0.2:8000"), 1);
+    }
+
+    /// vLLM's CPU offloading: a pod whose engine moved the prompt's blocks to CPU memory still
+    /// has them (the engine will report them cached), but they are worth less than the same
+    /// blocks on another pod's GPU: `matched` counts them, `weighted` at llm-d's 0.8, and the
+    /// prefix-cache scorer prefers the GPU copy.
+    #[test]
+    fn offloaded_blocks_count_as_cached_at_their_tiers_weight() {
+        use crate::scheduling::Scorer;
+        let p = PrecisePrefixProducer::new(PreciseParams::default());
+        let cs = [
+            cand_at("a", "10.0.0.1:8000", None, false, &[]),
+            cand_at("b", "10.0.0.2:8000", None, false, &[]),
+        ];
+        let tokens: Vec<u32> = (0..40).collect();
+        let gpu = |hashes: Vec<u64>| {
+            KvEvent::BlockStored(BlockStored {
+                block_hashes: hashes,
+                token_ids: tokens[..32].to_vec(),
+                block_size: 16,
+                ..BlockStored::default()
+            })
+        };
+        p.apply("10.0.0.1:8000", "m", &[gpu(vec![1, 2])]);
+        // b: stored on the GPU, offloaded by hash only, evicted from the GPU.
+        let offloaded = KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![7, 8],
+            block_size: 16,
+            medium: Some("CPU".into()),
+            ..BlockStored::default()
+        });
+        let evicted = KvEvent::BlockRemoved {
+            block_hashes: vec![7, 8],
+            medium: Some("GPU".into()),
+            group_idx: None,
+        };
+        let a = p.apply("10.0.0.2:8000", "m", &[gpu(vec![7, 8]), offloaded, evicted]);
+        assert_eq!((a.stored, a.removed, a.orphaned), (4, 2, 0));
+        let prompt = Prompt::Tokens(tokens.clone());
+        let mut r = req();
+        r.prompt = &prompt;
+        r.target_model = "m";
+        let mut data = RequestData {
+            prompt_tokens: 40,
+            ..RequestData::default()
+        };
+        p.produce(&r, &cs, &mut data);
+        let info = data.prefix.clone().unwrap();
+        assert_eq!(info.matched, vec![2, 2]);
+        assert_eq!(info.weighted.len(), 2);
+        assert!((info.weighted[1] - 1.6).abs() < 1e-6, "{info:?}");
+        assert_eq!((info.effective(0), data.uncached_tokens(0)), (2.0, 8));
+        assert_eq!(data.uncached_tokens(1), 40 - 26);
+        let scorer = crate::scheduling::prefix::PrefixCacheScorer {
+            params: serde_json::from_value(serde_json::json!({})).unwrap(),
+        };
+        let mut out = [0.0; 2];
+        scorer.score(&r, &data, &cs, &[0, 1], &mut out);
+        assert!(out[0] > out[1], "the GPU copy scores higher: {out:?}");
+        // The peers learn the tier by name.
+        let st = p.state("10.0.0.2:8000").unwrap();
+        assert_eq!((st.gpu.len(), st.offload.len()), (0, 1));
+        assert_eq!(st.offload[0].0, "cpu");
     }
 
     #[test]

@@ -339,6 +339,7 @@ impl Producer for ApproxPrefixProducer {
             total_blocks: hashes.len(),
             matched,
             hashes,
+            weighted: Vec::new(),
         });
     }
 
@@ -374,7 +375,8 @@ fn d_scale() -> f64 {
     8192.0
 }
 
-/// score = w·min(1, matched·blockSize/scale)² + (1−w)·matched/total; 0 without match data.
+/// score = w·min(1, matched·blockSize/scale)² + (1−w)·matched/total; 0 without match data
+/// (`matched` tier-weighted when the producer knows tiers: [`PrefixMatchInfo::effective`]).
 #[derive(Debug)]
 pub struct PrefixCacheScorer {
     pub params: ScorerParams,
@@ -397,7 +399,7 @@ impl Scorer for PrefixCacheScorer {
         for (slot, &i) in out.iter_mut().zip(idx) {
             *slot = match &data.prefix {
                 Some(p) if p.total_blocks > 0 => {
-                    let m = p.matched.get(i).copied().unwrap_or(0) as f64;
+                    let m = p.effective(i);
                     let len =
                         (m * p.block_size as f64 / self.params.match_length_scale_tokens).min(1.0);
                     w * len * len + (1.0 - w) * m / p.total_blocks as f64
@@ -497,8 +499,7 @@ impl Filter for PrefixAffinityFilter {
         {
             return;
         }
-        let ratio =
-            |i: usize| p.matched.get(i).copied().unwrap_or(0) as f64 / p.total_blocks as f64;
+        let ratio = |i: usize| p.effective(i) / p.total_blocks as f64;
         let (sticky, rest): (Vec<usize>, Vec<usize>) = keep
             .iter()
             .partition(|&&i| ratio(i) >= self.params.affinity_threshold);
@@ -534,6 +535,7 @@ mod tests {
                 total_blocks: total,
                 matched,
                 hashes: vec![],
+                weighted: Vec::new(),
             }),
             inflight: vec![],
             ..Default::default()

@@ -402,6 +402,7 @@ mod tests {
                 total_blocks: 15,
                 matched: vec![10, 0],
                 hashes: vec![],
+                weighted: Vec::new(),
             }),
             inflight: vec![],
             ..Default::default()

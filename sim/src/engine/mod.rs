@@ -43,6 +43,8 @@ struct Counters {
     prompt_tokens: u64,
     generation_tokens: u64,
     kv_event_blocks: u64,
+    /// Prompt tokens loaded back from the CPU offload tier.
+    offload_hits_tokens: u64,
 }
 
 /// A registered LoRA adapter.
@@ -162,6 +164,9 @@ impl LoraState {
 struct PodState {
     knobs: PodKnobs,
     cache: PrefixCache,
+    /// The CPU offload tier (`knobs.cpu_offload_blocks`; empty when 0): an LRU of block
+    /// hashes, nothing pinned.
+    offload: PrefixCache,
     /// Blocks held by running requests that are not (yet) in the cache: uncached prompt blocks during
     /// prefill, the partial last block and the decode blocks.
     extra_held: usize,
@@ -228,7 +233,8 @@ impl PodState {
         n
     }
 
-    /// Pins `hashes` (blocks of `tokens`), emitting BlockStored for each run of newly cached blocks.
+    /// Pins `hashes` (blocks of `tokens`), emitting BlockStored for each run of newly cached
+    /// blocks, and copies those to the CPU offload tier.
     fn store(
         &mut self,
         hashes: &[u64],
@@ -239,11 +245,11 @@ impl PodState {
         salt: Option<&str>,
     ) {
         let inserted = self.cache.acquire(&hashes[first..]);
-        if !self.events_on || inserted.is_empty() {
+        if inserted.is_empty() {
             return;
         }
         let mut i = 0;
-        while i < inserted.len() {
+        while self.events_on && i < inserted.len() {
             let mut j = i;
             while j + 1 < inserted.len() && inserted[j + 1] == inserted[j] + 1 {
                 j += 1;
@@ -262,6 +268,54 @@ impl PodState {
             });
             i = j + 1;
         }
+        self.offload_copy(&hashes[first..], &inserted, bs);
+    }
+
+    /// The blocks the GPU cache just took (`inserted` positions of `hashes`) are copied to the
+    /// CPU tier, which drops its least recently used beyond its capacity; copies already there
+    /// are touched.
+    fn offload_copy(&mut self, hashes: &[u64], inserted: &[usize], bs: usize) {
+        let cap = self.knobs.cpu_offload_blocks;
+        if cap == 0 {
+            return;
+        }
+        let mut new = Vec::new();
+        for &i in inserted {
+            let h = hashes[i];
+            if self.offload.acquire(&[h]).len() == 1 {
+                new.push(h);
+            }
+            self.offload.release(&[h]);
+        }
+        let mut dropped = Vec::new();
+        self.offload.evict_into(cap, &mut dropped);
+        if !self.events_on {
+            return;
+        }
+        // A block copied and dropped in the same call is announced neither way.
+        let fresh: std::collections::HashSet<u64> = new.iter().copied().collect();
+        dropped.retain(|h| !fresh.contains(h));
+        new.retain(|h| self.offload.contains(*h));
+        self.counters.kv_event_blocks += (new.len() + dropped.len()) as u64;
+        if !new.is_empty() {
+            self.pending.push(KvEvent::Offloaded {
+                block_hashes: new,
+                block_size: bs,
+            });
+        }
+        if !dropped.is_empty() {
+            self.pending.push(KvEvent::OffloadRemoved {
+                block_hashes: dropped,
+            });
+        }
+    }
+
+    /// Of `hashes`, how many leading ones the CPU tier holds.
+    fn offload_prefix(&self, hashes: &[u64]) -> usize {
+        if self.knobs.cpu_offload_blocks == 0 {
+            return 0;
+        }
+        self.offload.longest_prefix(hashes)
     }
 }
 
@@ -376,6 +430,7 @@ impl Pod {
             state: Mutex::new(PodState {
                 knobs,
                 cache: PrefixCache::new(),
+                offload: PrefixCache::new(),
                 extra_held: 0,
                 running: 0,
                 waiting: 0,
@@ -480,6 +535,8 @@ impl Pod {
             prompt_tokens: st.counters.prompt_tokens,
             generation_tokens: st.counters.generation_tokens,
             cached_blocks: st.cache.len() as u64,
+            offloaded_blocks: st.offload.len() as u64,
+            offload_hits_tokens: st.counters.offload_hits_tokens,
             kv_event_blocks: st.counters.kv_event_blocks,
             lora_resident: st.lora.resident.clone(),
             lora_running: st.lora.running.keys().cloned().collect(),
@@ -628,9 +685,17 @@ impl Pod {
     pub fn reset_prefix_cache(&self) -> usize {
         self.step(|st| {
             let n = st.evict_to(0);
+            // The offload tier goes too (llm-d reads AllBlocksCleared as every tier cleared).
+            let offloaded = st.offload.hashes();
+            st.offload.clear();
             if st.events_on && n > 0 && st.cache.is_empty() {
                 st.pending.clear();
                 st.pending.push(KvEvent::AllBlocksCleared);
+            } else if st.events_on && !offloaded.is_empty() {
+                st.counters.kv_event_blocks += offloaded.len() as u64;
+                st.pending.push(KvEvent::OffloadRemoved {
+                    block_hashes: offloaded,
+                });
             }
             n
         })
@@ -642,6 +707,7 @@ impl Pod {
     pub fn restart(&self) {
         let mut st = self.lock();
         st.cache.clear();
+        st.offload.clear();
         st.extra_held = 0;
         st.running = 0;
         st.waiting = 0;
@@ -771,10 +837,24 @@ impl Pod {
             }
             // Like vLLM, the last prompt token is always recomputed, so a full hit still prefills one token.
             let max_hit = tokens.len().saturating_sub(1) / bs;
-            let hits = st
-                .cache
-                .longest_prefix(&hashes[..max_hit.min(hashes.len())]);
-            st.cache.acquire(&hashes[..hits]);
+            let hittable = &hashes[..max_hit.min(hashes.len())];
+            let gpu_hits = st.cache.longest_prefix(hittable);
+            st.cache.acquire(&hashes[..gpu_hits]);
+            // The blocks after those the CPU tier holds are loaded back into the GPU cache (and
+            // published as stored there, as vLLM caches them once loaded).
+            let loaded = st.offload_prefix(&hittable[gpu_hits..]);
+            let hits = gpu_hits + loaded;
+            if loaded > 0 {
+                st.store(
+                    &hashes[..hits],
+                    gpu_hits,
+                    tokens,
+                    bs,
+                    lora.as_ref(),
+                    salt.as_deref(),
+                );
+                st.counters.offload_hits_tokens += (loaded * bs) as u64;
+            }
             // The step model allocates the request's own blocks as its steps need them.
             let total = tokens.len() + output_tokens as usize;
             let extra = if stepped {
@@ -784,11 +864,11 @@ impl Pod {
             };
             st.extra_held += extra;
             st.counters.prefix_queries_tokens += tokens.len() as u64;
-            st.counters.prefix_hits_tokens += (hits * bs) as u64;
+            st.counters.prefix_hits_tokens += (gpu_hits * bs) as u64;
             st.evict();
-            (hits, extra)
+            (hits, extra, loaded)
         });
-        let (hits, extra) = running;
+        let (hits, extra, loaded) = running;
         Ok(Running {
             pod: Arc::clone(self),
             hashes,
@@ -798,6 +878,7 @@ impl Pod {
             extra,
             prompt_tokens: tokens.len(),
             cached_tokens: hits * bs,
+            loaded_tokens: loaded * bs,
             permit,
             lora,
             salt,
@@ -881,6 +962,8 @@ pub struct Running {
     extra: usize,
     prompt_tokens: usize,
     cached_tokens: usize,
+    /// Of `cached_tokens`, those loaded back from the CPU offload tier.
+    loaded_tokens: usize,
     permit: Option<OwnedSemaphorePermit>,
     lora: Option<Adapter>,
     salt: Option<String>,
@@ -901,6 +984,11 @@ impl Running {
     /// Prompt tokens served from the prefix cache.
     pub fn cached_tokens(&self) -> usize {
         self.cached_tokens
+    }
+
+    /// Of the cached prompt tokens, those loaded back from the CPU offload tier.
+    pub fn loaded_tokens(&self) -> usize {
+        self.loaded_tokens
     }
 
     /// Prompt tokens that must be computed.

@@ -23,6 +23,11 @@ pub struct PodStats {
     pub generation_tokens: u64,
     /// Blocks currently in the prefix cache (pinned or free).
     pub cached_blocks: u64,
+    /// Blocks currently in the CPU offload tier.
+    pub offloaded_blocks: u64,
+    /// Prompt tokens loaded back from the CPU offload tier (counted in `cached_tokens` of the
+    /// responses, not in `prefix_hits_tokens`).
+    pub offload_hits_tokens: u64,
     /// Blocks named by the KV events published (stored + removed), since start.
     pub kv_event_blocks: u64,
     /// LoRA adapters in GPU slots, least recently used first.

@@ -34,18 +34,24 @@ impl Running {
         } else {
             self.uncached_tokens()
         };
-        let lora = if self.lora_swapped {
+        // Before the prefill: the adapter's swap-in, and copying back the blocks found in the
+        // CPU offload tier (not for a decode leg: its KV came from the prefill pod).
+        let mut before = if self.lora_swapped {
             lora_load(knobs)
         } else {
             Duration::ZERO
         };
+        if !kv_transferred {
+            let load_ms = self.loaded_tokens() as f64 * knobs.cpu_load_us_per_token / 1000.0;
+            before += ms(load_ms * knobs.time_scale);
+        }
         if !self.stepped {
-            pause(ttft(knobs, uncached) + lora).await;
+            pause(ttft(knobs, uncached) + before).await;
             self.pod.unstalled().await;
             self.first_token();
             return Ok(());
         }
-        pause(ms(knobs.extra_latency_ms * knobs.time_scale) + lora).await;
+        pause(ms(knobs.extra_latency_ms * knobs.time_scale) + before).await;
         let id = self.pod.next_seq.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let spec = SeqSpec {

@@ -70,6 +70,56 @@ async fn small_capacity_evicts_old_prompts() {
     assert_eq!(r.cached_tokens(), 0);
 }
 
+/// vLLM's CPU offloading: what the GPU evicted is still in the CPU tier, loaded back (and
+/// reported cached) after the GPU's own hits; the tier keeps its least recently used out.
+#[tokio::test]
+async fn offloaded_blocks_are_loaded_back_and_count_as_cached() {
+    let knobs = PodKnobs {
+        block_size: 4,
+        kv_blocks: 6,
+        cpu_offload_blocks: 8,
+        ..PodKnobs::default()
+    };
+    let p = pod(knobs.clone());
+    for salt in 0..3 {
+        let mut r = p.admit(&toks(13, salt), 1, &knobs).await.unwrap();
+        r.prefilled();
+        r.finish(1);
+    }
+    let s = p.stats();
+    assert!(s.cached_blocks <= 6);
+    assert_eq!(s.offloaded_blocks, 8, "9 blocks copied, the oldest dropped");
+    // The first prompt left the GPU; its last two blocks are still on the CPU, its first was
+    // dropped from there: nothing leads.
+    let r = p.admit(&toks(13, 0), 1, &knobs).await.unwrap();
+    assert_eq!((r.cached_tokens(), r.loaded_tokens()), (0, 0));
+    drop(r);
+    // The second prompt: evicted from the GPU, all on the CPU: loaded back.
+    let r = p.admit(&toks(13, 1), 1, &knobs).await.unwrap();
+    assert_eq!((r.cached_tokens(), r.loaded_tokens()), (12, 12));
+    drop(r);
+    // Now on the GPU again: a plain hit.
+    let r = p.admit(&toks(13, 1), 1, &knobs).await.unwrap();
+    assert_eq!((r.cached_tokens(), r.loaded_tokens()), (12, 0));
+    drop(r);
+    assert_eq!(p.stats().offload_hits_tokens, 12);
+    // Without the tier nothing is loaded back.
+    let plain = PodKnobs {
+        cpu_offload_blocks: 0,
+        ..knobs
+    };
+    let p = pod(plain.clone());
+    for salt in 0..3 {
+        let mut r = p.admit(&toks(13, salt), 1, &plain).await.unwrap();
+        r.prefilled();
+        r.finish(1);
+    }
+    drop(p.admit(&toks(13, 0), 1, &plain).await.unwrap());
+    let r = p.admit(&toks(13, 1), 1, &plain).await.unwrap();
+    assert_eq!(r.cached_tokens(), 0);
+    assert_eq!(p.stats().offloaded_blocks, 0);
+}
+
 #[tokio::test]
 async fn shrinking_slots_takes_effect_when_requests_finish() {
     let knobs = PodKnobs {

@@ -26,6 +26,7 @@ use tonic::{Request, Response, Status};
 
 use super::{Gossip, MAX_MESSAGE_BYTES, Peer, pb};
 use crate::scheduling::precise::PrecisePrefixProducer;
+use index::precise::PodKeys;
 use pb::precise_gossip_client::PreciseGossipClient;
 use pb::precise_gossip_server::{PreciseGossip, PreciseGossipServer};
 
@@ -81,30 +82,36 @@ impl Gossip {
         if changes.is_empty() || peers.is_empty() {
             return;
         }
+        // One delta per pod and tier (the GPU's with an empty medium).
         let mut pods: Vec<pb::PreciseDelta> = changes
             .into_iter()
             .filter(|(pod, _)| self.store.shard.owns(pod))
-            .map(|(pod, c)| {
-                let (mut adds, mut removes) = (Vec::new(), Vec::new());
-                for (k, added) in c.keys {
-                    if added {
-                        adds.push(k);
-                    } else {
-                        removes.push(k);
+            .flat_map(|(pod, c)| {
+                let tiers = std::iter::once((String::new(), c.keys)).chain(c.offload);
+                tiers.map(move |(medium, keys)| {
+                    let (mut adds, mut removes) = (Vec::new(), Vec::new());
+                    for (k, added) in keys {
+                        if added {
+                            adds.push(k);
+                        } else {
+                            removes.push(k);
+                        }
                     }
-                }
-                pb::PreciseDelta {
-                    pod,
-                    block_size: c.block_size,
-                    adds,
-                    removes,
-                }
+                    pb::PreciseDelta {
+                        pod: pod.clone(),
+                        block_size: c.block_size,
+                        adds,
+                        removes,
+                        medium,
+                    }
+                })
             })
+            .filter(|d| !d.adds.is_empty() || !d.removes.is_empty())
             .collect();
         if pods.is_empty() {
             return;
         }
-        pods.sort_by(|a, b| a.pod.cmp(&b.pod));
+        pods.sort_by(|a, b| (&a.pod, &a.medium).cmp(&(&b.pod, &b.medium)));
         let msg = Arc::new(pb::PreciseDeltas {
             from: self.node_id,
             pods,
@@ -217,13 +224,18 @@ impl Gossip {
             .await
             .map_err(|_| Status::deadline_exceeded("sync timed out"))??
             .into_inner();
-        let entries: usize = reply.pods.iter().map(|p| p.keys.len()).sum();
+        let entries: usize = reply.pods.iter().map(state_entries).sum();
         self.metrics.gossip.received(reply.encoded_len(), entries);
         let known = self.store.by_hostport();
         for st in reply.pods {
             // Ownership may have moved meanwhile: an owner's own stream wins.
             if known.contains_key(&st.pod) && !shard.owns(&st.pod) {
-                producer.replace(&st.pod, st.block_size, &st.keys);
+                let keys = PodKeys {
+                    block_size: st.block_size,
+                    gpu: st.keys,
+                    offload: st.offload.into_iter().map(|t| (t.medium, t.keys)).collect(),
+                };
+                producer.replace(&st.pod, &keys);
             }
         }
         Ok(())
@@ -246,17 +258,23 @@ impl Gossip {
             if producer.digest(&d.pod) == (d.distinct, d.digest) {
                 continue;
             }
-            let Some((block_size, keys)) = producer.state(&d.pod) else {
+            let Some(state) = producer.state(&d.pod) else {
                 continue;
             };
-            if n > 0 && n + keys.len() > self.opts.max_sync_entries {
+            let len = state.gpu.len() + state.offload.iter().map(|t| t.1.len()).sum::<usize>();
+            if n > 0 && n + len > self.opts.max_sync_entries {
                 break;
             }
-            n += keys.len();
+            n += len;
             pods.push(pb::PreciseState {
                 pod: d.pod,
-                block_size,
-                keys,
+                block_size: state.block_size,
+                keys: state.gpu,
+                offload: state
+                    .offload
+                    .into_iter()
+                    .map(|(medium, keys)| pb::PreciseTier { medium, keys })
+                    .collect(),
             });
         }
         Ok(pb::PreciseSyncReply { pods })
@@ -274,10 +292,15 @@ impl Gossip {
             if self.store.shard.owns(&d.pod) {
                 continue;
             }
-            producer.mirror(&d.pod, d.block_size, &d.adds, &d.removes);
+            producer.mirror(&d.pod, &d.medium, d.block_size, &d.adds, &d.removes);
         }
         Ok(())
     }
+}
+
+/// Keys in a pod's state, all tiers.
+fn state_entries(st: &pb::PreciseState) -> usize {
+    st.keys.len() + st.offload.iter().map(|t| t.keys.len()).sum::<usize>()
 }
 
 /// The `PreciseGossip` gRPC service.
@@ -320,7 +343,7 @@ impl PreciseGossip for PreciseGossipService {
         let reply = self.0.precise_answer(msg.pods)?;
         self.0.metrics.gossip.sent(
             reply.encoded_len(),
-            reply.pods.iter().map(|p| p.keys.len()).sum(),
+            reply.pods.iter().map(state_entries).sum(),
         );
         Ok(Response::new(reply))
     }

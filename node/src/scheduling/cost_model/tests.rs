@@ -37,6 +37,7 @@ fn data(matched: Vec<usize>, inflight: Vec<InflightLoad>) -> RequestData {
             total_blocks: 15,
             matched,
             hashes: vec![],
+            weighted: Vec::new(),
         }),
         inflight,
         ..RequestData::default()

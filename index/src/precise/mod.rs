@@ -12,8 +12,16 @@
 //! Layout, for compactness (~50 B per held block at hash tables' average load, see
 //! `approx_heap_bytes`):
 //! - `blocks`: our key → the pods holding it, two inline (a 16-byte slot) before spilling to an
-//!   arena;
-//! - per pod, engine hash → our key.
+//!   arena; a holder is a pod id with its tier in the top bits;
+//! - per pod and tier, engine hash → our key.
+//!
+//! Tiers: the GPU pool is tier 0 ([`GPU`]); offload tiers (`medium` "CPU", "STORAGE", ... in the
+//! events) get their own ids as they first appear, up to [`MAX_TIERS`]. Offload connectors often
+//! publish *hash-only* `BlockStored` events (no tokens): their keys are resolved through the
+//! engine hashes the pod already mapped (the block was on the GPU first). A pod's run over a
+//! request's keys continues while any of its tiers holds the next key, and each block scores the
+//! weight of the best tier holding it ([`PreciseIndex::set_tier_weights`]; llm-d's default is GPU
+//! 1.0, CPU 0.8).
 //!
 //! A pod appears in a key's holders once per engine block mapped to that key (a multiset): two
 //! engine blocks can map to one key when the engine hashes something we do not (multimodal
@@ -47,12 +55,38 @@ pub fn chain_full_blocks(prev: u64, tokens: &[u32], block_size: usize, out: &mut
     }
 }
 
+/// A tier of a pod's KV cache: [`GPU`], or an offload tier named by the events' `medium`.
+pub type Tier = u8;
+/// The GPU pool (`medium` "GPU", or none given).
+pub const GPU: Tier = 0;
+/// Tiers told apart: the GPU and six offload tiers. A holder keeps its tier in its top three
+/// bits, and tier 7 would collide with the markers below; an eighth medium is not indexed.
+pub const MAX_TIERS: usize = 7;
+const TIER_SHIFT: u32 = 29;
+const POD_MASK: u32 = (1 << TIER_SHIFT) - 1;
+
 /// No pod in this slot.
 const NONE: PodId = PodId::MAX;
 /// First slot of a key held by more than two pods: the second slot indexes `spill`.
 const SPILLED: PodId = PodId::MAX - 1;
-/// Pod ids stay below the markers.
-const MAX_PODS: usize = (PodId::MAX - 1) as usize;
+/// Pod ids fit below the tier bits.
+const MAX_PODS: usize = POD_MASK as usize;
+
+/// A holder: pod `pod`'s tier `tier`.
+fn holder(pod: PodId, tier: Tier) -> PodId {
+    pod | (PodId::from(tier) << TIER_SHIFT)
+}
+
+fn pod_of(holder: PodId) -> PodId {
+    holder & POD_MASK
+}
+
+fn tier_of(holder: PodId) -> Tier {
+    (holder >> TIER_SHIFT) as Tier
+}
+
+/// Longest `medium` name taken as a tier (longer ones are not indexed).
+const MAX_MEDIUM_LEN: usize = 32;
 /// Blocks one pod may hold in the index (16M blocks: 256M tokens at 16 per block, far beyond any
 /// engine's KV cache). An engine or a peer claiming more is not believed: further stores are
 /// skipped (and counted) until removals make room.
@@ -60,7 +94,7 @@ pub const MAX_POD_BLOCKS: usize = 1 << 24;
 /// Speculative entries kept at most (the oldest are dropped first).
 pub const MAX_SPECULATIVE: usize = 1 << 20;
 
-/// The pods holding one key, as a multiset (see the module doc): up to two inline — 8 bytes, so a
+/// The holders of one key, as a multiset (see the module doc): up to two inline — 8 bytes, so a
 /// `blocks` slot is 16 — else all of them in the index's spill arena.
 #[derive(Debug, Clone, Copy)]
 struct Holders([PodId; 2]);
@@ -87,9 +121,12 @@ type EngineMap = std::collections::HashMap<u64, u64, foldhash::fast::RandomState
 #[derive(Debug, Default)]
 struct Pod {
     name: String,
-    /// Engine block hash → our key (a mirrored pod: key → key).
+    /// Engine block hash → our key (a mirrored pod: key → key), GPU tier.
     engine: EngineMap,
-    /// Distinct keys held, and their wrapping sum: the digest replicas compare.
+    /// The same for the offload tiers, tier `t` at `t - 1` (empty for a GPU-only pod).
+    offload: Vec<EngineMap>,
+    /// Distinct (key, tier) pairs held, and their wrapping sum (keys mixed with their tier's
+    /// name): the digest replicas compare.
     distinct: u64,
     digest: u64,
     /// Tokens per block in this pod's last `BlockStored` (0 until one arrived).
@@ -105,11 +142,12 @@ pub struct Applied {
     pub stored: u64,
     /// Blocks the pod no longer holds.
     pub removed: u64,
-    /// Blocks of a `BlockStored` whose parent block this pod is not known to hold (an event was
-    /// lost): their keys cannot be computed, so they are not indexed.
+    /// Blocks of a `BlockStored` whose parent block this pod is not known to hold, or of a
+    /// hash-only one that the pod never keyed (an event was lost): their keys cannot be
+    /// computed, so they are not indexed.
     pub orphaned: u64,
-    /// Events not indexed on purpose: hash-only or non-GPU stores, another attention kind, an
-    /// adapter known only by id, malformed token spans.
+    /// Events (or blocks past the pod's limit) not indexed on purpose: another attention kind,
+    /// an adapter known only by id, malformed token spans, a medium past [`MAX_TIERS`].
     pub skipped: u64,
     /// `AllBlocksCleared` events.
     pub cleared: u64,
@@ -125,28 +163,70 @@ impl std::ops::AddAssign for Applied {
     }
 }
 
+impl Pod {
+    fn map(&self, tier: Tier) -> Option<&EngineMap> {
+        match tier {
+            GPU => Some(&self.engine),
+            t => self.offload.get(usize::from(t) - 1),
+        }
+    }
+
+    fn map_mut(&mut self, tier: Tier) -> &mut EngineMap {
+        match tier {
+            GPU => &mut self.engine,
+            t => {
+                let i = usize::from(t) - 1;
+                if self.offload.len() <= i {
+                    self.offload.resize_with(i + 1, EngineMap::default);
+                }
+                &mut self.offload[i]
+            }
+        }
+    }
+
+    /// (engine block, tier) pairs held.
+    fn held(&self) -> usize {
+        self.engine.len() + self.offload.iter().map(EngineMap::len).sum::<usize>()
+    }
+
+    /// Our key for engine block `eh`: as tier `tier` maps it, else as any other tier does (an
+    /// offloaded block was on the GPU first; a hash-only event names it by its engine hash).
+    fn resolve(&self, tier: Tier, eh: u64) -> Option<u64> {
+        self.map(tier)
+            .and_then(|m| m.get(&eh))
+            .or_else(|| self.engine.get(&eh))
+            .or_else(|| self.offload.iter().find_map(|m| m.get(&eh)))
+            .copied()
+    }
+}
+
 /// One pod's run of leading blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PreciseMatch {
     pub pod: PodId,
+    /// Leading blocks held in any tier.
     pub blocks: usize,
+    /// The same blocks, each weighted by the best tier holding it (`blocks` when all are on
+    /// the GPU at weight 1).
+    pub score: f32,
 }
 
 /// Holder lists up to this long are searched pod by pod when matching; longer ones are marked.
 const LINEAR_HOLDERS: usize = 8;
 
-/// The runs `out[..active]` whose pod `holds` block `i` grow to `i + 1` blocks; the others end
-/// (swapped behind). Returns how many still run.
+/// The runs `out[..active]` whose pod `holds` block `i` (at the weight returned) grow to `i + 1`
+/// blocks; the others end (swapped behind). Returns how many still run.
 fn extend_runs(
     out: &mut [PreciseMatch],
     mut active: usize,
     i: usize,
-    holds: impl Fn(PodId) -> bool,
+    holds: impl Fn(PodId) -> Option<f32>,
 ) -> usize {
     let mut j = 0;
     while j < active {
-        if holds(out[j].pod) {
+        if let Some(w) = holds(out[j].pod) {
             out[j].blocks = i + 1;
+            out[j].score += w;
             j += 1;
         } else {
             active -= 1;
@@ -154,6 +234,33 @@ fn extend_runs(
         }
     }
     active
+}
+
+/// One change of a pod's distinct (key, tier) pairs (see [`PreciseIndex::journal`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Change {
+    pub pod: PodId,
+    pub tier: Tier,
+    pub key: u64,
+    pub added: bool,
+}
+
+#[derive(Debug)]
+struct TierInfo {
+    name: String,
+    /// XORed into the tier's keys in a pod's digest: from the name, so that replicas which
+    /// numbered their tiers in another order compare equal.
+    mix: u64,
+    weight: f32,
+}
+
+/// A pod's distinct keys by tier (GPU first), for a peer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodKeys {
+    pub block_size: u32,
+    pub gpu: Vec<u64>,
+    /// Offload tiers by medium name (lowercase), sorted by name.
+    pub offload: Vec<(String, Vec<u64>)>,
 }
 
 #[derive(Debug, Default)]
@@ -166,7 +273,11 @@ pub struct PreciseIndex {
     spill: Vec<Vec<PodId>>,
     spill_free: Vec<PodId>,
     /// When on: every change of a pod's distinct keys, in order (see [`Self::take_journal`]).
-    journal: Option<Vec<(PodId, u64, bool)>>,
+    journal: Option<Vec<Change>>,
+    /// Offload tiers' names (tier `t` at `t - 1`), their digest mixes and scoring weights.
+    tiers: Vec<TierInfo>,
+    /// Scoring weight by lowercased medium name (a medium not named there: 1).
+    weights: Vec<(String, f32)>,
     /// Speculative entries: key → (pod, expiry), and the same in expiry order for the sweep.
     speculative: IdMap<u64, Vec<(PodId, u64)>>,
     spec_queue: std::collections::VecDeque<(u64, u64, PodId)>,
@@ -195,7 +306,78 @@ impl PreciseIndex {
         } else {
             self.pod_limit
         };
-        self.pods[id as usize].engine.len() >= limit
+        self.pods[id as usize].held() >= limit
+    }
+
+    /// Scoring weights by medium name (case-insensitive: llm-d's `kvCacheBackendConfigs`; the
+    /// GPU's is `gpu`'s). A medium not named weighs 1, as in llm-d.
+    pub fn set_tier_weights(&mut self, weights: &[(String, f32)]) {
+        self.weights = weights
+            .iter()
+            .map(|(n, w)| (n.to_ascii_lowercase(), *w))
+            .collect();
+        for i in 0..self.tiers.len() {
+            self.tiers[i].weight = self.weight_of(&self.tiers[i].name.clone());
+        }
+    }
+
+    fn weight_of(&self, name: &str) -> f32 {
+        self.weights
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(1.0, |(_, w)| *w)
+    }
+
+    /// The scoring weight of tier `t`'s blocks.
+    fn tier_weight(&self, t: Tier) -> f32 {
+        match t {
+            GPU => self.weight_of("gpu"),
+            t => self.tiers.get(usize::from(t) - 1).map_or(1.0, |i| i.weight),
+        }
+    }
+
+    /// The tier of `medium` (`None` or "GPU": [`GPU`]), registered when new; `None` past
+    /// [`MAX_TIERS`] or for a name longer than any medium in use.
+    pub fn tier(&mut self, medium: Option<&str>) -> Option<Tier> {
+        if let Some(t) = self.known_tier(medium) {
+            return Some(t);
+        }
+        let name = medium?.to_ascii_lowercase();
+        if self.tiers.len() + 1 >= MAX_TIERS || name.len() > MAX_MEDIUM_LEN {
+            return None;
+        }
+        let weight = self.weight_of(&name);
+        let mix = xxhash_rust::xxh3::xxh3_64(name.as_bytes()) | 1;
+        self.tiers.push(TierInfo { name, mix, weight });
+        Some(self.tiers.len() as Tier)
+    }
+
+    /// The tier of `medium` if it is known.
+    pub fn known_tier(&self, medium: Option<&str>) -> Option<Tier> {
+        match medium {
+            None => Some(GPU),
+            Some(m) if m.eq_ignore_ascii_case("gpu") => Some(GPU),
+            Some(m) => self
+                .tiers
+                .iter()
+                .position(|t| t.name.eq_ignore_ascii_case(m))
+                .map(|i| (i + 1) as Tier),
+        }
+    }
+
+    /// Tier `t`'s medium name, lowercase ("gpu" for [`GPU`]).
+    pub fn tier_name(&self, t: Tier) -> Option<&str> {
+        match t {
+            GPU => Some("gpu"),
+            t => self.tiers.get(usize::from(t) - 1).map(|i| i.name.as_str()),
+        }
+    }
+
+    fn mix(&self, key: u64, tier: Tier) -> u64 {
+        match tier {
+            GPU => key,
+            t => key ^ self.tiers.get(usize::from(t) - 1).map_or(0, |i| i.mix),
+        }
     }
 
     /// The slot of pod `name`, created empty if new.
@@ -250,9 +432,25 @@ impl PreciseIndex {
             .collect()
     }
 
-    /// Blocks pod `id` holds.
+    /// Blocks pod `id` holds, in all tiers.
     pub fn pod_len(&self, id: PodId) -> usize {
-        self.slot(id).map_or(0, |p| p.engine.len())
+        self.slot(id).map_or(0, Pod::held)
+    }
+
+    /// Blocks pod `id` holds in tier `tier`.
+    pub fn tier_len(&self, id: PodId, tier: Tier) -> usize {
+        self.slot(id)
+            .and_then(|p| p.map(tier))
+            .map_or(0, EngineMap::len)
+    }
+
+    /// Blocks pod `id` holds by tier name, the tiers holding any.
+    pub fn tier_lens(&self, id: PodId) -> Vec<(&str, usize)> {
+        (0..=self.tiers.len())
+            .map(|t| t as Tier)
+            .filter_map(|t| Some((self.tier_name(t)?, self.tier_len(id, t))))
+            .filter(|(_, n)| *n > 0)
+            .collect()
     }
 
     /// The block size of pod `id`'s events (None before its first `BlockStored`).
@@ -276,7 +474,8 @@ impl PreciseIndex {
         self.blocks.len()
     }
 
-    fn unhold(&mut self, key: u64, pod: PodId) {
+    fn unhold(&mut self, key: u64, pod: PodId, tier: Tier) {
+        let (id, pod) = (pod, holder(pod, tier));
         let Some(h) = self.blocks.get_mut(&key) else {
             return;
         };
@@ -313,35 +512,42 @@ impl PreciseIndex {
             .get(&key)
             .is_some_and(|h| holders(&self.spill, h).contains(&pod));
         if !still {
-            self.distinct_change(pod, key, false);
+            self.distinct_change(id, tier, key, false);
         }
     }
 
-    /// Pod `pod` started or stopped holding `key` at all.
-    fn distinct_change(&mut self, pod: PodId, key: u64, added: bool) {
+    /// Pod `pod` started or stopped holding `key` in tier `tier` at all.
+    fn distinct_change(&mut self, pod: PodId, tier: Tier, key: u64, added: bool) {
+        let mixed = self.mix(key, tier);
         if let Some(p) = self.pods.get_mut(pod as usize) {
             if added {
                 p.distinct += 1;
-                p.digest = p.digest.wrapping_add(key);
+                p.digest = p.digest.wrapping_add(mixed);
             } else {
                 p.distinct -= 1;
-                p.digest = p.digest.wrapping_sub(key);
+                p.digest = p.digest.wrapping_sub(mixed);
             }
         }
         if let Some(j) = &mut self.journal {
-            j.push((pod, key, added));
+            j.push(Change {
+                pod,
+                tier,
+                key,
+                added,
+            });
         }
     }
 
-    fn hold(&mut self, key: u64, pod: PodId) {
+    fn hold(&mut self, key: u64, pod: PodId, tier: Tier) {
+        let (id, pod) = (pod, holder(pod, tier));
         self.entries += 1;
         let Some(h) = self.blocks.get_mut(&key) else {
             self.blocks.insert(key, Holders::one(pod));
-            self.distinct_change(pod, key, true);
+            self.distinct_change(id, tier, key, true);
             return;
         };
         if !holders(&self.spill, h).contains(&pod) {
-            self.distinct_change(pod, key, true);
+            self.distinct_change(id, tier, key, true);
         }
         let Some(h) = self.blocks.get_mut(&key) else {
             return;
@@ -368,9 +574,13 @@ impl PreciseIndex {
             return 0;
         };
         let engine = std::mem::take(&mut p.engine);
-        let n = engine.len() as u64;
-        for key in engine.into_values() {
-            self.unhold(key, id);
+        let offload = std::mem::take(&mut p.offload);
+        let mut n = 0;
+        for (t, map) in std::iter::once(engine).chain(offload).enumerate() {
+            n += map.len() as u64;
+            for key in map.into_values() {
+                self.unhold(key, id, t as Tier);
+            }
         }
         n
     }
@@ -414,14 +624,14 @@ impl PreciseIndex {
                     medium,
                     ..
                 } => {
-                    if !is_gpu(medium.as_deref()) {
-                        out.skipped += 1;
+                    // A medium never stored holds nothing to remove.
+                    let Some(tier) = self.known_tier(medium.as_deref()) else {
                         continue;
-                    }
+                    };
                     for h in block_hashes {
-                        let key = self.pods[id as usize].engine.remove(h);
+                        let key = self.pods[id as usize].map_mut(tier).remove(h);
                         if let Some(key) = key {
-                            self.unhold(key, id);
+                            self.unhold(key, id, tier);
                             out.removed += 1;
                         }
                     }
@@ -449,19 +659,28 @@ impl PreciseIndex {
             .kv_cache_spec_kind
             .as_deref()
             .is_none_or(|k| k.contains("full"));
+        let tier = self.tier(s.medium.as_deref());
+        let (Some(tier), true) = (tier, spec_ok && bs > 0 && bs <= MAX_BLOCK_SIZE && n > 0) else {
+            out.skipped += 1;
+            return out;
+        };
+        if s.token_ids.is_empty() {
+            // Hash-only (offload connectors): blocks this pod already mapped, now in `tier`.
+            for eh in &s.block_hashes {
+                match self.pods[id as usize].resolve(tier, *eh) {
+                    Some(key) => self.insert(id, tier, *eh, key, &mut out),
+                    None => out.orphaned += 1,
+                }
+            }
+            self.pods[id as usize].block_size = s.block_size;
+            return out;
+        }
         let effective = match (&s.lora_name, s.lora_id) {
             (Some(name), _) if !name.is_empty() => Some(name.as_str()),
             (_, Some(id)) if id > 0 => None, // an adapter we cannot name
             _ => Some(model),
         };
-        let Some(effective) = effective.filter(|_| {
-            spec_ok
-                && is_gpu(s.medium.as_deref())
-                && bs > 0
-                && bs <= MAX_BLOCK_SIZE
-                && n > 0
-                && s.token_ids.len() == n * bs
-        }) else {
+        let Some(effective) = effective.filter(|_| s.token_ids.len() == n * bs) else {
             out.skipped += 1;
             return out;
         };
@@ -471,8 +690,8 @@ impl PreciseIndex {
                 Some(salt) => root(&format!("{effective}{salt}")),
                 None => root(effective),
             },
-            Some(h) => match self.pods[id as usize].engine.get(&h) {
-                Some(k) => *k,
+            Some(h) => match self.pods[id as usize].resolve(tier, h) {
+                Some(k) => k,
                 None => {
                     out.orphaned += n as u64;
                     return out;
@@ -483,20 +702,28 @@ impl PreciseIndex {
         chain_full_blocks(parent, &s.token_ids, bs, &mut keys);
         self.pods[id as usize].block_size = s.block_size;
         for (eh, key) in s.block_hashes.iter().zip(keys) {
-            if self.full(id) && !self.pods[id as usize].engine.contains_key(eh) {
-                out.skipped += 1;
-                continue;
-            }
-            let old = self.pods[id as usize].engine.insert(*eh, key);
-            match old {
-                Some(old) if old == key => continue, // stored twice (replay overlap)
-                Some(old) => self.unhold(old, id),
-                None => {}
-            }
-            self.hold(key, id);
-            out.stored += 1;
+            self.insert(id, tier, *eh, key, &mut out);
         }
         out
+    }
+
+    /// Pod `id`'s engine block `eh` is `key`, in tier `tier`.
+    fn insert(&mut self, id: PodId, tier: Tier, eh: u64, key: u64, out: &mut Applied) {
+        let known = self.pods[id as usize]
+            .map(tier)
+            .is_some_and(|m| m.contains_key(&eh));
+        if !known && self.full(id) {
+            out.skipped += 1;
+            return;
+        }
+        let old = self.pods[id as usize].map_mut(tier).insert(eh, key);
+        match old {
+            Some(old) if old == key => return, // stored twice (replay overlap)
+            Some(old) => self.unhold(old, id, tier),
+            None => {}
+        }
+        self.hold(key, id, tier);
+        out.stored += 1;
     }
 
     /// Each pod's run of leading `keys` it holds (pods with a run of 0 are left out), into `out`.
@@ -505,7 +732,7 @@ impl PreciseIndex {
     }
 
     /// [`Self::match_prefix`], counting also the speculative entries still alive at `now`
-    /// ([`Self::speculate`]) when `now` is given.
+    /// ([`Self::speculate`]) when `now` is given. A speculative entry scores as a GPU block.
     pub fn match_prefix_at(&self, keys: &[u64], now: Option<u64>, out: &mut Vec<PreciseMatch>) {
         out.clear();
         let empty: &[(PodId, u64)] = &[];
@@ -521,22 +748,41 @@ impl PreciseIndex {
                 .get(key)
                 .map_or(&[][..], |h| holders(&self.spill, h))
         };
+        // Weight by tier (holders carry theirs in the top bits).
+        let mut weights = [1.0f32; MAX_TIERS + 1];
+        for (t, w) in weights.iter_mut().enumerate().take(self.tiers.len() + 1) {
+            *w = self.tier_weight(t as Tier);
+        }
+        let gpu = weights[GPU as usize];
+        let weight = |h: PodId| weights[tier_of(h) as usize];
         let Some(first) = keys.first() else { return };
         let spec_first = spec(first);
         let firsts = held(first)
             .iter()
-            .copied()
-            .chain(spec_first.iter().filter(|e| alive(e)).map(|e| e.0));
-        // A pod may hold the first block and be speculated to: one run each.
-        out.extend(firsts.map(|pod| PreciseMatch { pod, blocks: 1 }));
-        if !spec_first.is_empty() {
+            .map(|h| (pod_of(*h), weight(*h)))
+            .chain(spec_first.iter().filter(|e| alive(e)).map(|e| (e.0, gpu)));
+        out.extend(firsts.map(|(pod, score)| PreciseMatch {
+            pod,
+            blocks: 1,
+            score,
+        }));
+        // A pod may hold the first block in several tiers (or twice), and be speculated to: one
+        // run each, at its best tier.
+        if out.len() > 1 {
             out.sort_unstable_by_key(|m| m.pod);
-            out.dedup_by_key(|m| m.pod);
+            out.dedup_by(|later, kept| {
+                let same = later.pod == kept.pod;
+                if same {
+                    kept.score = kept.score.max(later.score);
+                }
+                same
+            });
         }
-        // By pod id: the last block (1-based) seen held by that pod. A block every pod holds (a
-        // system prompt) has a holder list as long as the pool: asking it pod by pod would be
-        // quadratic, so long lists are marked here once and each run checks its mark.
-        let mut mark: Vec<u32> = Vec::new();
+        // By pod id: the last block (1-based) seen held by that pod, and its best weight there.
+        // A block every pod holds (a system prompt) has a holder list as long as the pool:
+        // asking it pod by pod would be quadratic, so long lists are marked here once and each
+        // run checks its mark.
+        let mut mark: Vec<(u32, f32)> = Vec::new();
         // `out[..active]` are still running; finished runs are swapped behind them.
         let mut active = out.len();
         for (i, key) in keys.iter().enumerate().skip(1) {
@@ -550,25 +796,33 @@ impl PreciseIndex {
             let marked = h.len() + sp.len() > LINEAR_HOLDERS && active > LINEAR_HOLDERS;
             if marked {
                 if mark.is_empty() {
-                    mark = vec![0; self.pods.len()];
+                    mark = vec![(0, 0.0); self.pods.len()];
                 }
                 let pods = h
                     .iter()
-                    .copied()
-                    .chain(sp.iter().filter(|e| alive(e)).map(|e| e.0));
-                for pod in pods {
+                    .map(|h| (pod_of(*h), weight(*h)))
+                    .chain(sp.iter().filter(|e| alive(e)).map(|e| (e.0, gpu)));
+                for (pod, w) in pods {
                     if let Some(m) = mark.get_mut(pod as usize) {
-                        *m = i as u32;
+                        *m = if m.0 == i as u32 {
+                            (m.0, m.1.max(w))
+                        } else {
+                            (i as u32, w)
+                        };
                     }
                 }
             }
             active = if marked {
                 extend_runs(out, active, i, |pod| {
-                    mark.get(pod as usize) == Some(&(i as u32))
+                    mark.get(pod as usize)
+                        .filter(|m| m.0 == i as u32)
+                        .map(|m| m.1)
                 })
             } else {
                 extend_runs(out, active, i, |pod| {
-                    h.contains(&pod) || sp.iter().any(|e| e.0 == pod && alive(e))
+                    let tiers = h.iter().filter(|x| pod_of(**x) == pod).map(|x| weight(*x));
+                    let spec = sp.iter().filter(|e| e.0 == pod && alive(e)).map(|_| gpu);
+                    tiers.chain(spec).reduce(f32::max)
                 })
             };
         }
@@ -609,42 +863,54 @@ impl PreciseIndex {
         }
     }
 
-    /// Record every change of a pod's distinct keys from now on (for replication).
+    /// Record every change of a pod's distinct (key, tier) pairs from now on (for replication).
     pub fn journal(&mut self) {
         self.journal.get_or_insert_with(Vec::new);
     }
 
-    /// The changes recorded since the last call: (pod, key, added), in order.
-    pub fn take_journal(&mut self) -> Vec<(PodId, u64, bool)> {
+    /// The changes recorded since the last call, in order.
+    pub fn take_journal(&mut self) -> Vec<Change> {
         self.journal
             .as_mut()
             .map(std::mem::take)
             .unwrap_or_default()
     }
 
-    /// Pod `id`'s distinct keys held and their digest (wrapping sum): equal sets give equal
-    /// digests, whichever events built them.
+    /// Pod `id`'s distinct (key, tier) pairs held and their digest (wrapping sum, keys mixed
+    /// with their tier's name): equal sets give equal digests, whichever events built them.
     pub fn digest(&self, id: PodId) -> (u64, u64) {
         self.slot(id).map_or((0, 0), |p| (p.distinct, p.digest))
     }
 
     /// A mirrored pod (its events are applied on another replica): take that replica's changes
-    /// of its distinct keys. Idempotent per key (adding a held key, removing an absent one: no-op).
-    pub fn mirror(&mut self, id: PodId, block_size: u32, adds: &[u64], removes: &[u64]) {
+    /// of its distinct keys in tier `tier`. Idempotent per key (adding a held key, removing an
+    /// absent one: no-op).
+    pub fn mirror(
+        &mut self,
+        id: PodId,
+        tier: Tier,
+        block_size: u32,
+        adds: &[u64],
+        removes: &[u64],
+    ) {
         if self.slot(id).is_none() {
             return;
         }
         for k in removes {
-            if self.pods[id as usize].engine.remove(k).is_some() {
-                self.unhold(*k, id);
+            if self.pods[id as usize].map_mut(tier).remove(k).is_some() {
+                self.unhold(*k, id, tier);
             }
         }
         for k in adds {
             if self.full(id) {
                 break;
             }
-            if self.pods[id as usize].engine.insert(*k, *k).is_none() {
-                self.hold(*k, id);
+            if self.pods[id as usize]
+                .map_mut(tier)
+                .insert(*k, *k)
+                .is_none()
+            {
+                self.hold(*k, id, tier);
             }
         }
         if block_size > 0 && block_size as usize <= MAX_BLOCK_SIZE {
@@ -653,16 +919,40 @@ impl PreciseIndex {
     }
 
     /// A mirrored pod's whole state, replacing what it held.
-    pub fn replace_mirror(&mut self, id: PodId, block_size: u32, keys: &[u64]) {
+    pub fn replace_mirror(&mut self, id: PodId, state: &PodKeys) {
         self.clear_pod(id);
-        self.mirror(id, block_size, keys, &[]);
+        self.mirror(id, GPU, state.block_size, &state.gpu, &[]);
+        for (medium, keys) in &state.offload {
+            if let Some(t) = self.tier(Some(medium)).filter(|t| *t != GPU) {
+                self.mirror(id, t, 0, keys, &[]);
+            }
+        }
     }
 
-    /// Pod `id`'s distinct keys (its state for a peer) and block size.
-    pub fn pod_state(&self, id: PodId) -> (u32, Vec<u64>) {
-        let mut keys = self.held_keys(id);
-        keys.dedup();
-        (self.slot(id).map_or(0, |p| p.block_size), keys)
+    /// Pod `id`'s distinct keys by tier and its block size (its state for a peer).
+    pub fn pod_state(&self, id: PodId) -> PodKeys {
+        let Some(p) = self.slot(id) else {
+            return PodKeys::default();
+        };
+        let keys = |m: &EngineMap| {
+            let mut v: Vec<u64> = m.values().copied().collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let mut offload: Vec<(String, Vec<u64>)> = p
+            .offload
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| !m.is_empty())
+            .filter_map(|(i, m)| Some((self.tiers.get(i)?.name.clone(), keys(m))))
+            .collect();
+        offload.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        PodKeys {
+            block_size: p.block_size,
+            gpu: keys(&p.engine),
+            offload,
+        }
     }
 
     /// Heap bytes held (hash tables at their capacity, spilled holder lists, names), for the
@@ -679,11 +969,18 @@ impl PreciseIndex {
             + self.spill_free.capacity() * std::mem::size_of::<PodId>();
         for p in &self.pods {
             n += map_heap_bytes::<u64, u64>(p.engine.capacity()) + p.name.capacity();
+            n += p
+                .offload
+                .iter()
+                .map(|m| {
+                    map_heap_bytes::<u64, u64>(m.capacity()) + std::mem::size_of::<EngineMap>()
+                })
+                .sum::<usize>();
         }
         n + self.pods.capacity() * std::mem::size_of::<Pod>()
     }
 
-    /// Every pod's held keys, sorted (for tests comparing indexes).
+    /// Pod `id`'s keys held in its GPU tier, sorted (for tests comparing indexes).
     pub fn held_keys(&self, id: PodId) -> Vec<u64> {
         let mut v: Vec<u64> = self
             .slot(id)
@@ -694,244 +991,5 @@ impl PreciseIndex {
     }
 }
 
-/// GPU blocks are the ones that make a prefill cheap; CPU and storage tiers (offload) are left to
-/// a later tier-aware score.
-fn is_gpu(medium: Option<&str>) -> bool {
-    medium.is_none_or(|m| m.eq_ignore_ascii_case("GPU"))
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::BlockHasher;
-
-    #[test]
-    fn speculative_entries_match_until_they_expire() {
-        let mut ix = PreciseIndex::new();
-        let a = ix.pod("a");
-        let b = ix.pod("b");
-        let t = toks(12, 5);
-        let k = keys("m", &t);
-        // b's engine holds the first block; a was just sent the whole prompt.
-        ix.apply(b, "m", &[stored(&[1], None, &t[..4])], &root);
-        ix.speculate(a, &k, 100, 2100);
-        let mut out = Vec::new();
-        ix.match_prefix_at(&k, Some(1000), &mut out);
-        out.sort_by_key(|m| m.pod);
-        assert_eq!(
-            out,
-            vec![
-                PreciseMatch { pod: a, blocks: 3 },
-                PreciseMatch { pod: b, blocks: 1 }
-            ]
-        );
-        // Without speculation, or once expired: only what the engines reported.
-        ix.match_prefix(&k, &mut out);
-        assert_eq!(out, vec![PreciseMatch { pod: b, blocks: 1 }]);
-        ix.match_prefix_at(&k, Some(2100), &mut out);
-        assert_eq!(out, vec![PreciseMatch { pod: b, blocks: 1 }]);
-        // A later call sweeps the expired entries; a renewed one survives its old expiry.
-        ix.speculate(b, &k[..1], 2200, 4200);
-        assert!(!ix.speculative.contains_key(&k[1]));
-        ix.speculate(b, &k[..1], 3000, 5000);
-        ix.speculate(b, &[], 4300, 6300);
-        ix.match_prefix_at(&k, Some(4300), &mut out);
-        assert_eq!(out, vec![PreciseMatch { pod: b, blocks: 1 }]);
-        assert_eq!(ix.speculative.get(&k[0]).map(Vec::len), Some(1));
-        // A removed pod's speculation goes with it.
-        ix.remove_pod("b");
-        assert!(ix.speculative.is_empty() && ix.spec_queue.is_empty());
-    }
-
-    #[test]
-    fn a_pod_claiming_more_blocks_than_any_cache_is_not_believed() {
-        let mut ix = PreciseIndex::with_pod_limit(2);
-        let a = ix.pod("a");
-        let t = toks(16, 1);
-        let r = ix.apply(a, "m", &[stored(&[1, 2, 3, 4], None, &t)], &root);
-        assert_eq!((r.stored, r.skipped, ix.pod_len(a)), (2, 2, 2));
-        // A removal makes room again; a peer's mirror is bounded alike.
-        ix.apply(
-            a,
-            "m",
-            &[KvEvent::BlockRemoved {
-                block_hashes: vec![1],
-                medium: None,
-                group_idx: None,
-            }],
-            &root,
-        );
-        assert_eq!(ix.pod_len(a), 1);
-        let b = ix.pod("b");
-        ix.mirror(b, 4, &[10, 11, 12], &[]);
-        assert_eq!(ix.pod_len(b), 2);
-    }
-
-    #[test]
-    fn holders_stay_small() {
-        assert_eq!(std::mem::size_of::<(u64, Holders)>(), 16);
-    }
-
-    fn root(model: &str) -> u64 {
-        BlockHasher::new(model, None, 16, 0).seed
-    }
-
-    fn toks(n: usize, salt: u32) -> Vec<u32> {
-        (0..n as u32).map(|i| i * 7 + salt).collect()
-    }
-
-    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> KvEvent {
-        KvEvent::BlockStored(BlockStored {
-            block_hashes: hashes.to_vec(),
-            parent_block_hash: parent,
-            token_ids: tokens.to_vec(),
-            block_size: 4,
-            ..BlockStored::default()
-        })
-    }
-
-    fn keys(model: &str, tokens: &[u32]) -> Vec<u64> {
-        let mut out = Vec::new();
-        chain_full_blocks(root(model), tokens, 4, &mut out);
-        out
-    }
-
-    #[test]
-    fn stored_blocks_match_the_requests_tokens_and_removals_cut_the_run() {
-        let mut ix = PreciseIndex::new();
-        let a = ix.pod("a");
-        let b = ix.pod("b");
-        let t = toks(16, 1);
-        // a stores 4 blocks in two events (the second chained from the first's last hash).
-        let r = ix.apply(a, "m", &[stored(&[11, 12], None, &t[..8])], &root);
-        assert_eq!(r.stored, 2);
-        ix.apply(a, "m", &[stored(&[13, 14], Some(12), &t[8..])], &root);
-        // b stores only the first block.
-        ix.apply(b, "m", &[stored(&[91], None, &t[..4])], &root);
-        let mut out = Vec::new();
-        // A request of 18 tokens: 4 full blocks (the partial tail is never cached).
-        let mut req = t.clone();
-        req.extend([5, 5]);
-        ix.match_prefix(&keys("m", &req), &mut out);
-        out.sort_by_key(|m| m.pod);
-        assert_eq!(
-            out,
-            vec![
-                PreciseMatch { pod: a, blocks: 4 },
-                PreciseMatch { pod: b, blocks: 1 }
-            ]
-        );
-        // Another model's key space does not match.
-        ix.match_prefix(&keys("other", &req), &mut out);
-        assert!(out.is_empty());
-        // a evicts its second block: its run stops at 1.
-        let r = ix.apply(
-            a,
-            "m",
-            &[KvEvent::BlockRemoved {
-                block_hashes: vec![12, 999],
-                medium: None,
-                group_idx: None,
-            }],
-            &root,
-        );
-        assert_eq!(r.removed, 1);
-        ix.match_prefix(&keys("m", &req), &mut out);
-        assert!(out.iter().all(|m| m.blocks == 1), "{out:?}");
-        assert_eq!((ix.len(), ix.pod_len(a), ix.pod_len(b)), (4, 3, 1));
-        // Cleared: a holds nothing.
-        ix.apply(a, "m", &[KvEvent::AllBlocksCleared], &root);
-        ix.match_prefix(&keys("m", &req), &mut out);
-        assert_eq!(out, vec![PreciseMatch { pod: b, blocks: 1 }]);
-        assert_eq!(ix.len(), 1);
-    }
-
-    #[test]
-    fn an_unknown_parent_is_an_orphan_and_odd_events_are_skipped() {
-        let mut ix = PreciseIndex::new();
-        let a = ix.pod("a");
-        let t = toks(8, 3);
-        let r = ix.apply(a, "m", &[stored(&[2], Some(777), &t[4..])], &root);
-        assert_eq!((r.stored, r.orphaned), (0, 1));
-        // Tokens that do not cover the blocks, hash-only, CPU tier, an unnamed adapter, a
-        // sliding-window group: not indexed.
-        let mut cpu = BlockStored {
-            block_hashes: vec![1],
-            token_ids: t[..4].to_vec(),
-            block_size: 4,
-            medium: Some("CPU".into()),
-            ..BlockStored::default()
-        };
-        let mut odd = vec![stored(&[1, 2], None, &t[..5]), stored(&[1], None, &[])];
-        odd.push(KvEvent::BlockStored(cpu.clone()));
-        cpu.medium = None;
-        cpu.lora_id = Some(3);
-        odd.push(KvEvent::BlockStored(cpu.clone()));
-        cpu.lora_id = None;
-        cpu.kv_cache_spec_kind = Some("sliding_window".into());
-        odd.push(KvEvent::BlockStored(cpu.clone()));
-        let r = ix.apply(a, "m", &odd, &root);
-        assert_eq!((r.stored, r.skipped), (0, 5));
-        assert!(ix.is_empty());
-        // A named adapter's blocks live in the adapter's key space.
-        cpu.kv_cache_spec_kind = Some("full_attention".into());
-        cpu.lora_id = Some(3);
-        cpu.lora_name = Some("sql".into());
-        ix.apply(a, "m", &[KvEvent::BlockStored(cpu)], &root);
-        let mut out = Vec::new();
-        ix.match_prefix(&keys("sql", &t), &mut out);
-        assert_eq!(out, vec![PreciseMatch { pod: a, blocks: 1 }]);
-        ix.match_prefix(&keys("m", &t), &mut out);
-        assert!(out.is_empty());
-    }
-
-    #[test]
-    fn a_key_held_twice_by_one_pod_survives_one_removal() {
-        let mut ix = PreciseIndex::new();
-        let a = ix.pod("a");
-        let t = toks(4, 9);
-        ix.apply(
-            a,
-            "m",
-            &[stored(&[1], None, &t), stored(&[2], None, &t)],
-            &root,
-        );
-        assert_eq!(ix.len(), 2);
-        ix.apply(
-            a,
-            "m",
-            &[KvEvent::BlockRemoved {
-                block_hashes: vec![1],
-                medium: Some("GPU".into()),
-                group_idx: None,
-            }],
-            &root,
-        );
-        let mut out = Vec::new();
-        ix.match_prefix(&keys("m", &t), &mut out);
-        assert_eq!(out, vec![PreciseMatch { pod: a, blocks: 1 }]);
-        // The same engine block stored again (a replay overlapping the live stream) counts once.
-        let r = ix.apply(a, "m", &[stored(&[2], None, &t)], &root);
-        assert_eq!((r.stored, ix.len()), (0, 1));
-    }
-
-    #[test]
-    fn many_holders_spill_and_removed_pods_free_their_slot() {
-        let mut ix = PreciseIndex::new();
-        let t = toks(4, 2);
-        for i in 0..6 {
-            let p = ix.pod(&format!("p{i}"));
-            ix.apply(p, "m", &[stored(&[i], None, &t)], &root);
-        }
-        let mut out = Vec::new();
-        ix.match_prefix(&keys("m", &t), &mut out);
-        assert_eq!(out.len(), 6);
-        ix.remove_pod("p2");
-        ix.match_prefix(&keys("m", &t), &mut out);
-        assert_eq!(out.len(), 5);
-        assert_eq!(ix.pod_id("p2"), None);
-        assert_eq!(ix.pod("new"), 2, "the freed slot is reused");
-        assert_eq!(ix.pod_len(2), 0);
-        assert!(ix.approx_heap_bytes() > 0);
-    }
-}
+mod tests;
