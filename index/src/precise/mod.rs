@@ -310,7 +310,8 @@ impl PreciseIndex {
     }
 
     /// Scoring weights by medium name (case-insensitive: llm-d's `kvCacheBackendConfigs`; the
-    /// GPU's is `gpu`'s). A medium not named weighs 1, as in llm-d.
+    /// GPU's is `gpu`'s). A medium not named weighs 1, as in llm-d. The named tiers are
+    /// registered now, so that engines publishing stray mediums cannot use up their slots.
     pub fn set_tier_weights(&mut self, weights: &[(String, f32)]) {
         self.weights = weights
             .iter()
@@ -318,6 +319,9 @@ impl PreciseIndex {
             .collect();
         for i in 0..self.tiers.len() {
             self.tiers[i].weight = self.weight_of(&self.tiers[i].name.clone());
+        }
+        for (name, _) in weights {
+            self.tier(Some(name));
         }
     }
 

@@ -271,6 +271,20 @@ fn offloaded_blocks_resolve_by_engine_hash_and_score_at_their_tier_weight() {
     assert_eq!(score(&out), Some(0.3));
 }
 
+/// Engines publishing stray mediums use up the free tier slots, not the configured tiers'.
+#[test]
+fn configured_tiers_keep_their_slots() {
+    let mut ix = PreciseIndex::new();
+    let names = ["cpu", "shared_storage", "storage", "object_store"];
+    ix.set_tier_weights(&names.map(|n| (n.to_string(), 0.5)));
+    let strays: Vec<_> = (0..4).map(|i| ix.tier(Some(&format!("x{i}")))).collect();
+    assert_eq!(strays, vec![Some(5), Some(6), None, None]);
+    for n in names {
+        assert!(ix.known_tier(Some(n)).is_some(), "{n}");
+    }
+    assert_eq!(ix.tier(Some("GPU")), Some(GPU));
+}
+
 /// The tiers a pod holds a key in are told apart in its digest, and a mirror rebuilt from the
 /// per-tier state compares equal even when it numbered the tiers in another order.
 #[test]
