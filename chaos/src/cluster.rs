@@ -15,6 +15,8 @@ pub struct ClusterSpec {
     pub replicas: usize,
     /// Extra `epp serve` flags for every replica.
     pub epp_args: Vec<String>,
+    /// Cluster mode: further flags for one replica (by id, from 1).
+    pub replica_args: Vec<(u64, Vec<String>)>,
     /// Write an empty endpoints file instead of the simulator's pods.
     pub no_pods: bool,
     pub failure_mode_allow: bool,
@@ -36,6 +38,7 @@ impl Default for ClusterSpec {
             sim: SimConfig::default(),
             replicas: 1,
             epp_args: vec![],
+            replica_args: vec![],
             no_pods: false,
             failure_mode_allow: false,
             observe_responses: true,
@@ -75,8 +78,16 @@ impl LocalCluster {
         let mut epps = Vec::new();
         let mut raft = None;
         if spec.raft {
-            raft =
-                Some(RaftCluster::start_with(spec.replicas as u64, &endpoints_file, &args).await?);
+            let own: Vec<(u64, Vec<&str>)> = spec
+                .replica_args
+                .iter()
+                .map(|(id, a)| (*id, a.iter().map(String::as_str).collect()))
+                .collect();
+            let own: Vec<(u64, &[&str])> = own.iter().map(|(id, a)| (*id, a.as_slice())).collect();
+            raft = Some(
+                RaftCluster::start_with_each(spec.replicas as u64, &endpoints_file, &args, &own)
+                    .await?,
+            );
         } else {
             let env: Vec<(&str, &str)> = spec
                 .epp_env

@@ -293,3 +293,109 @@ async fn three_replicas_share_one_precise_index_from_sharded_subscriptions() {
     eprintln!("partitioned 30 s: converged {healed:?} after healing");
     c.shutdown().await;
 }
+
+/// llm-d's centralized mode with three replicas: every replica binds its own `zmqEndpoint`, and
+/// each pod's publisher connects to one of them (as through a Service), the pods spread over
+/// the three. The replica a pod publishes to forwards its messages to the pod's owners over the
+/// peer port. Checked from outside the EPP: every pod followed by exactly two replicas; the
+/// predictions match what the pods report within 5%; once traffic stops every replica's index
+/// equals every pod's GPU cache and CPU tier — including on replicas no pod publishes to
+/// directly for the pods they own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn centralized_mode_across_replicas_forwards_to_the_owners() {
+    let endpoints: Vec<String> = (0..3)
+        .map(|_| {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            format!("tcp://127.0.0.1:{port}")
+        })
+        .collect();
+    let mut spec = spec();
+    spec.epp_args.clear();
+    if let Some(kv) = spec.sim.kv_events.as_mut() {
+        kv.connect = Some(endpoints.join(","));
+    }
+    spec.replica_args = endpoints
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let cfg = workloads::llmd_prefix_config("precise-prefix-cache-producer").replacen(
+                "- type: precise-prefix-cache-producer\n",
+                &format!(
+                    "- type: precise-prefix-cache-producer\n  parameters:\n    kvEventsConfig:\n      \
+                     discoverPods: false\n      zmqEndpoint: \"{e}\"\n"
+                ),
+                1,
+            );
+            (i as u64 + 1, vec!["--config-text".to_string(), cfg])
+        })
+        .collect();
+    let c = LocalCluster::start(spec).await.unwrap();
+    c.wait_for_pods().await.unwrap();
+    let settled = chaos::wait::until(
+        "two live subscribers per pod",
+        Duration::from_secs(10),
+        || async {
+            let s = subscribers(&c, &[0, 1, 2]).await;
+            s.len() == 8 && s.values().all(|n| *n == 2) && replaying(&c, &[0, 1, 2]).await == 0
+        },
+    )
+    .await;
+    let before = subscribers(&c, &[0, 1, 2]).await;
+    settled.unwrap_or_else(|e| panic!("{e}: {before:?}"));
+    for (i, e) in endpoints.iter().enumerate() {
+        assert_eq!(view(&c, i).await["central_endpoint"], e.as_str());
+    }
+    let r = loadgen::run(&load(1, 24), &c.envoy.url()).await.unwrap();
+    assert_eq!(r.errors, 0, "{r:?}");
+    let observed_all = || async {
+        let mut sum = 0;
+        for i in 0..3 {
+            let m = c.epp(i).unwrap().metrics().await.unwrap();
+            sum += counter(&m, "llm_d_epp_prefix_cached_tokens_observed_total");
+        }
+        sum == r.cached_tokens
+    };
+    let _ = chaos::wait::until(
+        "every response observed",
+        Duration::from_secs(5),
+        observed_all,
+    )
+    .await;
+    let (mut predicted, mut observed, mut err, mut forwarded) = (0, 0, 0, 0);
+    for i in 0..3 {
+        let m = c.epp(i).unwrap().metrics().await.unwrap();
+        predicted += counter(&m, "llm_d_epp_prefix_cached_tokens_predicted_total");
+        observed += counter(&m, "llm_d_epp_prefix_cached_tokens_observed_total");
+        err += counter(&m, "llm_d_epp_prefix_cached_tokens_abs_error_total");
+        forwarded += m
+            .lines()
+            .filter(|l| {
+                l.starts_with("llm_d_epp_kv_events_messages_total{")
+                    && l.contains("outcome=\"forwarded\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64;
+    }
+    let took = converged(&c, &[0, 1, 2], Duration::from_secs(5)).await;
+    let streams = recoveries(&c, &[0, 1, 2]).await;
+    eprintln!(
+        "centralized, 3 replicas: predicted {predicted} observed {observed} |error| {err} \
+         ({:.2}%); {forwarded} messages forwarded; converged {took:?} after the traffic; streams \
+         (replica, pod, gaps, resyncs, restarts): {streams:?}",
+        err as f64 * 100.0 / observed.max(1) as f64
+    );
+    assert_eq!(observed, r.cached_tokens);
+    assert!(observed > 0);
+    assert!(forwarded > 0, "the replicas forward to the owners");
+    // As in the test above (two first turns sharing the system prompt can race).
+    assert!(
+        err as f64 <= 0.05 * observed as f64,
+        "prediction error {err} of {observed}; streams {streams:?}"
+    );
+    took.unwrap();
+    c.shutdown().await;
+}

@@ -50,7 +50,7 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
     let root = chaos::locate::workspace_root();
     let flow = root.join("deploy/examples/flow-control.yaml");
     let config = format!("config=@{}", flow.display());
-    let cases: [(&str, Vec<&str>); 4] = [
+    let cases: [(&str, Vec<&str>); 5] = [
         (
             "three replicas",
             vec!["pool.name=llm", "cluster.tls.secretName=epp-peer-tls"],
@@ -83,6 +83,14 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
         (
             "one replica, centralized KV events",
             vec!["pool.name=llm", "replicas=1", "kvEvents.centralPort=5557"],
+        ),
+        (
+            "three replicas, centralized KV events (forwarded to the owners)",
+            vec![
+                "pool.name=llm",
+                "cluster.tls.secretName=epp-peer-tls",
+                "kvEvents.centralPort=5557",
+            ],
         ),
     ];
     for (what, values) in &cases {
@@ -363,14 +371,6 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
                 "terminationGracePeriodSeconds=30",
             ],
             "terminationGracePeriodSeconds must exceed",
-        ),
-        (
-            vec![
-                "pool.name=llm",
-                "cluster.tls.secretName=epp-peer-tls",
-                "kvEvents.centralPort=5557",
-            ],
-            "kvEvents.centralPort (centralized KV events",
         ),
     ] {
         let out = helm.template(RELEASE, NS, &values).unwrap();

@@ -398,3 +398,89 @@ fn a_restart_before_the_first_live_message_is_not_taken_for_duplicates() {
     });
     wait("the restart's status", || sub.status()["pod"].restarts == 1);
 }
+
+/// Centralized mode in a cluster, at the subscriber: replica A binds the socket both pods
+/// publish to but owns only pod 0; pod 1's owner is replica B. A applies pod 0's messages and
+/// hands every message to its forwarding queue (the peer exchange sends each to the pod's other
+/// owners); what B is handed for pod 1 (`inject`) it follows as its own stream — replaying the
+/// past from the pod, then live.
+#[test]
+fn centralized_mode_forwards_what_other_replicas_own() {
+    let start = || {
+        let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
+        let metrics = Arc::new(Metrics::new("p"));
+        let sub = Subscriber::start(
+            producer.clone(),
+            "kv@".into(),
+            None,
+            metrics,
+            Some("tcp://127.0.0.1:*"),
+        )
+        .unwrap();
+        (producer, sub)
+    };
+    let ((pa, a), (pb, b)) = (start(), start());
+    let central = a.central_endpoint().unwrap().to_string();
+    let cfg = KvEventsConfig {
+        connect: Some(central.clone()),
+        ..KvEventsConfig::default()
+    };
+    let pods = ["10.0.0.1:8000", "10.0.0.2:8000"];
+    let publisher = Publisher::start(
+        &cfg,
+        "127.0.0.1".parse().unwrap(),
+        pods.iter().map(|p| format!("kv@{p}@m")).collect(),
+    )
+    .unwrap();
+    let target = |i: usize, endpoint: &str| Target {
+        pod: pods[i].to_string(),
+        endpoint: endpoint.to_string(),
+        replay: Some(publisher.endpoints[i].replay.clone()),
+        shared: true,
+    };
+    let (fwd_tx, mut fwd_rx) = tokio::sync::mpsc::channel(1024);
+    a.forward_to(fwd_tx);
+    a.set_targets(vec![target(0, &central)]);
+    a.forward_foreign(vec![pods[1].to_string()]);
+    b.set_targets(vec![target(1, b.central_endpoint().unwrap())]);
+    let tx = publisher.sender().unwrap();
+    let send =
+        |pod: usize, events: Vec<KvEvent>| tx.send(Command::Publish { pod, events }).unwrap();
+    send(1, vec![stored(0)]); // before anyone follows pod 1: B's replay brings it
+    let (mut n0, mut n1) = (0, 1);
+    let mut forwarded = [0, 0];
+    wait("both streams, pod 1's through the forwarding", || {
+        send(0, vec![stored(n0)]);
+        send(1, vec![stored(n1)]);
+        n0 += 1;
+        n1 += 1;
+        std::thread::sleep(Duration::from_millis(20));
+        while let Ok(f) = fwd_rx.try_recv() {
+            let i = pods.iter().position(|p| *p == f.pod).unwrap();
+            forwarded[i] += 1;
+            if i == 1 {
+                assert!(b.inject(&f));
+            }
+        }
+        held(&pa, pods[0]) == sorted(keys(n0))
+            && held(&pb, pods[1]) == sorted(keys(n1))
+            && b.status().get(pods[1]).is_some_and(|s| s.applied > 0)
+    });
+    assert!(held(&pa, pods[1]).is_empty(), "A only forwards pod 1");
+    assert!(held(&pb, pods[0]).is_empty());
+    assert!(
+        forwarded[0] > 0 && forwarded[1] > 0,
+        "every message goes to the queue: {forwarded:?}"
+    );
+    // A message for a pod B does not follow is not taken.
+    let stray = node::datalayer::kvevents::Forwarded {
+        pod: "10.0.0.7:8000".into(),
+        seq: 0,
+        topic: b"kv@10.0.0.7:8000@m".to_vec(),
+        payload: vec![0x90],
+    };
+    assert!(b.inject(&stray));
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(!pb.pods().contains(&stray.pod));
+    drop(publisher);
+}

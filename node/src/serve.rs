@@ -165,18 +165,6 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let cfg = load_config(&opts)?;
     let built = scheduling::build(&cfg)?;
-    if opts.cluster.is_some()
-        && let Some(p) = &built.scheduler.precise
-        && p.params.kv_events_config.central_endpoint().is_some()
-    {
-        return Err(ServeError::Config(ConfigError::invalid(
-            "precise-prefix-cache-producer: kvEventsConfig.discoverPods: false (pods connecting \
-             to zmqEndpoint) needs a single replica — in cluster mode a pod's publisher reaches \
-             whichever replica its connection lands on, not the pod's owners; use \
-             discoverPods: true (each pod's stream read by its owners and shared with every \
-             replica)",
-        )));
-    }
     tracing::info!(config = %built.summary, "effective configuration");
     let interval = match &built.metrics_source.interval {
         Some(i) => parse_duration(i)
@@ -554,6 +542,11 @@ pub async fn serve(
         });
     }
     if let (Some(sub), Some(p)) = (&kv_events, &ctx.scheduler.precise) {
+        // Centralized mode in a cluster: a pod's publisher reaches whichever replica its
+        // connection lands on; that replica forwards to the pod's owners.
+        if let (Some(g), Some(_)) = (&gossip, sub.central_endpoint()) {
+            sub.forward_to(g.forward_kv_events(sub.clone(), stop.clone()));
+        }
         tasks.spawn(
             crate::datalayer::kvevents::follow(
                 sub.clone(),

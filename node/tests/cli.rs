@@ -270,38 +270,3 @@ fn node_id_from_a_pod_name() {
     let (ok, out) = serve(&["--node-id-from-pod-name", "epp-0", "--node-id", "2"]);
     assert!(!ok && out.contains("cannot be used with"), "{out}");
 }
-
-/// llm-d's centralized KV-event mode (pods connecting to the EPP) cannot be sharded over
-/// replicas: in cluster mode `epp serve` refuses it before binding anything, and says why.
-#[test]
-fn cluster_mode_refuses_centralized_kv_events() {
-    let dir = std::env::temp_dir().join(format!("epp-cli-central-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let endpoints = dir.join("endpoints.yaml");
-    std::fs::write(&endpoints, "pods: []\n").unwrap();
-    let config = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n\
-                  - type: precise-prefix-cache-producer\n  parameters:\n    kvEventsConfig:\n      \
-                  discoverPods: false\n- type: prefix-cache-scorer\n";
-    let (ok, out) = epp(&[
-        "serve",
-        "--bind",
-        "127.0.0.1",
-        "--endpoints-file",
-        endpoints.to_str().unwrap(),
-        "--config-text",
-        config,
-        "--data-dir",
-        dir.join("data").to_str().unwrap(),
-        "--node-id",
-        "1",
-        "--peers",
-        "1=127.0.0.1:1",
-        "--peer-insecure",
-    ]);
-    assert!(!ok, "{out}");
-    assert!(
-        out.contains("discoverPods: false") && out.contains("single replica"),
-        "{out}"
-    );
-    std::fs::remove_dir_all(&dir).ok();
-}

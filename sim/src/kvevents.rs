@@ -55,7 +55,9 @@ pub struct KvEventsConfig {
     pub hwm: i32,
     /// Publish by connecting to this endpoint, as vLLM does with an `endpoint` without a
     /// wildcard (llm-d's centralized mode: the router binds, every pod connects), instead of
-    /// binding a PUB socket per pod. The replay ROUTER is bound either way.
+    /// binding a PUB socket per pod. The replay ROUTER is bound either way. A comma-separated
+    /// list spreads the pods over several (pod `i` connects to entry `i mod n`), as a Service in
+    /// front of several router replicas would.
     pub connect: Option<String>,
 }
 
@@ -387,11 +389,22 @@ impl Publisher {
             std::net::IpAddr::V4(v4) => v4.to_string(),
             std::net::IpAddr::V6(v6) => format!("[{v6}]"),
         };
-        for topic in topics {
+        let connect: Vec<&str> = cfg
+            .connect
+            .as_deref()
+            .map(|c| {
+                c.split(',')
+                    .map(str::trim)
+                    .filter(|e| !e.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default();
+        for (i, topic) in topics.into_iter().enumerate() {
             let publisher = ctx.socket(zmq::PUB).map_err(zerr("PUB socket"))?;
             publisher.set_sndhwm(cfg.hwm).map_err(zerr("set hwm"))?;
             publisher.set_linger(0).map_err(zerr("set linger"))?;
-            match &cfg.connect {
+            let to = (!connect.is_empty()).then(|| connect[i % connect.len()]);
+            match to {
                 Some(to) => publisher.connect(to).map_err(zerr("connect PUB"))?,
                 None => bind(&publisher, &format!("tcp://{host}:*"), "bind PUB")?,
             }
@@ -399,13 +412,13 @@ impl Publisher {
             replay.set_linger(0).map_err(zerr("set linger"))?;
             bind(&replay, &format!("tcp://{host}:*"), "bind ROUTER")?;
             endpoints.push(KvEndpoints {
-                publisher: match &cfg.connect {
-                    Some(to) => to.clone(),
+                publisher: match to {
+                    Some(to) => to.to_string(),
                     None => bound_endpoint(&publisher)?,
                 },
                 replay: bound_endpoint(&replay)?,
                 topic: topic.clone(),
-                connects: cfg.connect.is_some(),
+                connects: to.is_some(),
             });
             pods.push(PodSockets {
                 publisher,

@@ -68,7 +68,8 @@ struct Args {
     #[arg(long, default_value_t = 10_000)]
     kv_events_buffer_steps: usize,
     /// Publish by connecting every pod's PUB socket to this endpoint (llm-d's centralized mode,
-    /// e.g. `tcp://127.0.0.1:5557`) instead of binding one per pod.
+    /// e.g. `tcp://127.0.0.1:5557`) instead of binding one per pod; a comma-separated list
+    /// spreads the pods over several (pod `i` to entry `i mod n`).
     #[arg(long)]
     kv_events_connect: Option<String>,
     /// Label the first N pods `llm-d.ai/role: prefill`.

@@ -63,9 +63,6 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if and .Values.pool.create (not .Values.pool.matchLabels) -}}
 {{- fail "pool.create needs pool.matchLabels (the model servers' pod labels)" -}}
 {{- end -}}
-{{- if and .Values.kvEvents.centralPort (include "epp.clustered" .) -}}
-{{- fail "kvEvents.centralPort (centralized KV events: the pods connect to the EPP) needs replicas=1: through the Service each pod's publisher reaches one replica, not the pod's owners; with more replicas leave it unset (discoverPods: true)" -}}
-{{- end -}}
 {{- if and .Values.tenantsSecret .Values.watchTenants -}}
 {{- fail "tenantsSecret and watchTenants exclude each other (tenants from a file, or from TenantQuota objects)" -}}
 {{- end -}}

@@ -118,6 +118,10 @@ pub struct Gossip {
     /// The replicated precise prefix index (`precise`), when one runs and subscriptions are
     /// sharded.
     precise: OnceLock<Arc<crate::scheduling::precise::PrecisePrefixProducer>>,
+    /// Centralized KV events: the subscriber forwarded messages go to, and the queue of
+    /// messages for each peer (node id) that forwards them.
+    kv_inbox: OnceLock<Arc<crate::datalayer::kvevents::Subscriber>>,
+    kv_routes: Mutex<HashMap<u64, mpsc::Sender<pb::KvFrame>>>,
 }
 
 impl Gossip {
@@ -167,6 +171,8 @@ impl Gossip {
             load: OnceLock::new(),
             peer_load: Mutex::new(HashMap::new()),
             precise: OnceLock::new(),
+            kv_inbox: OnceLock::new(),
+            kv_routes: Mutex::new(HashMap::new()),
         })
     }
 
@@ -308,6 +314,10 @@ impl Gossip {
             let keep = wanted.iter().any(|(a, _)| a == addr);
             if !keep {
                 p.stop.cancel();
+                self.kv_routes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&p.id);
             }
             keep
         });
@@ -346,7 +356,21 @@ impl Gossip {
                     precise_rx = None;
                     None
                 },
+                id: peer_id,
             };
+            if self.kv_inbox.get().is_some() {
+                let (tx, rx) = mpsc::channel(precise::FORWARD_QUEUE);
+                self.kv_routes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(peer_id, tx);
+                tokio::spawn(self.clone().kv_forward_loop(
+                    addr.clone(),
+                    precise::client(channel.clone()),
+                    rx,
+                    peer.stop.clone(),
+                ));
+            }
             if let Some(rx) = precise_rx {
                 tokio::spawn(self.clone().precise_peer_loop(
                     addr.clone(),
@@ -635,6 +659,7 @@ struct Peer {
     stop: CancellationToken,
     /// The precise index's deltas for this peer (when replicated).
     precise_tx: Option<mpsc::Sender<Arc<pb::PreciseDeltas>>>,
+    id: u64,
 }
 
 /// The `PrefixGossip` and `SampleFanout` gRPC services (and the certificate binding of their

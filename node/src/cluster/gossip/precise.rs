@@ -25,10 +25,18 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use super::{Gossip, MAX_MESSAGE_BYTES, Peer, pb};
+use crate::datalayer::kvevents::{Forwarded, Subscriber};
 use crate::scheduling::precise::PrecisePrefixProducer;
 use index::precise::PodKeys;
 use pb::precise_gossip_client::PreciseGossipClient;
 use pb::precise_gossip_server::{PreciseGossip, PreciseGossipServer};
+
+/// Centralized KV events: messages queued for forwarding, in all and per peer (beyond, they are
+/// dropped and counted; the owners see a gap and replay it from the pod).
+pub(super) const FORWARD_QUEUE: usize = 8192;
+/// Messages, and payload bytes, per forwarding call at most.
+const FORWARD_BATCH: usize = 512;
+const FORWARD_BYTES: usize = 8 << 20;
 
 /// How often a mirror compares its pods with their primaries.
 const ANTI_ENTROPY: Duration = Duration::from_secs(1);
@@ -50,6 +58,137 @@ impl Gossip {
         if self.precise.set(producer).is_err() {
             tracing::warn!("precise index already replicated; a second gossip is ignored");
         }
+    }
+
+    /// Centralized KV events in a cluster (`discoverPods: false`): the messages `sub` receives
+    /// for pods other replicas own go to those owners (the returned queue, for
+    /// [`Subscriber::forward_to`]), and what the peers forward is handed to `sub`.
+    pub fn forward_kv_events(
+        self: &Arc<Self>,
+        sub: Arc<Subscriber>,
+        stop: CancellationToken,
+    ) -> mpsc::Sender<Forwarded> {
+        if self.kv_inbox.set(sub).is_err() {
+            tracing::warn!("kv events already forwarded; a second subscriber is ignored");
+        }
+        let (tx, rx) = mpsc::channel(FORWARD_QUEUE);
+        tokio::spawn(self.clone().route_forwarded(rx, stop));
+        tx
+    }
+
+    /// Each message to the queues of its pod's owners other than this replica.
+    async fn route_forwarded(
+        self: Arc<Self>,
+        mut rx: mpsc::Receiver<Forwarded>,
+        stop: CancellationToken,
+    ) {
+        loop {
+            let f = tokio::select! {
+                _ = stop.cancelled() => return,
+                f = rx.recv() => match f { Some(f) => f, None => return },
+            };
+            let frame = pb::KvFrame {
+                pod: f.pod.clone(),
+                topic: f.topic.clone(),
+                seq: f.seq,
+                payload: f.payload.clone(),
+            };
+            for owner in self.store.shard.owners(&f.pod) {
+                if owner == self.node_id {
+                    // Applied here already (or, ownership having just moved here, missed: the
+                    // stream's next message shows the gap, which the replay fills).
+                    continue;
+                }
+                let queued = self
+                    .kv_routes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&owner)
+                    .is_some_and(|tx| tx.try_send(frame.clone()).is_ok());
+                if !queued {
+                    self.metrics.gossip.dropped_batch();
+                }
+            }
+        }
+    }
+
+    /// Sends the messages queued for one peer, batched.
+    pub(super) async fn kv_forward_loop(
+        self: Arc<Self>,
+        addr: String,
+        mut client: Client,
+        mut rx: mpsc::Receiver<pb::KvFrame>,
+        stop: CancellationToken,
+    ) {
+        let mut failing = false;
+        loop {
+            let first = tokio::select! {
+                _ = stop.cancelled() => return,
+                f = rx.recv() => match f { Some(f) => f, None => return },
+            };
+            let mut bytes = first.payload.len();
+            let mut frames = vec![first];
+            while frames.len() < FORWARD_BATCH && bytes < FORWARD_BYTES {
+                let Ok(f) = rx.try_recv() else { break };
+                bytes += f.payload.len();
+                frames.push(f);
+            }
+            let msg = pb::KvFrames {
+                from: self.node_id,
+                frames,
+            };
+            let (size, n) = (msg.encoded_len(), msg.frames.len());
+            let mut req = Request::new(msg);
+            req.set_timeout(self.opts.rpc_timeout);
+            let res = tokio::time::timeout(self.opts.rpc_timeout, client.forward(req)).await;
+            match res {
+                Ok(Ok(_)) => {
+                    self.metrics.gossip.sent(size, n);
+                    if failing {
+                        tracing::info!(%addr, "kv events: forwarding to the peer again");
+                        failing = false;
+                    }
+                }
+                Ok(Err(e)) => self.forward_failed(&addr, &mut failing, &e.to_string()),
+                Err(_) => self.forward_failed(&addr, &mut failing, "timed out"),
+            }
+        }
+    }
+
+    fn forward_failed(&self, addr: &str, failing: &mut bool, error: &str) {
+        self.metrics.gossip.push_failed();
+        if !*failing {
+            tracing::warn!(%addr, %error, "kv events: forwarding failed; the owners replay the gap");
+            *failing = true;
+        }
+    }
+
+    /// Messages a peer forwarded: those of pods this replica owns to its subscriber.
+    fn kv_receive(&self, frames: Vec<pb::KvFrame>) -> Result<(), Status> {
+        let sub = self.kv_inbox.get().ok_or_else(|| {
+            Status::failed_precondition("no centralized KV events on this replica")
+        })?;
+        let known = self.store.by_hostport();
+        for f in frames {
+            if !known.contains_key(&f.pod) {
+                self.metrics.rejected_value("peer", "pod");
+                continue;
+            }
+            // Ownership moved meanwhile: the new owner replays what it missed.
+            if !self.store.shard.owns(&f.pod) {
+                continue;
+            }
+            let m = Forwarded {
+                pod: f.pod,
+                seq: f.seq,
+                topic: f.topic,
+                payload: f.payload,
+            };
+            if !sub.inject(&m) {
+                self.metrics.kv_events.messages(&m.pod, "overflow", 1);
+            }
+        }
+        Ok(())
     }
 
     pub(super) fn precise(&self) -> Result<&PrecisePrefixProducer, Status> {
@@ -329,6 +468,18 @@ impl PreciseGossip for PreciseGossipService {
             .sum();
         self.0.metrics.gossip.received(msg.encoded_len(), entries);
         self.0.precise_merge(msg.pods)?;
+        Ok(Response::new(pb::PushReply {}))
+    }
+
+    async fn forward(&self, req: Request<pb::KvFrames>) -> Result<Response<pb::PushReply>, Status> {
+        self.authorize(&req, req.get_ref().from)?;
+        let msg = req.into_inner();
+        self.0.heard_from(msg.from);
+        self.0
+            .metrics
+            .gossip
+            .received(msg.encoded_len(), msg.frames.len());
+        self.0.kv_receive(msg.frames)?;
         Ok(Response::new(pb::PushReply {}))
     }
 

@@ -7,8 +7,9 @@
 //! mode (`discoverPods: false`) the pods connect instead: one SUB socket bound on `zmqEndpoint`
 //! takes every pod's stream, told apart by the pod in its topic (`kv@<ip>:<port>@<model>`, the
 //! candidate's address; an IP alone when one pod of the pool has it), then followed as a stream
-//! of its own — sequence, gaps, replays (from the pod's replay socket), restarts. Messages from
-//! a pod outside the pool are counted (`unknown`) and dropped. A task follows the
+//! of its own — sequence, gaps, replays (from the pod's replay socket), restarts; in a cluster
+//! the replica a pod publishes to forwards its messages to the pod's owners ([`central`]).
+//! Messages from a pod outside the pool are counted (`unknown`) and dropped. A task follows the
 //! pool ([`follow`]) and hands the subscription set to the thread that owns every socket (ZMQ
 //! sockets are not thread-safe), which polls them, decodes each batch
 //! ([`index::kvevents`]) and applies it under the index's write lock, one message at a time.
@@ -40,6 +41,11 @@ use index::kvevents::{self, Replay};
 use index::precise::Applied;
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
+
+mod central;
+
+use central::Central;
+pub use central::Forwarded;
 
 use super::endpoint::Endpoint;
 use super::store::Datastore;
@@ -160,6 +166,15 @@ impl Default for KvEventsParams {
     }
 }
 
+/// What the subscriber thread is told.
+enum Msg {
+    /// Follow exactly these streams.
+    Targets(Vec<Target>),
+    /// Centralized mode in a cluster: the pods other replicas own (see [`central`]).
+    Foreign(Vec<String>),
+    ForwardTo(tokio::sync::mpsc::Sender<Forwarded>),
+}
+
 /// One pod's stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
@@ -232,7 +247,9 @@ pub struct PodStatus {
 
 /// The running subscriber; dropping it stops the thread.
 pub struct Subscriber {
-    tx: mpsc::Sender<Vec<Target>>,
+    tx: mpsc::Sender<Msg>,
+    /// Centralized mode: the PUSH end of the thread's inbox of forwarded messages.
+    inject: Option<Mutex<zmq::Socket>>,
     /// Centralized mode: the address the shared SUB socket is bound to.
     central: Option<String>,
     stop: Arc<AtomicBool>,
@@ -258,31 +275,13 @@ impl Subscriber {
         central: Option<&str>,
     ) -> std::io::Result<Subscriber> {
         let ctx = zmq::Context::new();
-        let central = match central {
+        let (central, inject) = match central {
             Some(addr) => {
-                let zerr = |what: &str, e: zmq::Error| {
-                    std::io::Error::other(format!("kv events: {what} {addr}: {e}"))
-                };
-                let socket = ctx.socket(zmq::SUB).map_err(|e| zerr("socket for", e))?;
-                socket
-                    .set_rcvhwm(RCVHWM)
-                    .and_then(|()| socket.set_linger(0))
-                    .and_then(|()| socket.set_subscribe(topic_filter.as_bytes()))
-                    .map_err(|e| zerr("configuring", e))?;
-                socket.bind(addr).map_err(|e| zerr("binding", e))?;
-                let bound = socket
-                    .get_last_endpoint()
-                    .ok()
-                    .and_then(Result::ok)
-                    .unwrap_or_else(|| addr.to_string());
-                tracing::info!(endpoint = %bound, "kv events: centralized mode, pods publish here");
-                Some(Central {
-                    socket,
-                    endpoint: bound,
-                    by_pod: BTreeMap::new(),
-                })
+                let (c, push) = Central::bind(&ctx, addr, &topic_filter, RCVHWM)?;
+                tracing::info!(endpoint = %c.endpoint, "kv events: centralized mode, pods publish here");
+                (Some(c), Some(Mutex::new(push)))
             }
-            None => None,
+            None => (None, None),
         };
         let bound = central.as_ref().map(|c| c.endpoint.clone());
         let (tx, rx) = mpsc::channel();
@@ -309,6 +308,7 @@ impl Subscriber {
         };
         Ok(Subscriber {
             tx,
+            inject,
             central: bound,
             stop,
             thread: Some(thread),
@@ -323,7 +323,7 @@ impl Subscriber {
 
     /// Subscribe to exactly these streams.
     pub fn set_targets(&self, targets: Vec<Target>) {
-        let _ = self.tx.send(targets);
+        let _ = self.tx.send(Msg::Targets(targets));
     }
 
     /// Every subscription's state, by pod.
@@ -345,8 +345,9 @@ impl Drop for Subscriber {
 }
 
 /// Follow the pool: every 500 ms, the subscription set from the datastore's endpoints this
-/// replica owns (cluster mode: the pod's scrape owners; standalone: every pod), and pods gone from
-/// the pool dropped from the index.
+/// replica owns (cluster mode: the pod's scrape owners; standalone: every pod), the pods whose
+/// messages are forwarded (centralized mode in a cluster: those other replicas own), and pods
+/// gone from the pool dropped from the index.
 pub async fn follow(
     sub: Arc<Subscriber>,
     producer: Arc<dyn KvIndex>,
@@ -355,6 +356,7 @@ pub async fn follow(
     stop: CancellationToken,
 ) {
     let mut last: Option<Vec<Target>> = None;
+    let mut last_foreign: Option<Vec<String>> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tokio::select! {
@@ -368,8 +370,19 @@ pub async fn follow(
                 producer.remove(&pod);
             }
         }
-        let mut now = targets(&endpoints, &params);
-        now.retain(|t| store.shard.owns(&t.pod));
+        let (now, foreign): (Vec<Target>, Vec<Target>) = targets(&endpoints, &params)
+            .into_iter()
+            .partition(|t| store.shard.owns(&t.pod));
+        // Centralized mode: what reaches this replica for the others' pods goes to them.
+        let foreign: Vec<String> = foreign
+            .into_iter()
+            .filter(|t| t.shared)
+            .map(|t| t.pod)
+            .collect();
+        if last_foreign.as_ref() != Some(&foreign) {
+            sub.forward_foreign(foreign.clone());
+            last_foreign = Some(foreign);
+        }
         if last.as_ref() != Some(&now) {
             sub.set_targets(now.clone());
             last = Some(now);
@@ -383,15 +396,6 @@ struct Replaying {
     got_any: bool,
     /// Live messages held meanwhile: (seq, topic, payload).
     backlog: VecDeque<(u64, Vec<u8>, Vec<u8>)>,
-}
-
-/// Centralized mode's shared socket.
-struct Central {
-    socket: zmq::Socket,
-    endpoint: String,
-    /// The shared streams' subscriptions: by the pod's address, and by its IP when one pod of
-    /// the pool has it (a topic naming the IP alone).
-    by_pod: BTreeMap<String, usize>,
 }
 
 struct Sub {
@@ -429,17 +433,29 @@ struct Thread {
 }
 
 impl Thread {
-    fn run(mut self, rx: &mpsc::Receiver<Vec<Target>>, stop: &AtomicBool) {
+    fn run(mut self, rx: &mpsc::Receiver<Msg>, stop: &AtomicBool) {
         let mut published = Instant::now();
         while !stop.load(Ordering::Relaxed) {
-            let mut latest = None;
-            while let Ok(t) = rx.try_recv() {
-                latest = Some(t);
+            let (mut targets, mut foreign) = (None, None);
+            while let Ok(m) = rx.try_recv() {
+                match m {
+                    Msg::Targets(t) => targets = Some(t),
+                    Msg::Foreign(p) => foreign = Some(p),
+                    Msg::ForwardTo(tx) => {
+                        if let Some(c) = &mut self.central {
+                            c.forward = Some(tx);
+                        }
+                    }
+                }
             }
-            if let Some(t) = latest {
+            if let (Some(p), Some(c)) = (foreign, &mut self.central) {
+                c.foreign = p;
+                self.route_topics();
+            }
+            if let Some(t) = targets {
                 self.reconcile(t);
             }
-            if self.subs.is_empty() {
+            if self.subs.is_empty() && self.central.is_none() {
                 std::thread::sleep(Duration::from_millis(POLL_MS as u64));
             } else {
                 self.poll_round();
@@ -492,27 +508,7 @@ impl Thread {
                 }
             }
         }
-        if let Some(c) = &mut self.central {
-            c.by_pod.clear();
-            let mut ips: BTreeMap<String, Option<usize>> = BTreeMap::new();
-            for (i, s) in self
-                .subs
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.target.shared)
-            {
-                c.by_pod.insert(s.target.pod.clone(), i);
-                if let Some((ip, _)) = s.target.pod.rsplit_once(':') {
-                    let ip = ip.trim_start_matches('[').trim_end_matches(']').to_string();
-                    ips.entry(ip).and_modify(|e| *e = None).or_insert(Some(i));
-                }
-            }
-            for (ip, i) in ips {
-                if let Some(i) = i {
-                    c.by_pod.entry(ip).or_insert(i);
-                }
-            }
-        }
+        self.route_topics();
         self.publish_status();
     }
 
@@ -575,11 +571,13 @@ impl Thread {
     }
 
     fn poll_round(&mut self) {
-        // Which sockets are readable: the shared SUB, then each pod's SUB and DEALER.
-        let (central, ready): (bool, Vec<(bool, bool)>) = {
-            let mut items = Vec::with_capacity(self.subs.len() * 2 + 1);
+        // Which sockets are readable: the shared SUB and the inbox of forwarded messages, then
+        // each pod's SUB and DEALER.
+        let (central, inbox, ready): (bool, bool, Vec<(bool, bool)>) = {
+            let mut items = Vec::with_capacity(self.subs.len() * 2 + 2);
             if let Some(c) = &self.central {
                 items.push(c.socket.as_poll_item(zmq::POLLIN));
+                items.push(c.inbox.as_poll_item(zmq::POLLIN));
             }
             for s in &self.subs {
                 if let Some(sub) = &s.sub {
@@ -600,15 +598,19 @@ impl Thread {
                 }
             };
             let central = next(self.central.is_some());
+            let inbox = next(self.central.is_some());
             let ready = self
                 .subs
                 .iter()
                 .map(|s| (next(s.sub.is_some()), next(s.dealer.is_some())))
                 .collect();
-            (central, ready)
+            (central, inbox, ready)
         };
         if central {
             self.drain_central();
+        }
+        if inbox {
+            self.drain_inbox();
         }
         for (i, (live, replay)) in ready.into_iter().enumerate() {
             if replay {
@@ -617,39 +619,6 @@ impl Thread {
             if live {
                 self.drain_live(i);
             }
-        }
-    }
-
-    /// Centralized mode: the shared socket's messages, each to its pod's stream. One budget per
-    /// shared stream a round; the socket delivers in arrival order, so a flooding pod delays the
-    /// others by at most its share of the high-water mark.
-    fn drain_central(&mut self) {
-        let shared = self.subs.iter().filter(|s| s.target.shared).count();
-        for _ in 0..BUDGET * shared.max(1) {
-            let Some(c) = &self.central else { return };
-            let Ok(frames) = c.socket.recv_multipart(zmq::DONTWAIT) else {
-                return;
-            };
-            let m = match kvevents::parse_live(&frames) {
-                Ok(m) => m,
-                Err(e) => {
-                    // No pod to charge it to.
-                    self.metrics.kv_events.messages("", "garbage", 1);
-                    tracing::debug!(error = %e, "kv events: garbage on the shared socket");
-                    continue;
-                }
-            };
-            let pod = kvevents::parse_topic(m.topic).and_then(|t| c.by_pod.get(t.pod).copied());
-            let Some(i) = pod else {
-                // A pod outside the pool (or this replica's targets): its label stays fixed, a
-                // topic is whatever the publisher sends.
-                self.metrics.kv_events.messages("", "unknown", 1);
-                tracing::debug!(topic = %String::from_utf8_lossy(m.topic), "kv events: a pod outside the pool");
-                continue;
-            };
-            self.subs[i].last_message = Some(Instant::now());
-            let (seq, topic, payload) = (m.seq, m.topic.to_vec(), m.payload.to_vec());
-            self.receive_live(i, seq, topic, payload);
         }
     }
 
