@@ -676,7 +676,9 @@ impl PreciseIndex {
                     None => out.orphaned += 1,
                 }
             }
-            self.pods[id as usize].block_size = s.block_size;
+            if out.stored > 0 {
+                self.pods[id as usize].block_size = s.block_size;
+            }
             return out;
         }
         let effective = match (&s.lora_name, s.lora_id) {
