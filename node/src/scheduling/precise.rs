@@ -149,11 +149,10 @@ impl PreciseParams {
             if name.is_empty() {
                 return Err("a backend has an empty name".into());
             }
-            if !(b.weight.is_finite() && (0.0..=1000.0).contains(&b.weight)) {
-                return Err(format!(
-                    "weight {} of `{name}` is not in 0..=1000",
-                    b.weight
-                ));
+            // A block counts at most as much as a block on the GPU (the scorers' ratios stay
+            // within 0..=1).
+            if !(b.weight.is_finite() && (0.0..=1.0).contains(&b.weight)) {
+                return Err(format!("weight {} of `{name}` is not in 0..=1", b.weight));
             }
             if out.iter().any(|(n, _)| *n == name) {
                 return Err(format!("`{name}` is listed twice"));
@@ -580,6 +579,7 @@ mod tests {
             serde_json::json!({"speculativeTTL": "soon"}),
             serde_json::json!({"tokenProcessorConfig": {"blockSize": 0}}),
             serde_json::json!({"indexerConfig": {"kvCacheBackendConfigs": [{"name": "cpu", "weight": -1}]}}),
+            serde_json::json!({"indexerConfig": {"kvCacheBackendConfigs": [{"name": "gpu", "weight": 2}]}}),
             serde_json::json!({"indexerConfig": {"kvCacheBackendConfigs": [{"name": "", "weight": 1}]}}),
             serde_json::json!({"indexerConfig": {"kvCacheBackendConfigs": [{"name": "cpu", "weight": 1, "x": 1}]}}),
             serde_json::json!({"indexerConfig": {"kvCacheBackendConfigs": [{"name": "cpu", "weight": 1}, {"name": "CPU", "weight": 1}]}}),
