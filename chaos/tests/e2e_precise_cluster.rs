@@ -246,7 +246,7 @@ async fn three_replicas_share_one_precise_index_from_sharded_subscriptions() {
     // is predicted from the index before the first's blocks are stored, and finds them computed
     // (or not) depending on the engine's timing. Measured over 12 runs (2026-12-04): 8 exact,
     // 2 at 0.44%, 2 at 2.4% and 4.1% (the bound was 2% until then); 2026-12-06, the pods with a
-    // CPU tier: 9 of 9 exact (and 3 of 3 in centralized mode below).
+    // CPU tier: 10 of 10 exact (and 4 of 4 in centralized mode below).
     assert!(
         err as f64 <= 0.05 * observed as f64,
         "prediction error {err} of {observed}; streams' (replica, pod, gaps, resyncs, restarts): {:?}",

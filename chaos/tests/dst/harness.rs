@@ -112,12 +112,24 @@ pub async fn start_with<S: StateMachine>(
     dir: &Path,
     routes: tonic::service::Routes,
 ) -> Result<ConsensusNode<S>, String> {
-    let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT))
-        .await
-        .map_err(|e| format!("n{id} bind: {e}"))?;
-    ConsensusNode::start_on(config(id, dir, n), transport(listener), routes)
-        .await
-        .map_err(|e| format!("n{id} start: {e}"))
+    // A restarted member reopens the directory its previous life just dropped: sled's
+    // background flusher (a real thread, outside the simulation) may hold the directory's lock
+    // a moment longer, which a new process never sees. Wait for it in real time (at most 5 s);
+    // no simulated time passes meanwhile, so the run stays deterministic.
+    let mut waited = 0;
+    loop {
+        let listener = turmoil::net::TcpListener::bind(("0.0.0.0", PORT))
+            .await
+            .map_err(|e| format!("n{id} bind: {e}"))?;
+        match ConsensusNode::start_on(config(id, dir, n), transport(listener), routes.clone()).await
+        {
+            Err(e) if e.to_string().contains("acquire lock") && waited < 250 => {
+                waited += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            res => return res.map_err(|e| format!("n{id} start: {e}")),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
