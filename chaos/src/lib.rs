@@ -40,6 +40,7 @@ pub mod otlp;
 pub mod peerbench;
 pub mod peers;
 pub mod plot;
+pub mod ports;
 pub mod raft;
 pub mod random;
 pub mod wait;

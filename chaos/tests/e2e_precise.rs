@@ -236,13 +236,9 @@ async fn predicted_cached_tokens_match_what_the_pods_report() {
 /// match what the pods report as closely as with a subscription per pod.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn centralized_mode_the_pods_publish_to_the_epp() {
-    // A port for the EPP to bind, chosen by the OS; the pods connect first (ZMQ retries until
-    // the EPP binds).
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // A port for the EPP to bind (free, below the ephemeral range: nothing else takes it
+    // meanwhile); the pods connect first (ZMQ retries until the EPP binds).
+    let port = chaos::ports::for_later_bind().unwrap();
     let endpoint = format!("tcp://127.0.0.1:{port}");
     let sim = SimConfig {
         kv_events: Some(KvEventsConfig {

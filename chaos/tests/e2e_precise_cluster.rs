@@ -316,14 +316,13 @@ async fn three_replicas_share_one_precise_index_from_sharded_subscriptions() {
 /// directly for the pods they own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn centralized_mode_across_replicas_forwards_to_the_owners() {
+    // Ports the replicas bind, given to the pods before the replicas start.
     let endpoints: Vec<String> = (0..3)
         .map(|_| {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
-            format!("tcp://127.0.0.1:{port}")
+            format!(
+                "tcp://127.0.0.1:{}",
+                chaos::ports::for_later_bind().unwrap()
+            )
         })
         .collect();
     let mut spec = spec();
