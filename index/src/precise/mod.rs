@@ -31,6 +31,15 @@ use crate::hashing::MAX_BLOCK_SIZE;
 use crate::idhash::IdMap;
 use crate::kvevents::{BlockStored, KvEvent};
 
+mod matching;
+mod replica;
+mod tiers;
+
+pub use matching::PreciseMatch;
+pub use replica::{Change, PodKeys};
+pub use tiers::{GPU, MAX_TIERS, Tier};
+use tiers::{POD_MASK, TierInfo, holder};
+
 /// A pod's slot in the index.
 pub type PodId = u32;
 
@@ -55,16 +64,6 @@ pub fn chain_full_blocks(prev: u64, tokens: &[u32], block_size: usize, out: &mut
     }
 }
 
-/// A tier of a pod's KV cache: [`GPU`], or an offload tier named by the events' `medium`.
-pub type Tier = u8;
-/// The GPU pool (`medium` "GPU", or none given).
-pub const GPU: Tier = 0;
-/// Tiers told apart: the GPU and six offload tiers. A holder keeps its tier in its top three
-/// bits, and tier 7 would collide with the markers below; an eighth medium is not indexed.
-pub const MAX_TIERS: usize = 7;
-const TIER_SHIFT: u32 = 29;
-const POD_MASK: u32 = (1 << TIER_SHIFT) - 1;
-
 /// No pod in this slot.
 const NONE: PodId = PodId::MAX;
 /// First slot of a key held by more than two pods: the second slot indexes `spill`.
@@ -72,21 +71,6 @@ const SPILLED: PodId = PodId::MAX - 1;
 /// Pod ids fit below the tier bits.
 const MAX_PODS: usize = POD_MASK as usize;
 
-/// A holder: pod `pod`'s tier `tier`.
-fn holder(pod: PodId, tier: Tier) -> PodId {
-    pod | (PodId::from(tier) << TIER_SHIFT)
-}
-
-fn pod_of(holder: PodId) -> PodId {
-    holder & POD_MASK
-}
-
-fn tier_of(holder: PodId) -> Tier {
-    (holder >> TIER_SHIFT) as Tier
-}
-
-/// Longest `medium` name taken as a tier (longer ones are not indexed).
-const MAX_MEDIUM_LEN: usize = 32;
 /// Blocks one pod may hold in the index (16M blocks: 256M tokens at 16 per block, far beyond any
 /// engine's KV cache). An engine or a peer claiming more is not believed: further stores are
 /// skipped (and counted) until removals make room.
@@ -200,69 +184,6 @@ impl Pod {
     }
 }
 
-/// One pod's run of leading blocks.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PreciseMatch {
-    pub pod: PodId,
-    /// Leading blocks held in any tier.
-    pub blocks: usize,
-    /// The same blocks, each weighted by the best tier holding it (`blocks` when all are on
-    /// the GPU at weight 1).
-    pub score: f32,
-}
-
-/// Holder lists up to this long are searched pod by pod when matching; longer ones are marked.
-const LINEAR_HOLDERS: usize = 8;
-
-/// The runs `out[..active]` whose pod `holds` block `i` (at the weight returned) grow to `i + 1`
-/// blocks; the others end (swapped behind). Returns how many still run.
-fn extend_runs(
-    out: &mut [PreciseMatch],
-    mut active: usize,
-    i: usize,
-    holds: impl Fn(PodId) -> Option<f32>,
-) -> usize {
-    let mut j = 0;
-    while j < active {
-        if let Some(w) = holds(out[j].pod) {
-            out[j].blocks = i + 1;
-            out[j].score += w;
-            j += 1;
-        } else {
-            active -= 1;
-            out.swap(j, active);
-        }
-    }
-    active
-}
-
-/// One change of a pod's distinct (key, tier) pairs (see [`PreciseIndex::journal`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Change {
-    pub pod: PodId,
-    pub tier: Tier,
-    pub key: u64,
-    pub added: bool,
-}
-
-#[derive(Debug)]
-struct TierInfo {
-    name: String,
-    /// XORed into the tier's keys in a pod's digest: from the name, so that replicas which
-    /// numbered their tiers in another order compare equal.
-    mix: u64,
-    weight: f32,
-}
-
-/// A pod's distinct keys by tier (GPU first), for a peer.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PodKeys {
-    pub block_size: u32,
-    pub gpu: Vec<u64>,
-    /// Offload tiers by medium name (lowercase), sorted by name.
-    pub offload: Vec<(String, Vec<u64>)>,
-}
-
 #[derive(Debug, Default)]
 pub struct PreciseIndex {
     pods: Vec<Pod>,
@@ -307,81 +228,6 @@ impl PreciseIndex {
             self.pod_limit
         };
         self.pods[id as usize].held() >= limit
-    }
-
-    /// Scoring weights by medium name (case-insensitive: llm-d's `kvCacheBackendConfigs`; the
-    /// GPU's is `gpu`'s). A medium not named weighs 1, as in llm-d. The named tiers are
-    /// registered now, so that engines publishing stray mediums cannot use up their slots.
-    pub fn set_tier_weights(&mut self, weights: &[(String, f32)]) {
-        self.weights = weights
-            .iter()
-            .map(|(n, w)| (n.to_ascii_lowercase(), *w))
-            .collect();
-        for i in 0..self.tiers.len() {
-            self.tiers[i].weight = self.weight_of(&self.tiers[i].name.clone());
-        }
-        for (name, _) in weights {
-            self.tier(Some(name));
-        }
-    }
-
-    fn weight_of(&self, name: &str) -> f32 {
-        self.weights
-            .iter()
-            .find(|(n, _)| n == name)
-            .map_or(1.0, |(_, w)| *w)
-    }
-
-    /// The scoring weight of tier `t`'s blocks.
-    fn tier_weight(&self, t: Tier) -> f32 {
-        match t {
-            GPU => self.weight_of("gpu"),
-            t => self.tiers.get(usize::from(t) - 1).map_or(1.0, |i| i.weight),
-        }
-    }
-
-    /// The tier of `medium` (`None` or "GPU": [`GPU`]), registered when new; `None` past
-    /// [`MAX_TIERS`] or for a name longer than any medium in use.
-    pub fn tier(&mut self, medium: Option<&str>) -> Option<Tier> {
-        if let Some(t) = self.known_tier(medium) {
-            return Some(t);
-        }
-        let name = medium?.to_ascii_lowercase();
-        if self.tiers.len() + 1 >= MAX_TIERS || name.len() > MAX_MEDIUM_LEN {
-            return None;
-        }
-        let weight = self.weight_of(&name);
-        let mix = xxhash_rust::xxh3::xxh3_64(name.as_bytes()) | 1;
-        self.tiers.push(TierInfo { name, mix, weight });
-        Some(self.tiers.len() as Tier)
-    }
-
-    /// The tier of `medium` if it is known.
-    pub fn known_tier(&self, medium: Option<&str>) -> Option<Tier> {
-        match medium {
-            None => Some(GPU),
-            Some(m) if m.eq_ignore_ascii_case("gpu") => Some(GPU),
-            Some(m) => self
-                .tiers
-                .iter()
-                .position(|t| t.name.eq_ignore_ascii_case(m))
-                .map(|i| (i + 1) as Tier),
-        }
-    }
-
-    /// Tier `t`'s medium name, lowercase ("gpu" for [`GPU`]).
-    pub fn tier_name(&self, t: Tier) -> Option<&str> {
-        match t {
-            GPU => Some("gpu"),
-            t => self.tiers.get(usize::from(t) - 1).map(|i| i.name.as_str()),
-        }
-    }
-
-    fn mix(&self, key: u64, tier: Tier) -> u64 {
-        match tier {
-            GPU => key,
-            t => key ^ self.tiers.get(usize::from(t) - 1).map_or(0, |i| i.mix),
-        }
     }
 
     /// The slot of pod `name`, created empty if new.
@@ -730,235 +576,6 @@ impl PreciseIndex {
         }
         self.hold(key, id, tier);
         out.stored += 1;
-    }
-
-    /// Each pod's run of leading `keys` it holds (pods with a run of 0 are left out), into `out`.
-    pub fn match_prefix(&self, keys: &[u64], out: &mut Vec<PreciseMatch>) {
-        self.match_prefix_at(keys, None, out);
-    }
-
-    /// [`Self::match_prefix`], counting also the speculative entries still alive at `now`
-    /// ([`Self::speculate`]) when `now` is given. A speculative entry scores as a GPU block.
-    pub fn match_prefix_at(&self, keys: &[u64], now: Option<u64>, out: &mut Vec<PreciseMatch>) {
-        out.clear();
-        let empty: &[(PodId, u64)] = &[];
-        let spec = |key: &u64| match now {
-            Some(_) if !self.speculative.is_empty() => {
-                self.speculative.get(key).map_or(empty, Vec::as_slice)
-            }
-            _ => empty,
-        };
-        let alive = move |e: &(PodId, u64)| now.is_some_and(|t| e.1 > t);
-        let held = |key: &u64| {
-            self.blocks
-                .get(key)
-                .map_or(&[][..], |h| holders(&self.spill, h))
-        };
-        // Weight by tier (holders carry theirs in the top bits).
-        let mut weights = [1.0f32; MAX_TIERS + 1];
-        for (t, w) in weights.iter_mut().enumerate().take(self.tiers.len() + 1) {
-            *w = self.tier_weight(t as Tier);
-        }
-        let gpu = weights[GPU as usize];
-        let weight = |h: PodId| weights[tier_of(h) as usize];
-        let Some(first) = keys.first() else { return };
-        let spec_first = spec(first);
-        let firsts = held(first)
-            .iter()
-            .map(|h| (pod_of(*h), weight(*h)))
-            .chain(spec_first.iter().filter(|e| alive(e)).map(|e| (e.0, gpu)));
-        out.extend(firsts.map(|(pod, score)| PreciseMatch {
-            pod,
-            blocks: 1,
-            score,
-        }));
-        // A pod may hold the first block in several tiers (or twice), and be speculated to: one
-        // run each, at its best tier.
-        if out.len() > 1 {
-            out.sort_unstable_by_key(|m| m.pod);
-            out.dedup_by(|later, kept| {
-                let same = later.pod == kept.pod;
-                if same {
-                    kept.score = kept.score.max(later.score);
-                }
-                same
-            });
-        }
-        // By pod id: the last block (1-based) seen held by that pod, and its best weight there.
-        // A block every pod holds (a system prompt) has a holder list as long as the pool:
-        // asking it pod by pod would be quadratic, so long lists are marked here once and each
-        // run checks its mark.
-        let mut mark: Vec<(u32, f32)> = Vec::new();
-        // `out[..active]` are still running; finished runs are swapped behind them.
-        let mut active = out.len();
-        for (i, key) in keys.iter().enumerate().skip(1) {
-            if active == 0 {
-                break;
-            }
-            let (h, sp) = (held(key), spec(key));
-            if h.is_empty() && sp.is_empty() {
-                break;
-            }
-            let marked = h.len() + sp.len() > LINEAR_HOLDERS && active > LINEAR_HOLDERS;
-            if marked {
-                if mark.is_empty() {
-                    mark = vec![(0, 0.0); self.pods.len()];
-                }
-                let pods = h
-                    .iter()
-                    .map(|h| (pod_of(*h), weight(*h)))
-                    .chain(sp.iter().filter(|e| alive(e)).map(|e| (e.0, gpu)));
-                for (pod, w) in pods {
-                    if let Some(m) = mark.get_mut(pod as usize) {
-                        *m = if m.0 == i as u32 {
-                            (m.0, m.1.max(w))
-                        } else {
-                            (i as u32, w)
-                        };
-                    }
-                }
-            }
-            active = if marked {
-                extend_runs(out, active, i, |pod| {
-                    mark.get(pod as usize)
-                        .filter(|m| m.0 == i as u32)
-                        .map(|m| m.1)
-                })
-            } else {
-                extend_runs(out, active, i, |pod| {
-                    let tiers = h.iter().filter(|x| pod_of(**x) == pod).map(|x| weight(*x));
-                    let spec = sp.iter().filter(|e| e.0 == pod && alive(e)).map(|_| gpu);
-                    tiers.chain(spec).reduce(f32::max)
-                })
-            };
-        }
-    }
-
-    /// Speculative indexing: pod `id` is about to hold `keys` (a request was just routed there),
-    /// until `expires` — before its engine's events say so. Entries past their time are swept
-    /// here, oldest first (every call passes the same time-to-live, so the queue is in expiry
-    /// order); at most [`MAX_SPECULATIVE`] are kept.
-    pub fn speculate(&mut self, id: PodId, keys: &[u64], now: u64, expires: u64) {
-        while let Some(&(exp, key, pod)) = self.spec_queue.front() {
-            if exp > now && self.spec_queue.len() + keys.len() <= MAX_SPECULATIVE {
-                break;
-            }
-            self.spec_queue.pop_front();
-            self.unspeculate(key, pod, exp);
-        }
-        if self.slot(id).is_none() {
-            return;
-        }
-        for &key in keys.iter().take(MAX_SPECULATIVE) {
-            let v = self.speculative.entry(key).or_default();
-            match v.iter_mut().find(|e| e.0 == id) {
-                Some(e) => e.1 = expires,
-                None => v.push((id, expires)),
-            }
-            self.spec_queue.push_back((expires, key, id));
-        }
-    }
-
-    /// Drops `pod`'s speculative entry of `key` if it still expires at `exp` (not renewed).
-    fn unspeculate(&mut self, key: u64, pod: PodId, exp: u64) {
-        if let Some(v) = self.speculative.get_mut(&key) {
-            v.retain(|e| !(e.0 == pod && e.1 <= exp));
-            if v.is_empty() {
-                self.speculative.remove(&key);
-            }
-        }
-    }
-
-    /// Record every change of a pod's distinct (key, tier) pairs from now on (for replication).
-    pub fn journal(&mut self) {
-        self.journal.get_or_insert_with(Vec::new);
-    }
-
-    /// The changes recorded since the last call, in order.
-    pub fn take_journal(&mut self) -> Vec<Change> {
-        self.journal
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
-    }
-
-    /// Pod `id`'s distinct (key, tier) pairs held and their digest (wrapping sum, keys mixed
-    /// with their tier's name): equal sets give equal digests, whichever events built them.
-    pub fn digest(&self, id: PodId) -> (u64, u64) {
-        self.slot(id).map_or((0, 0), |p| (p.distinct, p.digest))
-    }
-
-    /// A mirrored pod (its events are applied on another replica): take that replica's changes
-    /// of its distinct keys in tier `tier`. Idempotent per key (adding a held key, removing an
-    /// absent one: no-op).
-    pub fn mirror(
-        &mut self,
-        id: PodId,
-        tier: Tier,
-        block_size: u32,
-        adds: &[u64],
-        removes: &[u64],
-    ) {
-        if self.slot(id).is_none() {
-            return;
-        }
-        for k in removes {
-            if self.pods[id as usize].map_mut(tier).remove(k).is_some() {
-                self.unhold(*k, id, tier);
-            }
-        }
-        for k in adds {
-            if self.full(id) {
-                break;
-            }
-            if self.pods[id as usize]
-                .map_mut(tier)
-                .insert(*k, *k)
-                .is_none()
-            {
-                self.hold(*k, id, tier);
-            }
-        }
-        if block_size > 0 && block_size as usize <= MAX_BLOCK_SIZE {
-            self.pods[id as usize].block_size = block_size;
-        }
-    }
-
-    /// A mirrored pod's whole state, replacing what it held.
-    pub fn replace_mirror(&mut self, id: PodId, state: &PodKeys) {
-        self.clear_pod(id);
-        self.mirror(id, GPU, state.block_size, &state.gpu, &[]);
-        for (medium, keys) in &state.offload {
-            if let Some(t) = self.tier(Some(medium)).filter(|t| *t != GPU) {
-                self.mirror(id, t, 0, keys, &[]);
-            }
-        }
-    }
-
-    /// Pod `id`'s distinct keys by tier and its block size (its state for a peer).
-    pub fn pod_state(&self, id: PodId) -> PodKeys {
-        let Some(p) = self.slot(id) else {
-            return PodKeys::default();
-        };
-        let keys = |m: &EngineMap| {
-            let mut v: Vec<u64> = m.values().copied().collect();
-            v.sort_unstable();
-            v.dedup();
-            v
-        };
-        let mut offload: Vec<(String, Vec<u64>)> = p
-            .offload
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| !m.is_empty())
-            .filter_map(|(i, m)| Some((self.tiers.get(i)?.name.clone(), keys(m))))
-            .collect();
-        offload.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        PodKeys {
-            block_size: p.block_size,
-            gpu: keys(&p.engine),
-            offload,
-        }
     }
 
     /// Heap bytes held (hash tables at their capacity, spilled holder lists, names), for the
