@@ -4,15 +4,14 @@
 //! guards keep the gauges truthful even when a client disconnects half-way.
 //!
 //! Rooms: `stats` (what a pod reports), `timing` (the simple model's latencies), `stepped`
-//! (the step model: a request's life in [`crate::step`]'s batches and the driver task).
+//! (the step model: a request's life in [`crate::step`]'s batches and the driver task), `kv`
+//! (the cache's events and the CPU offload tier), `lora` (adapters and their slots).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Once, mpsc};
-use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde::Serialize;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, watch};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -24,12 +23,16 @@ use crate::kvevents::{Command, KvEvent};
 use crate::step::{Event, StepEngine};
 use crate::tokenizer::{ChatMessage, Tokenizer, Vocab};
 
+mod kv;
+mod lora;
 mod stats;
 mod stepped;
 #[cfg(test)]
 mod tests;
 mod timing;
 
+pub use lora::{Adapter, LoraError, LoraInfoSeries};
+use lora::{LoraState, bump};
 pub use stats::PodStats;
 pub use timing::{inject_failure, inter_token, lora_load, pause, pause_until, ttft};
 use timing::{ms, unix_now_s};
@@ -45,119 +48,6 @@ struct Counters {
     kv_event_blocks: u64,
     /// Prompt tokens loaded back from the CPU offload tier.
     offload_hits_tokens: u64,
-}
-
-/// A registered LoRA adapter.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct Adapter {
-    pub name: String,
-    pub path: String,
-    /// vLLM's `lora_int_id`, also the `lora_id` of KV events.
-    pub id: u64,
-}
-
-/// One series of `vllm:lora_requests_info`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LoraInfoSeries {
-    pub running: String,
-    pub waiting: String,
-    /// Unix time of the last update of this label combination.
-    pub updated: f64,
-}
-
-#[derive(Debug, Default)]
-struct LoraState {
-    adapters: BTreeMap<String, Adapter>,
-    next_id: u64,
-    /// Resident adapters, least recently used first.
-    resident: Vec<String>,
-    /// Requests holding a slot for the adapter (reserved or running).
-    active: HashMap<String, usize>,
-    waiting: BTreeMap<String, usize>,
-    running: BTreeMap<String, usize>,
-    /// `(running, waiting)` label values → last update; series never disappear, as in vLLM.
-    info: HashMap<(String, String), f64>,
-    last_ts: f64,
-    loads: u64,
-}
-
-fn joined(m: &BTreeMap<String, usize>) -> String {
-    m.keys().cloned().collect::<Vec<_>>().join(",")
-}
-
-fn bump(m: &mut BTreeMap<String, usize>, k: &str, up: bool) {
-    if up {
-        *m.entry(k.to_owned()).or_default() += 1;
-    } else if let Some(n) = m.get_mut(k) {
-        *n -= 1;
-        if *n == 0 {
-            m.remove(k);
-        }
-    }
-}
-
-impl LoraState {
-    fn register(&mut self, name: &str, path: &str) -> u64 {
-        self.next_id += 1;
-        let id = self.next_id;
-        self.adapters.insert(
-            name.to_owned(),
-            Adapter {
-                name: name.to_owned(),
-                path: path.to_owned(),
-                id,
-            },
-        );
-        id
-    }
-
-    /// Stamps the current label combination with the current time, strictly after the last stamp so
-    /// the newest combination always has the largest value.
-    fn touch(&mut self) {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
-        let ts = now.max(self.last_ts + 1e-6);
-        self.last_ts = ts;
-        let key = (joined(&self.running), joined(&self.waiting));
-        self.info.insert(key, ts);
-    }
-
-    /// Reserves a slot for `name`: `Some(true)` when it had to be swapped in, `None` when every slot
-    /// is busy with other adapters.
-    fn reserve(&mut self, name: &str, max_loras: usize) -> Option<bool> {
-        let swapped = if let Some(pos) = self.resident.iter().position(|r| r == name) {
-            let r = self.resident.remove(pos);
-            self.resident.push(r);
-            false
-        } else {
-            if max_loras > 0 {
-                // Free slots by evicting idle adapters, least recently used first.
-                while self.resident.len() >= max_loras {
-                    let idle = self
-                        .resident
-                        .iter()
-                        .position(|r| self.active.get(r).copied().unwrap_or(0) == 0)?;
-                    self.resident.remove(idle);
-                }
-            }
-            self.resident.push(name.to_owned());
-            self.loads += 1;
-            true
-        };
-        *self.active.entry(name.to_owned()).or_default() += 1;
-        Some(swapped)
-    }
-
-    fn unreserve(&mut self, name: &str) {
-        if let Some(n) = self.active.get_mut(name) {
-            *n -= 1;
-            if *n == 0 {
-                self.active.remove(name);
-            }
-        }
-    }
 }
 
 #[derive(Debug)]
@@ -209,133 +99,12 @@ impl PodState {
             (self.waiting + self.steps.waiting()) as u64,
         )
     }
-
-    fn evict(&mut self) {
-        let budget = self
-            .knobs
-            .kv_blocks
-            .saturating_sub(self.extra_held + self.step_outside());
-        self.evict_to(budget);
-    }
-
-    fn evict_to(&mut self, budget: usize) -> usize {
-        let mut removed = Vec::new();
-        self.cache.evict_into(budget, &mut removed);
-        let n = removed.len();
-        if self.events_on {
-            self.counters.kv_event_blocks += n as u64;
-            // vLLM emits one BlockRemoved per evicted block.
-            self.pending
-                .extend(removed.into_iter().map(|h| KvEvent::BlockRemoved {
-                    block_hashes: vec![h],
-                }));
-        }
-        n
-    }
-
-    /// Pins `hashes` (blocks of `tokens`), emitting BlockStored for each run of newly cached
-    /// blocks, and copies those to the CPU offload tier.
-    fn store(
-        &mut self,
-        hashes: &[u64],
-        first: usize,
-        tokens: &[u32],
-        bs: usize,
-        lora: Option<&Adapter>,
-        salt: Option<&str>,
-    ) {
-        let inserted = self.cache.acquire(&hashes[first..]);
-        if inserted.is_empty() {
-            return;
-        }
-        let mut i = 0;
-        while self.events_on && i < inserted.len() {
-            let mut j = i;
-            while j + 1 < inserted.len() && inserted[j + 1] == inserted[j] + 1 {
-                j += 1;
-            }
-            let (a, b) = (first + inserted[i], first + inserted[j]);
-            self.counters.kv_event_blocks += (b + 1 - a) as u64;
-            self.pending.push(KvEvent::BlockStored {
-                block_hashes: hashes[a..=b].to_vec(),
-                parent_block_hash: a.checked_sub(1).map(|p| hashes[p]),
-                token_ids: tokens[a * bs..(b + 1) * bs].to_vec(),
-                block_size: bs,
-                lora_id: lora.map(|l| l.id),
-                lora_name: lora.map(|l| l.name.clone()),
-                // Only the prompt's first block carries the salt.
-                cache_salt: salt.filter(|_| a == 0).map(str::to_owned),
-            });
-            i = j + 1;
-        }
-        self.offload_copy(&hashes[first..], &inserted, bs);
-    }
-
-    /// The blocks the GPU cache just took (`inserted` positions of `hashes`) are copied to the
-    /// CPU tier, which drops its least recently used beyond its capacity; copies already there
-    /// are touched.
-    fn offload_copy(&mut self, hashes: &[u64], inserted: &[usize], bs: usize) {
-        let cap = self.knobs.cpu_offload_blocks;
-        if cap == 0 {
-            return;
-        }
-        let mut new = Vec::new();
-        for &i in inserted {
-            let h = hashes[i];
-            if self.offload.acquire(&[h]).len() == 1 {
-                new.push(h);
-            }
-            self.offload.release(&[h]);
-        }
-        let mut dropped = Vec::new();
-        self.offload.evict_into(cap, &mut dropped);
-        if !self.events_on {
-            return;
-        }
-        // A block copied and dropped in the same call is announced neither way.
-        let fresh: std::collections::HashSet<u64> = new.iter().copied().collect();
-        dropped.retain(|h| !fresh.contains(h));
-        new.retain(|h| self.offload.contains(*h));
-        self.counters.kv_event_blocks += (new.len() + dropped.len()) as u64;
-        if !new.is_empty() {
-            self.pending.push(KvEvent::Offloaded {
-                block_hashes: new,
-                block_size: bs,
-            });
-        }
-        if !dropped.is_empty() {
-            self.pending.push(KvEvent::OffloadRemoved {
-                block_hashes: dropped,
-            });
-        }
-    }
-
-    /// Of `hashes`, how many leading ones the CPU tier holds.
-    fn offload_prefix(&self, hashes: &[u64]) -> usize {
-        if self.knobs.cpu_offload_blocks == 0 {
-            return 0;
-        }
-        self.offload.longest_prefix(hashes)
-    }
 }
 
 /// The engine was stopped while the request waited.
 #[derive(Debug, thiserror::Error)]
 #[error("engine is shutting down")]
 pub struct EngineClosed;
-
-/// Why a LoRA admin call was refused (vLLM's status and message).
-#[derive(Debug, thiserror::Error)]
-pub enum LoraError {
-    #[error("LoRA is not enabled (max_loras is 0)")]
-    Disabled,
-    #[error("The lora adapter '{0}' has already been loaded.")]
-    AlreadyLoaded(String),
-    #[error("The lora adapter '{0}' cannot be found.")]
-    NotFound(String),
-    #[error("{0}")]
-    Invalid(String),
-}
 
 /// A simulated vLLM engine.
 #[derive(Debug)]
