@@ -197,8 +197,10 @@ pub struct PreciseIndex {
     journal: Option<Vec<Change>>,
     /// Offload tiers' names (tier `t` at `t - 1`), their digest mixes and scoring weights.
     tiers: Vec<TierInfo>,
-    /// Scoring weight by lowercased medium name (a medium not named there: 1).
+    /// Scoring weight by lowercased medium name (a medium not named there: 1), and the GPU's
+    /// (looked up per decision; `None`: 1).
     weights: Vec<(String, f32)>,
+    gpu_weight: Option<f32>,
     /// Speculative entries: key → (pod, expiry), and the same in expiry order for the sweep.
     speculative: IdMap<u64, Vec<(PodId, u64)>>,
     spec_queue: std::collections::VecDeque<(u64, u64, PodId)>,

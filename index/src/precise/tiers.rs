@@ -52,6 +52,7 @@ impl PreciseIndex {
         for i in 0..self.tiers.len() {
             self.tiers[i].weight = self.weight_of(&self.tiers[i].name.clone());
         }
+        self.gpu_weight = Some(self.weight_of("gpu"));
         for (name, _) in weights {
             self.tier(Some(name));
         }
@@ -67,7 +68,7 @@ impl PreciseIndex {
     /// The scoring weight of tier `t`'s blocks.
     pub(super) fn tier_weight(&self, t: Tier) -> f32 {
         match t {
-            GPU => self.weight_of("gpu"),
+            GPU => self.gpu_weight.unwrap_or(1.0),
             t => self.tiers.get(usize::from(t) - 1).map_or(1.0, |i| i.weight),
         }
     }

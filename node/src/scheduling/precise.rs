@@ -334,15 +334,23 @@ impl PrecisePrefixProducer {
     }
 
     /// A peer's changes of pod `pod` (which it subscribes to) in the tier of `medium` (empty:
-    /// the GPU). A tier this index cannot take (past its limit) is dropped.
-    pub fn mirror(&self, pod: &str, medium: &str, block_size: u32, adds: &[u64], removes: &[u64]) {
+    /// the GPU). False, and nothing taken, for a tier this index cannot take (past its limit).
+    pub fn mirror(
+        &self,
+        pod: &str,
+        medium: &str,
+        block_size: u32,
+        adds: &[u64],
+        removes: &[u64],
+    ) -> bool {
         let mut ix = self.write();
         let Some(tier) = ix.tier(Some(medium).filter(|m| !m.is_empty())) else {
-            return;
+            return false;
         };
         let id = ix.pod(pod);
         ix.mirror(id, tier, block_size, adds, removes);
         self.journaled(&mut ix, false);
+        true
     }
 
     /// A peer's whole state of pod `pod`, replacing ours.

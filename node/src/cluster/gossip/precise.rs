@@ -63,6 +63,7 @@ impl Gossip {
     /// Centralized KV events in a cluster (`discoverPods: false`): the messages `sub` receives
     /// for pods other replicas own go to those owners (the returned queue, for
     /// [`Subscriber::forward_to`]), and what the peers forward is handed to `sub`.
+    /// Call before [`Gossip::run`]: the peers get their forwarding queues as they are added.
     pub fn forward_kv_events(
         self: &Arc<Self>,
         sub: Arc<Subscriber>,
@@ -431,7 +432,9 @@ impl Gossip {
             if self.store.shard.owns(&d.pod) {
                 continue;
             }
-            producer.mirror(&d.pod, &d.medium, d.block_size, &d.adds, &d.removes);
+            if !producer.mirror(&d.pod, &d.medium, d.block_size, &d.adds, &d.removes) {
+                self.metrics.rejected_value("peer", "medium");
+            }
         }
         Ok(())
     }
