@@ -73,17 +73,24 @@ fn publisher(encoding: Encoding) -> Publisher {
     .unwrap()
 }
 
-/// A subscriber (per-pod sockets) following the sim publisher's pod 0, with its replay socket.
-fn follow_pod0(publisher: &Publisher) -> (Arc<PrecisePrefixProducer>, Subscriber) {
+/// A subscriber feeding a fresh index (centralized mode: binding `central`), and its metrics.
+fn subscriber(central: Option<&str>) -> (Arc<PrecisePrefixProducer>, Subscriber, Arc<Metrics>) {
     let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
+    let metrics = Arc::new(Metrics::new("p"));
     let sub = Subscriber::start(
         producer.clone(),
         "kv@".into(),
         None,
-        Arc::new(Metrics::new("p")),
-        None,
+        metrics.clone(),
+        central,
     )
     .unwrap();
+    (producer, sub, metrics)
+}
+
+/// A subscriber (per-pod sockets) following the sim publisher's pod 0, with its replay socket.
+fn follow_pod0(publisher: &Publisher) -> (Arc<PrecisePrefixProducer>, Subscriber) {
+    let (producer, sub, _) = subscriber(None);
     let ep = &publisher.endpoints[0];
     sub.set_targets(vec![Target {
         pod: "pod".into(),
@@ -145,15 +152,7 @@ fn without_a_replay_socket_a_gap_resyncs_the_pod() {
     let tx = publisher.sender().unwrap();
     let send = |events: Vec<KvEvent>| tx.send(Command::Publish { pod: 0, events }).unwrap();
     send(vec![stored(0)]);
-    let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
-    let sub = Subscriber::start(
-        producer.clone(),
-        "kv@".into(),
-        None,
-        Arc::new(Metrics::new("p")),
-        None,
-    )
-    .unwrap();
+    let (producer, sub, _) = subscriber(None);
     sub.set_targets(vec![Target {
         pod: "pod".into(),
         endpoint: publisher.endpoints[0].publisher.clone(),
@@ -191,10 +190,7 @@ fn garbage_and_absurd_sequence_numbers_are_counted_and_survived() {
     let publisher = ctx.socket(zmq::PUB).unwrap();
     publisher.bind("tcp://127.0.0.1:*").unwrap();
     let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
-    let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
-    let metrics = Arc::new(Metrics::new("p"));
-    let sub =
-        Subscriber::start(producer.clone(), "kv@".into(), None, metrics.clone(), None).unwrap();
+    let (producer, sub, metrics) = subscriber(None);
     sub.set_targets(vec![Target {
         pod: "pod".into(),
         endpoint,
@@ -264,16 +260,7 @@ fn garbage_and_absurd_sequence_numbers_are_counted_and_survived() {
 /// pod's replay socket, evicted, restarted — and a pod outside the targets is counted, not indexed.
 #[test]
 fn centralized_mode_follows_every_pod_through_one_bound_socket() {
-    let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
-    let metrics = Arc::new(Metrics::new("p"));
-    let sub = Subscriber::start(
-        producer.clone(),
-        "kv@".into(),
-        None,
-        metrics.clone(),
-        Some("tcp://127.0.0.1:*"),
-    )
-    .unwrap();
+    let (producer, sub, metrics) = subscriber(Some("tcp://127.0.0.1:*"));
     let central = sub.central_endpoint().unwrap().to_string();
     assert!(central.starts_with("tcp://127.0.0.1:"), "{central}");
     let cfg = KvEventsConfig {
@@ -407,16 +394,7 @@ fn a_restart_before_the_first_live_message_is_not_taken_for_duplicates() {
 #[test]
 fn centralized_mode_forwards_what_other_replicas_own() {
     let start = || {
-        let producer = Arc::new(PrecisePrefixProducer::new(PreciseParams::default()));
-        let metrics = Arc::new(Metrics::new("p"));
-        let sub = Subscriber::start(
-            producer.clone(),
-            "kv@".into(),
-            None,
-            metrics,
-            Some("tcp://127.0.0.1:*"),
-        )
-        .unwrap();
+        let (producer, sub, _) = subscriber(Some("tcp://127.0.0.1:*"));
         (producer, sub)
     };
     let ((pa, a), (pb, b)) = (start(), start());
