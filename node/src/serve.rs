@@ -271,10 +271,8 @@ pub async fn serve(
             interval,
             timeout: Duration::from_secs(1).max(interval),
             path: built.metrics_source.path.clone(),
-            scheme: built.metrics_source.scheme.clone(),
         }),
         metrics: metrics.clone(),
-        client,
     };
     let objectives = Arc::new(Live::new(match &opts.objectives_file {
         Some(path) => Objectives::from_file(path)?,

@@ -76,7 +76,6 @@ pub struct Scraping {
     pub store: Arc<Datastore>,
     pub scrape: Arc<ScrapeConfig>,
     pub metrics: Arc<Metrics>,
-    pub client: reqwest::Client,
 }
 
 impl Scraping {
@@ -123,7 +122,6 @@ impl EndpointSet {
                     ));
                     self.scrapers.spawn(scrape_loop(
                         Arc::downgrade(&ep),
-                        s.client.clone(),
                         s.scrape.clone(),
                         s.store.clone(),
                         s.metrics.clone(),

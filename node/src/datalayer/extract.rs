@@ -18,8 +18,8 @@ struct Acc {
     lora_ts: f64,
 }
 
-fn add(slot: &mut Option<f64>, v: f64) {
-    if v.is_finite() {
+fn add(slot: &mut Option<f64>, v: Option<f64>) {
+    if let Some(v) = v.filter(|v| v.is_finite()) {
         *slot = Some(slot.unwrap_or(0.0) + v);
     }
 }
@@ -28,6 +28,11 @@ fn parse_u64(s: Option<String>) -> Option<u64> {
     s.and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|v| v.is_finite() && *v >= 0.0)
         .map(|v| v as u64)
+}
+
+/// A sample's value as a count (negative → 0; unreadable → none).
+fn count(s: &Sample<'_>) -> Option<u64> {
+    s.value().map(|v| v.max(0.0) as u64)
 }
 
 fn split_list(s: Option<String>) -> Vec<String> {
@@ -46,8 +51,10 @@ pub fn extract(engine: Engine, text: &str) -> EndpointMetrics {
     let mut out = EndpointMetrics::default();
     let mut acc = Acc::default();
     for s in samples(text) {
-        if s.name == "process_start_time_seconds" && s.value.is_finite() && s.value > 0.0 {
-            out.started_ms = Some((s.value * 1000.0) as u64);
+        if s.name == "process_start_time_seconds" {
+            if let Some(v) = s.value().filter(|v| v.is_finite() && *v > 0.0) {
+                out.started_ms = Some((v * 1000.0) as u64);
+            }
             continue;
         }
         match engine {
@@ -70,8 +77,8 @@ pub fn extract(engine: Engine, text: &str) -> EndpointMetrics {
     out
 }
 
-fn kv(acc: &mut Acc, v: f64) {
-    if v.is_finite() {
+fn kv(acc: &mut Acc, v: Option<f64>) {
+    if let Some(v) = v.filter(|v| v.is_finite()) {
         acc.kv_sum += v;
         acc.kv_n += 1;
     }
@@ -79,21 +86,26 @@ fn kv(acc: &mut Acc, v: f64) {
 
 fn vllm(out: &mut EndpointMetrics, acc: &mut Acc, s: &Sample<'_>) {
     match s.name {
-        "vllm:num_requests_waiting" => add(&mut acc.waiting, s.value),
-        "vllm:num_requests_running" => add(&mut acc.running, s.value),
-        "vllm:kv_cache_usage_perc" => kv(acc, s.value),
+        "vllm:num_requests_waiting" => add(&mut acc.waiting, s.value()),
+        "vllm:num_requests_running" => add(&mut acc.running, s.value()),
+        "vllm:kv_cache_usage_perc" => kv(acc, s.value()),
         // removed in vLLM 0.12; read only when the new gauge is absent
-        "vllm:gpu_cache_usage_perc" if s.value.is_finite() => {
-            acc.kv_fallback_sum += s.value;
-            acc.kv_fallback_n += 1;
+        "vllm:gpu_cache_usage_perc" => {
+            if let Some(v) = s.value().filter(|v| v.is_finite()) {
+                acc.kv_fallback_sum += v;
+                acc.kv_fallback_n += 1;
+            }
         }
-        "vllm:cache_config_info" => {
+        "vllm:cache_config_info" if s.value().is_some() => {
             out.block_size = parse_u64(s.label("block_size")).or(out.block_size);
             out.num_gpu_blocks = parse_u64(s.label("num_gpu_blocks")).or(out.num_gpu_blocks);
         }
         // every label combination is its own series; the newest (largest timestamp) wins
-        "vllm:lora_requests_info" if s.value >= acc.lora_ts => {
-            acc.lora_ts = s.value;
+        "vllm:lora_requests_info" => {
+            let Some(ts) = s.value().filter(|ts| *ts >= acc.lora_ts) else {
+                return;
+            };
+            acc.lora_ts = ts;
             out.max_active_models = parse_u64(s.label("max_lora"));
             out.active_models = split_list(s.label("running_lora_adapters"));
             out.waiting_models = split_list(s.label("waiting_lora_adapters"));
@@ -104,10 +116,10 @@ fn vllm(out: &mut EndpointMetrics, acc: &mut Acc, s: &Sample<'_>) {
 
 fn sglang(out: &mut EndpointMetrics, acc: &mut Acc, s: &Sample<'_>) {
     match s.name {
-        "sglang:num_queue_reqs" => add(&mut acc.waiting, s.value),
-        "sglang:num_running_reqs" => add(&mut acc.running, s.value),
-        "sglang:token_usage" => kv(acc, s.value),
-        "sglang:cache_config_info" => {
+        "sglang:num_queue_reqs" => add(&mut acc.waiting, s.value()),
+        "sglang:num_running_reqs" => add(&mut acc.running, s.value()),
+        "sglang:token_usage" => kv(acc, s.value()),
+        "sglang:cache_config_info" if s.value().is_some() => {
             out.block_size = parse_u64(s.label("page_size")).or(out.block_size);
             out.num_gpu_blocks = parse_u64(s.label("num_pages")).or(out.num_gpu_blocks);
         }
@@ -117,11 +129,11 @@ fn sglang(out: &mut EndpointMetrics, acc: &mut Acc, s: &Sample<'_>) {
 
 fn trtllm(out: &mut EndpointMetrics, acc: &mut Acc, s: &Sample<'_>) {
     match s.name {
-        "trtllm_num_requests_waiting" => add(&mut acc.waiting, s.value),
-        "trtllm_num_requests_running" => add(&mut acc.running, s.value),
-        "trtllm_kv_cache_utilization" => kv(acc, s.value),
-        "trtllm_kv_cache_tokens_per_block" => out.block_size = Some(s.value.max(0.0) as u64),
-        "trtllm_kv_cache_max_blocks" => out.num_gpu_blocks = Some(s.value.max(0.0) as u64),
+        "trtllm_num_requests_waiting" => add(&mut acc.waiting, s.value()),
+        "trtllm_num_requests_running" => add(&mut acc.running, s.value()),
+        "trtllm_kv_cache_utilization" => kv(acc, s.value()),
+        "trtllm_kv_cache_tokens_per_block" => out.block_size = count(s).or(out.block_size),
+        "trtllm_kv_cache_max_blocks" => out.num_gpu_blocks = count(s).or(out.num_gpu_blocks),
         _ => {}
     }
 }
@@ -129,14 +141,14 @@ fn trtllm(out: &mut EndpointMetrics, acc: &mut Acc, s: &Sample<'_>) {
 fn triton(out: &mut EndpointMetrics, acc: &mut Acc, s: &Sample<'_>) {
     match s.name {
         "nv_trt_llm_request_metrics" => match s.label("request_type").as_deref() {
-            Some("waiting") => add(&mut acc.waiting, s.value),
-            Some("scheduled") => add(&mut acc.running, s.value),
+            Some("waiting") => add(&mut acc.waiting, s.value()),
+            Some("scheduled") => add(&mut acc.running, s.value()),
             _ => {}
         },
         "nv_trt_llm_kv_cache_block_metrics" => match s.label("kv_cache_block_type").as_deref() {
-            Some("fraction") => kv(acc, s.value),
-            Some("tokens_per") => out.block_size = Some(s.value.max(0.0) as u64),
-            Some("max") => out.num_gpu_blocks = Some(s.value.max(0.0) as u64),
+            Some("fraction") => kv(acc, s.value()),
+            Some("tokens_per") => out.block_size = count(s).or(out.block_size),
+            Some("max") => out.num_gpu_blocks = count(s).or(out.num_gpu_blocks),
             _ => {}
         },
         _ => {}
@@ -207,5 +219,14 @@ mod tests {
     fn garbage_yields_empty() {
         let m = extract(Engine::Vllm, "<html>not metrics</html>\n\u{0}\u{0}");
         assert_eq!(m, EndpointMetrics::default());
+        // A wanted series with an unreadable value or label set is skipped, not read as 0.
+        let m = extract(
+            Engine::Vllm,
+            "vllm:num_requests_waiting{a=\"b\"} many\nvllm:num_requests_waiting 2\n\
+             vllm:cache_config_info{block_size=\"16\"} ?\nvllm:cache_config_info{block_size=\"32 1\n\
+             vllm:num_requests_running{x=\"y\"}\n",
+        );
+        assert_eq!(m.waiting_queue_size, Some(2.0));
+        assert_eq!((m.block_size, m.running_requests), (None, None));
     }
 }

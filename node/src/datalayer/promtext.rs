@@ -1,22 +1,40 @@
 //! A small, allocation-light parser for the Prometheus text exposition format.
 //!
-//! It yields `(name, labels, value)` samples and skips comments, blank lines and anything it
-//! cannot read (a garbage line never poisons the rest of the scrape). Labels are returned as
-//! borrowed slices with escapes left in place; callers only read label values they know.
+//! It yields one [`Sample`] per sample line, skipping comments and blank lines; only the metric
+//! name is read up front — labels and value are parsed when asked for, so the many lines a
+//! caller does not want (an engine's histogram buckets are most of its exposition) cost a name
+//! search and nothing more. A garbage line never poisons the rest of the scrape: its value or
+//! labels read as absent. Labels are returned with escapes undone only for `\"` and `\\`.
 
 /// One sample line.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample<'a> {
     pub name: &'a str,
-    /// Raw `k="v",...` text between the braces (empty when there are none).
-    labels: &'a str,
-    pub value: f64,
+    /// The line after the name: `{labels} value [timestamp]` or ` value [timestamp]`.
+    rest: &'a str,
 }
 
 impl<'a> Sample<'a> {
+    /// Raw `k="v",...` text between the braces (empty when there are none) and what follows.
+    fn split(&self) -> Option<(&'a str, &'a str)> {
+        match self.rest.strip_prefix('{') {
+            Some(inner) => {
+                let close = find_label_end(inner)?;
+                Some((&inner[..close], &inner[close + 1..]))
+            }
+            None => Some(("", self.rest)),
+        }
+    }
+
+    /// The sample's value; `None` for a line that has none or cannot be read.
+    pub fn value(&self) -> Option<f64> {
+        let (_, rest) = self.split()?;
+        parse_value(rest.split_whitespace().next()?)
+    }
+
     /// The value of label `key`, unescaped only for the common `\"`/`\\` cases.
     pub fn label(&self, key: &str) -> Option<String> {
-        let mut rest = self.labels;
+        let (mut rest, _) = self.split()?;
         loop {
             rest = rest.trim_start_matches([',', ' ']);
             if rest.is_empty() {
@@ -49,7 +67,7 @@ impl<'a> Sample<'a> {
     }
 }
 
-/// Iterate over the samples of an exposition text.
+/// Iterate over the sample lines of an exposition text.
 pub fn samples(text: &str) -> impl Iterator<Item = Sample<'_>> {
     text.lines().filter_map(parse_line)
 }
@@ -60,23 +78,12 @@ fn parse_line(line: &str) -> Option<Sample<'_>> {
         return None;
     }
     let name_end = line.find(['{', ' ', '\t'])?;
-    let name = &line[..name_end];
-    if name.is_empty() {
+    if name_end == 0 {
         return None;
     }
-    let (labels, rest) = if line[name_end..].starts_with('{') {
-        let close = find_label_end(&line[name_end + 1..])?;
-        let labels = &line[name_end + 1..name_end + 1 + close];
-        (labels, &line[name_end + 1 + close + 1..])
-    } else {
-        ("", &line[name_end..])
-    };
-    let mut parts = rest.split_whitespace();
-    let value = parse_value(parts.next()?)?;
     Some(Sample {
-        name,
-        labels,
-        value,
+        name: &line[..name_end],
+        rest: &line[name_end..],
     })
 }
 
@@ -122,10 +129,10 @@ mod tests {
             plain 7\n\
             vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"4096\",weird=\"a\\\"b,c}\"} 1.0 1700000000\n\
             garbage line here\n{broken\n";
-        let all: Vec<_> = samples(text).collect();
+        let all: Vec<_> = samples(text).filter(|s| s.value().is_some()).collect();
         assert_eq!(all.len(), 3);
         assert_eq!(all[0].name, "vllm:num_requests_waiting");
-        assert_eq!(all[0].value, 3.0);
+        assert_eq!(all[0].value(), Some(3.0));
         assert_eq!(all[0].label("engine").as_deref(), Some("0"));
         assert_eq!(all[1].name, "plain");
         assert_eq!(all[2].label("num_gpu_blocks").as_deref(), Some("4096"));
@@ -137,6 +144,7 @@ mod tests {
     fn tolerates_garbage() {
         let text = "\u{0}\u{1}binary{{{ 12\nok 1\nbad{a=\"unterminated 3\n";
         let all: Vec<_> = samples(text).collect();
-        assert!(all.iter().any(|s| s.name == "ok" && s.value == 1.0));
+        assert!(all.iter().any(|s| s.name == "ok" && s.value() == Some(1.0)));
+        assert!(all.iter().all(|s| s.name == "ok" || s.value().is_none()));
     }
 }

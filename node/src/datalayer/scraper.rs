@@ -3,10 +3,20 @@
 //! One task per endpoint; a scrape never overlaps the previous one (missed ticks are skipped) and is
 //! bounded by a timeout, so a slow or broken pod only makes its own data stale. The request path
 //! never waits for a scrape: it reads the last sample and its age.
+//!
+//! Each task keeps its own HTTP/1.1 keep-alive connection to its pod ([`MetricsConn`], hyper's
+//! connection API, no pool) and its own body buffer: at a fleet's 8000 scrapes/s per replica a
+//! general HTTP client's pool checkout, URL parsing and per-request allocations were most of an
+//! idle replica's CPU (`docs/benchmarks.md`, fleet scale).
 
+use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
 use tokio_util::sync::CancellationToken;
 
 use super::endpoint::{Endpoint, EndpointMetrics};
@@ -22,7 +32,6 @@ pub struct ScrapeConfig {
     pub interval: Duration,
     pub timeout: Duration,
     pub path: String,
-    pub scheme: String,
 }
 
 impl Default for ScrapeConfig {
@@ -31,7 +40,6 @@ impl Default for ScrapeConfig {
             interval: Duration::from_millis(50),
             timeout: Duration::from_secs(1),
             path: "/metrics".into(),
-            scheme: "http".into(),
         }
     }
 }
@@ -41,15 +49,14 @@ impl Default for ScrapeConfig {
 /// for fan-out.
 pub async fn scrape_loop(
     endpoint: Weak<Endpoint>,
-    client: reqwest::Client,
     cfg: Arc<ScrapeConfig>,
     store: Arc<Datastore>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
     let shard = &store.shard;
-    let url = match endpoint.upgrade() {
-        Some(ep) => format!("{}://{}{}", cfg.scheme, ep.hostport, cfg.path),
+    let mut conn = match endpoint.upgrade() {
+        Some(ep) => MetricsConn::new(ep.addr, &cfg.path),
         None => return,
     };
     let mut tick = tokio::time::interval(cfg.interval);
@@ -66,9 +73,9 @@ pub async fn scrape_loop(
         if !shard.owns(&ep.hostport) {
             continue;
         }
-        match fetch(&client, &url, cfg.timeout).await {
+        match conn.fetch(cfg.timeout).await {
             Ok(text) => {
-                record_scrape(&store, &ep, extract(ep.engine, &text), &metrics);
+                record_scrape(&store, &ep, extract(ep.engine, text), &metrics);
                 if std::mem::take(&mut failing) {
                     tracing::info!(endpoint = %ep.name, "metrics scrapes succeed again");
                 }
@@ -106,31 +113,127 @@ pub fn mono_now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
-async fn fetch(client: &reqwest::Client, url: &str, timeout: Duration) -> Result<String, String> {
-    let mut resp = client
-        .get(url)
-        .timeout(timeout)
-        .send()
+/// One pod's `/metrics` over an HTTP/1.1 keep-alive connection, opened on first use and again
+/// after any failure (a timed-out or broken exchange leaves the connection in an unknown state,
+/// so it is dropped).
+pub struct MetricsConn {
+    addr: SocketAddr,
+    /// The `Host` header.
+    hostport: String,
+    path: String,
+    sender: Option<SendRequest<Empty<Bytes>>>,
+    /// The last body read (its allocation reused by the next).
+    text: String,
+}
+
+impl MetricsConn {
+    pub fn new(addr: SocketAddr, path: &str) -> MetricsConn {
+        MetricsConn {
+            addr,
+            hostport: addr.to_string(),
+            path: path.to_string(),
+            sender: None,
+            text: String::new(),
+        }
+    }
+
+    /// The exposition text (invalid UTF-8 replaced), bounded by `timeout` and
+    /// [`MAX_METRICS_BYTES`].
+    pub async fn fetch(&mut self, timeout: Duration) -> Result<&str, String> {
+        let exchange = async {
+            // A kept-alive connection the pod closed meanwhile fails without an answer: once
+            // more on a new one (a GET, safe to repeat).
+            let reused = self.sender.as_ref().is_some_and(|s| !s.is_closed());
+            match self.exchange().await {
+                Err(Failure::Unanswered(_)) if reused => {
+                    self.sender = None;
+                    self.exchange().await
+                }
+                r => r,
+            }
+            .map_err(|f| match f {
+                Failure::Unanswered(e) | Failure::Answer(e) => e,
+            })
+        };
+        let result = match tokio::time::timeout(timeout, exchange).await {
+            Ok(r) => r,
+            Err(_) => Err("timed out".to_string()),
+        };
+        if let Err(e) = result {
+            self.sender = None;
+            return Err(e);
+        }
+        Ok(&self.text)
+    }
+
+    async fn exchange(&mut self) -> Result<(), Failure> {
+        let sender = match &mut self.sender {
+            Some(s) if !s.is_closed() => s,
+            _ => self
+                .sender
+                .insert(connect(self.addr).await.map_err(Failure::Answer)?),
+        };
+        let unanswered = |e: hyper::Error| Failure::Unanswered(e.to_string());
+        sender.ready().await.map_err(unanswered)?;
+        let req = http::Request::get(self.path.as_str())
+            .header(http::header::HOST, self.hostport.as_str())
+            .body(Empty::new())
+            .map_err(|e| Failure::Answer(e.to_string()))?;
+        let mut resp = sender.send_request(req).await.map_err(unanswered)?;
+        let failed = |e: String| Err(Failure::Answer(e));
+        if !resp.status().is_success() {
+            return failed(format!("status {}", resp.status()));
+        }
+        let declared = resp
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|l| l > MAX_METRICS_BYTES as u64) {
+            return failed(TOO_LARGE.into());
+        }
+        // Read frame by frame into the last scrape's allocation: a chunked (or lying) body is cut
+        // at the bound, not buffered first.
+        let mut buf = std::mem::take(&mut self.text).into_bytes();
+        buf.clear();
+        let body = resp.body_mut();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| Failure::Answer(e.to_string()))?;
+            if let Some(chunk) = frame.data_ref() {
+                if buf.len() + chunk.len() > MAX_METRICS_BYTES {
+                    return failed(TOO_LARGE.into());
+                }
+                buf.extend_from_slice(chunk);
+            }
+        }
+        self.text = match String::from_utf8(buf) {
+            Ok(text) => text,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        };
+        Ok(())
+    }
+}
+
+/// Why an exchange failed: no answer at all (the request may never have left: a kept-alive
+/// connection is retried once on a new one), or the answer or a new connection failed.
+enum Failure {
+    Unanswered(String),
+    Answer(String),
+}
+
+/// A new HTTP/1.1 connection to `addr`, its driver spawned (it ends when the sender is dropped or
+/// the pod closes the connection).
+async fn connect(addr: SocketAddr) -> Result<SendRequest<Empty<Bytes>>, String> {
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    let (sender, conn) = http1::handshake(TokioIo::new(tcp))
         .await
         .map_err(|e| e.to_string())?;
-    if !resp.status().is_success() {
-        return Err(format!("status {}", resp.status()));
-    }
-    if resp
-        .content_length()
-        .is_some_and(|l| l > MAX_METRICS_BYTES as u64)
-    {
-        return Err(TOO_LARGE.into());
-    }
-    // Read chunk by chunk: a chunked (or lying) body is cut at the bound, not buffered first.
-    let mut body = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
-        if body.len() + chunk.len() > MAX_METRICS_BYTES {
-            return Err(TOO_LARGE.into());
-        }
-        body.extend_from_slice(&chunk);
-    }
-    Ok(String::from_utf8_lossy(&body).into_owned())
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(sender)
 }
 
 const TOO_LARGE: &str = "metrics body too large";
@@ -172,16 +275,49 @@ mod tests {
     #[tokio::test]
     async fn an_endless_chunked_body_is_cut_at_the_bound() {
         let addr = server("vllm:num_requests_waiting 1\n", true).await;
-        let client = reqwest::Client::new();
+        let mut conn = MetricsConn::new(addr, "/metrics");
         // A generous timeout: the bound, not the clock, must end the read.
-        let err = fetch(
-            &client,
-            &format!("http://{addr}/metrics"),
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap_err();
+        let err = conn.fetch(Duration::from_secs(60)).await.unwrap_err();
         assert_eq!(err, TOO_LARGE);
+    }
+
+    /// A pod answering two scrapes per connection with a `content-length` body, then closing it.
+    #[tokio::test]
+    async fn the_connection_is_kept_alive_and_reopened_when_the_pod_closes_it() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                let n = counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    for i in 0..2 {
+                        let mut req = Vec::new();
+                        let mut buf = [0u8; 1024];
+                        while !req.ends_with(b"\r\n\r\n") {
+                            match s.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(k) => req.extend_from_slice(&buf[..k]),
+                            }
+                        }
+                        let body = format!("vllm:num_requests_running {}\n", n * 2 + i);
+                        let head =
+                            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+                        if s.write_all((head + &body).as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let mut conn = MetricsConn::new(addr, "/metrics");
+        for k in 0..5 {
+            let text = conn.fetch(Duration::from_secs(5)).await.unwrap();
+            assert_eq!(text, format!("vllm:num_requests_running {k}\n"));
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
     }
 
     #[tokio::test]
@@ -197,7 +333,6 @@ mod tests {
         let stop = CancellationToken::new();
         let task = tokio::spawn(scrape_loop(
             Arc::downgrade(&ep),
-            reqwest::Client::new(),
             Arc::new(ScrapeConfig::default()),
             Arc::new(Datastore::new(Duration::from_secs(1))),
             metrics.clone(),
