@@ -5,9 +5,9 @@
 //! never waits for a scrape: it reads the last sample and its age.
 //!
 //! Each task keeps its own HTTP/1.1 keep-alive connection to its pod ([`MetricsConn`], hyper's
-//! connection API, no pool) and its own body buffer: at a fleet's 8000 scrapes/s per replica a
-//! general HTTP client's pool checkout, URL parsing and per-request allocations were most of an
-//! idle replica's CPU (`docs/benchmarks.md`, fleet scale).
+//! connection API, no pool): at a fleet's 8000 scrapes/s per replica a general HTTP client's pool
+//! checkout, URL parsing and per-request allocations were most of an idle replica's CPU
+//! (`docs/benchmarks.md`, fleet scale).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
@@ -75,7 +75,7 @@ pub async fn scrape_loop(
         }
         match conn.fetch(cfg.timeout).await {
             Ok(text) => {
-                record_scrape(&store, &ep, extract(ep.engine, text), &metrics);
+                record_scrape(&store, &ep, extract(ep.engine, &text), &metrics);
                 if std::mem::take(&mut failing) {
                     tracing::info!(endpoint = %ep.name, "metrics scrapes succeed again");
                 }
@@ -122,8 +122,9 @@ pub struct MetricsConn {
     hostport: String,
     path: String,
     sender: Option<SendRequest<Empty<Bytes>>>,
-    /// The last body read (its allocation reused by the next).
-    text: String,
+    /// The last body's length: the next body's first allocation (no buffer is kept between
+    /// scrapes — a few hundred pods' expositions would stay in memory).
+    last_len: usize,
 }
 
 impl MetricsConn {
@@ -133,13 +134,13 @@ impl MetricsConn {
             hostport: addr.to_string(),
             path: path.to_string(),
             sender: None,
-            text: String::new(),
+            last_len: 0,
         }
     }
 
     /// The exposition text (invalid UTF-8 replaced), bounded by `timeout` and
     /// [`MAX_METRICS_BYTES`].
-    pub async fn fetch(&mut self, timeout: Duration) -> Result<&str, String> {
+    pub async fn fetch(&mut self, timeout: Duration) -> Result<String, String> {
         let exchange = async {
             // A kept-alive connection the pod closed meanwhile fails without an answer: once
             // more on a new one (a GET, safe to repeat).
@@ -159,14 +160,13 @@ impl MetricsConn {
             Ok(r) => r,
             Err(_) => Err("timed out".to_string()),
         };
-        if let Err(e) = result {
+        if result.is_err() {
             self.sender = None;
-            return Err(e);
         }
-        Ok(&self.text)
+        result
     }
 
-    async fn exchange(&mut self) -> Result<(), Failure> {
+    async fn exchange(&mut self) -> Result<String, Failure> {
         let sender = match &mut self.sender {
             Some(s) if !s.is_closed() => s,
             _ => self
@@ -191,10 +191,8 @@ impl MetricsConn {
         if declared.is_some_and(|l| l > MAX_METRICS_BYTES as u64) {
             return failed(TOO_LARGE.into());
         }
-        // Read frame by frame into the last scrape's allocation: a chunked (or lying) body is cut
-        // at the bound, not buffered first.
-        let mut buf = std::mem::take(&mut self.text).into_bytes();
-        buf.clear();
+        // Read frame by frame: a chunked (or lying) body is cut at the bound, not buffered first.
+        let mut buf = Vec::with_capacity(self.last_len);
         let body = resp.body_mut();
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| Failure::Answer(e.to_string()))?;
@@ -205,11 +203,11 @@ impl MetricsConn {
                 buf.extend_from_slice(chunk);
             }
         }
-        self.text = match String::from_utf8(buf) {
+        self.last_len = buf.len();
+        Ok(match String::from_utf8(buf) {
             Ok(text) => text,
             Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
-        };
-        Ok(())
+        })
     }
 }
 
