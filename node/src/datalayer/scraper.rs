@@ -71,6 +71,8 @@ pub async fn scrape_loop(
         }
         let Some(ep) = endpoint.upgrade() else { return };
         if !shard.owns(&ep.hostport) {
+            // Another replica scrapes it now: no idle connection held to it meanwhile.
+            conn.close();
             continue;
         }
         match conn.fetch(cfg.timeout).await {
@@ -136,6 +138,11 @@ impl MetricsConn {
             sender: None,
             last_len: 0,
         }
+    }
+
+    /// Drops the connection (the next fetch opens a new one).
+    pub fn close(&mut self) {
+        self.sender = None;
     }
 
     /// The exposition text (invalid UTF-8 replaced), bounded by `timeout` and
