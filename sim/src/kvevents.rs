@@ -478,20 +478,38 @@ fn run(
     ring_len: usize,
     stop: &AtomicBool,
 ) {
+    let drain = |pods: &mut Vec<PodSockets>| -> bool {
+        loop {
+            match rx.try_recv() {
+                Ok(cmd) => handle(pods, cmd, encoding, ring_len),
+                Err(mpsc::TryRecvError::Empty) => return true,
+                Err(mpsc::TryRecvError::Disconnected) => return false,
+            }
+        }
+    };
     while !stop.load(Ordering::Relaxed) {
         // Publish everything queued, then serve replay requests; block on the channel only briefly
         // so replay stays responsive.
         match rx.recv_timeout(POLL) {
-            Ok(cmd) => {
-                handle(&mut pods, cmd, encoding, ring_len);
-                while let Ok(cmd) = rx.try_recv() {
-                    handle(&mut pods, cmd, encoding, ring_len);
-                }
-            }
+            Ok(cmd) => handle(&mut pods, cmd, encoding, ring_len),
             Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => return,
         }
-        serve_replays(&mut pods);
+        if !drain(&mut pods) {
+            return;
+        }
+        let requests = replay_requests(&pods);
+        if requests.is_empty() {
+            continue;
+        }
+        // A command queued before a request was received applies before the answer: a replay
+        // asked once `restart` returned never sees the ring of the pod's previous life.
+        if !drain(&mut pods) {
+            return;
+        }
+        for (pod, identity, start) in requests {
+            answer_replay(&pods[pod], &identity, start);
+        }
     }
 }
 
@@ -522,12 +540,14 @@ fn handle(pods: &mut [PodSockets], cmd: Command, encoding: Encoding, ring_len: u
     }
 }
 
-fn serve_replays(pods: &mut [PodSockets]) {
-    for p in pods.iter_mut() {
+/// Every pending replay request, without blocking: (pod, requester identity, start seq).
+fn replay_requests(pods: &[PodSockets]) -> Vec<(usize, Vec<u8>, u64)> {
+    let mut out = Vec::new();
+    for (i, p) in pods.iter().enumerate() {
         // Each ROUTER is drained without blocking; replay is rare, so polling all of them every
         // couple of ms costs one non-blocking recv each.
-        while let Ok(frames) = p.replay.recv_multipart(zmq::DONTWAIT) {
-            let [identity, empty, start] = frames.as_slice() else {
+        while let Ok(mut frames) = p.replay.recv_multipart(zmq::DONTWAIT) {
+            let [_, empty, start] = frames.as_slice() else {
                 tracing::debug!(frames = frames.len(), "malformed replay request ignored");
                 continue;
             };
@@ -535,17 +555,25 @@ fn serve_replays(pods: &mut [PodSockets]) {
                 tracing::debug!("replay start seq is not 8 bytes");
                 continue;
             };
-            let start = u64::from_be_bytes(start);
-            for (seq, payload) in p.ring.iter().filter(|(s, _)| *s >= start) {
-                let frames: [&[u8]; 5] = [identity, empty, &p.topic, &seq.to_be_bytes(), payload];
-                if p.replay.send_multipart(frames, 0).is_err() {
-                    break;
-                }
+            if !empty.is_empty() {
+                tracing::debug!("replay request without the empty delimiter ignored");
+                continue;
             }
-            let end: [&[u8]; 5] = [identity, empty, b"", &END_OF_REPLAY, b""];
-            let _ = p.replay.send_multipart(end, 0);
+            out.push((i, frames.swap_remove(0), u64::from_be_bytes(start)));
         }
     }
+    out
+}
+
+fn answer_replay(p: &PodSockets, identity: &[u8], start: u64) {
+    for (seq, payload) in p.ring.iter().filter(|(s, _)| *s >= start) {
+        let frames: [&[u8]; 5] = [identity, b"", &p.topic, &seq.to_be_bytes(), payload];
+        if p.replay.send_multipart(frames, 0).is_err() {
+            break;
+        }
+    }
+    let end: [&[u8]; 5] = [identity, b"", b"", &END_OF_REPLAY, b""];
+    let _ = p.replay.send_multipart(end, 0);
 }
 
 #[cfg(test)]
