@@ -185,7 +185,7 @@ async fn premium_ttft_survives_a_best_effort_burst_only_with_flow_control() {
     );
 }
 
-/// One pod, one slot, a 500 ms TTL and a one-request band cap: a waiting request is cancelled when
+/// One pod, one slot, a 2 s TTL and a one-request band cap: a waiting request is cancelled when
 /// its client goes away (its entry leaves the queue), then one expires with 429
 /// `rejected-ttl-expired`, and one over the cap gets 429 `rejected-saturated` at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,7 +199,7 @@ plugins:
 - type: queue-scorer
 - {name: one, type: concurrency-detector, parameters: {maxConcurrency: 1}}
 flowControl:
-  defaultRequestTTL: 500ms
+  defaultRequestTTL: 2s
   saturationDetector: {pluginRef: one}
   priorityBands: [{priority: 0, maxRequests: 1}]
 ";
@@ -236,9 +236,9 @@ flowControl:
             .and_then(|v| v.parse().ok())
     };
 
-    // A holds the only slot for ~3 s (600 tokens × 5 ms).
+    // A holds the only slot for ~6 s (1200 tokens × 5 ms): longer than B's wait plus C's TTL.
     let long = tokio::spawn({
-        let (client, url, b) = (client.clone(), url.clone(), body(600));
+        let (client, url, b) = (client.clone(), url.clone(), body(1200));
         async move {
             client
                 .post(url)
@@ -262,14 +262,29 @@ flowControl:
     .unwrap();
 
     // B waits, then its client gives up: the queue empties without a dispatch.
-    let b = client
-        .post(&url)
-        .header("content-type", "application/json")
-        .body(body(1))
-        .timeout(Duration::from_millis(150))
-        .send()
-        .await;
-    assert!(b.is_err(), "B should have timed out while queued: {b:?}");
+    let b = tokio::spawn({
+        let (client, url, b) = (client.clone(), url.clone(), body(1));
+        async move {
+            client
+                .post(url)
+                .header("content-type", "application/json")
+                .body(b)
+                .send()
+                .await
+        }
+    });
+    chaos::wait::until("B queued", Duration::from_secs(5), || async {
+        c.epps[0].metrics().await.is_ok_and(|m| {
+            metric(&m, "llm_d_epp_flow_control_queue_size{priority=\"0\"") == Some(1.0)
+        })
+    })
+    .await
+    .unwrap();
+    b.abort();
+    assert!(
+        b.await.is_err_and(|e| e.is_cancelled()),
+        "B should have been waiting when its client went away"
+    );
     chaos::wait::until("B cancelled", Duration::from_secs(5), || async {
         c.epps[0].metrics().await.is_ok_and(|m| {
             metric(
@@ -328,8 +343,8 @@ flowControl:
         (429, Some("rejected-ttl-expired"))
     );
     assert!(
-        waited >= Duration::from_millis(450),
-        "C expired after {waited:?}, before its 500 ms TTL"
+        waited >= Duration::from_millis(1900),
+        "C expired after {waited:?}, before its 2 s TTL"
     );
     assert_eq!(long.await.unwrap().as_u16(), 200);
     c.shutdown().await;

@@ -120,9 +120,17 @@ async fn cpu(c: &LocalCluster, window: Duration) -> Vec<f64> {
 async fn each_pod_is_scraped_by_its_owners_and_every_view_stays_fresh() {
     let mut c = LocalCluster::start(spec(2, "50ms")).await.unwrap();
     let settled = wait_for(&c, &[0, 1, 2], 2, Duration::from_secs(20)).await;
-    // Still true a few seconds later: ownership is stable and fan-out keeps views fresh.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    check(&c, &[0, 1, 2], 2).await.unwrap();
+    // Still true over the next seconds: ownership is stable and fan-out keeps views fresh. Looked
+    // at a dozen times; one look may catch a stall of this loaded 2-core machine (a sample older
+    // than a second), not more.
+    let mut misses = Vec::new();
+    for _ in 0..12 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        if let Err(e) = check(&c, &[0, 1, 2], 2).await {
+            misses.push(e);
+        }
+    }
+    assert!(misses.len() <= 1, "views not steadily fresh: {misses:?}");
 
     // Replica 3 dies: after its lease (3 × 500 ms) the survivors own its pods.
     c.raft.as_mut().unwrap().kill9(3).await.unwrap();

@@ -115,7 +115,12 @@ async fn requests_through_envoy_leave_their_span_tree() {
         .json(&chat("first", 40))
         .send();
     let b = async {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Once A holds the slot (running on the pod), not after a guess of how long that takes.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while c.sim.stats(0).running == 0 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(c.sim.stats(0).running, 1, "A running on the pod");
         client.post(&url).json(&chat("second", 4)).send().await
     };
     let (a, b) = tokio::join!(a, b);

@@ -658,11 +658,12 @@ mod tests {
         let s = q.status().await;
         assert_eq!(s["tenants"][0]["limits"]["*"]["inFlight"], 1);
         // 1000 - 200 - 7 - 1, plus the refill while k2 waited out the concurrency grace
-        // (1000 a minute: under 2 tokens in 100 ms).
+        // (1000 a minute: under 2 tokens in 100 ms) and whatever else the test took (8 more
+        // tokens is half a second of a loaded machine).
         let left = s["tenants"][0]["limits"]["*"]["tokens"]["remaining"]
             .as_u64()
             .unwrap();
-        assert!((692..=695).contains(&left), "{left} tokens left");
+        assert!((692..=700).contains(&left), "{left} tokens left");
     }
 
     #[tokio::test]
