@@ -235,21 +235,23 @@ flowControl:
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
     };
+    let send = |max_tokens: u32| {
+        let request = client
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(body(max_tokens));
+        async move { request.send().await }
+    };
+    let queued = |what: &'static str| {
+        chaos::wait::until(what, Duration::from_secs(5), || async {
+            c.epps[0].metrics().await.is_ok_and(|m| {
+                metric(&m, "llm_d_epp_flow_control_queue_size{priority=\"0\"") == Some(1.0)
+            })
+        })
+    };
 
     // A holds the only slot for ~6 s (1200 tokens × 5 ms): longer than B's wait plus C's TTL.
-    let long = tokio::spawn({
-        let (client, url, b) = (client.clone(), url.clone(), body(1200));
-        async move {
-            client
-                .post(url)
-                .header("content-type", "application/json")
-                .body(b)
-                .send()
-                .await
-                .unwrap()
-                .status()
-        }
-    });
+    let long = tokio::spawn(send(1200));
     chaos::wait::until("A dispatched", Duration::from_secs(5), || async {
         c.epps[0].metrics().await.is_ok_and(|m| {
             metric(
@@ -262,24 +264,8 @@ flowControl:
     .unwrap();
 
     // B waits, then its client gives up: the queue empties without a dispatch.
-    let b = tokio::spawn({
-        let (client, url, b) = (client.clone(), url.clone(), body(1));
-        async move {
-            client
-                .post(url)
-                .header("content-type", "application/json")
-                .body(b)
-                .send()
-                .await
-        }
-    });
-    chaos::wait::until("B queued", Duration::from_secs(5), || async {
-        c.epps[0].metrics().await.is_ok_and(|m| {
-            metric(&m, "llm_d_epp_flow_control_queue_size{priority=\"0\"") == Some(1.0)
-        })
-    })
-    .await
-    .unwrap();
+    let b = tokio::spawn(send(1));
+    queued("B queued").await.unwrap();
     b.abort();
     assert!(
         b.await.is_err_and(|e| e.is_cancelled()),
@@ -299,16 +285,10 @@ flowControl:
 
     // C waits past the TTL; D arrives while C occupies the band's only queue place.
     let c_req = tokio::spawn({
-        let (client, url, b) = (client.clone(), url.clone(), body(1));
+        let request = send(1);
         async move {
             let t = std::time::Instant::now();
-            let r = client
-                .post(url)
-                .header("content-type", "application/json")
-                .body(b)
-                .send()
-                .await
-                .unwrap();
+            let r = request.await.unwrap();
             (
                 r.status().as_u16(),
                 r.headers()
@@ -318,20 +298,8 @@ flowControl:
             )
         }
     });
-    chaos::wait::until("C queued", Duration::from_secs(5), || async {
-        c.epps[0].metrics().await.is_ok_and(|m| {
-            metric(&m, "llm_d_epp_flow_control_queue_size{priority=\"0\"") == Some(1.0)
-        })
-    })
-    .await
-    .unwrap();
-    let d = client
-        .post(&url)
-        .header("content-type", "application/json")
-        .body(body(1))
-        .send()
-        .await
-        .unwrap();
+    queued("C queued").await.unwrap();
+    let d = send(1).await.unwrap();
     assert_eq!(d.status().as_u16(), 429);
     assert_eq!(
         d.headers()["x-llm-d-request-dropped-reason"],
@@ -346,7 +314,7 @@ flowControl:
         waited >= Duration::from_millis(1900),
         "C expired after {waited:?}, before its 2 s TTL"
     );
-    assert_eq!(long.await.unwrap().as_u16(), 200);
+    assert_eq!(long.await.unwrap().unwrap().status().as_u16(), 200);
     c.shutdown().await;
 }
 
