@@ -3,14 +3,14 @@
 //!
 //! Skewed arrival: tenant A's clients go through an Envoy that spreads streams over the three
 //! replicas, tenant B's through an Envoy in front of replica 1 alone. Both ask for more tokens than
-//! their quota for 20 s, and a follower (3, or 2 when 3 leads) is killed (-9) halfway. Checked
-//! from outside (the usage of the responses the clients got): each tenant's tokens served cluster-wide stay within its
-//! tokens-per-minute limit over the run (a minute's burst plus the refill, plus the stated bound:
-//! the slices a replica held when its lease ended, here at most two requests' debits) — replicas
-//! each enforcing their own book would have served A up to three times that — and come close to
-//! it (the quota is used, not stranded in idle slices). After the run every replica's ledger is
-//! the same, and it has every request a client saw answered: nothing settled is lost with the
-//! killed replica — except what that replica admitted in its last report window (admissions are
+//! their quota for 20 s, and a follower (3, or 2 when 3 leads) is killed (-9) halfway. Checked from
+//! outside (the usage of the responses the clients got): each tenant's tokens served cluster-wide
+//! stay within its tokens-per-minute limit over the run (a minute's burst plus the refill, plus the
+//! stated bound: the slices a replica held when its lease ended, here at most two requests' debits)
+//! — replicas each enforcing their own book would have served A up to three times that — and come
+//! close to it (the quota is used, not stranded in idle slices). After the run every replica's
+//! ledger is the same, and it has every request a client saw answered: nothing settled is lost with
+//! the killed replica — except what that replica admitted in its last report window (admissions are
 //! reported in batches: a 10 ms linger plus the proposal in flight) and Envoy still served: at most
 //! [`UNREPORTED`] of A's requests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
