@@ -3,9 +3,9 @@
 //! Each simulated pod has its own loopback IP and the pool's one target port, as pods do. Every
 //! change — a pod becoming ready or unready, deleted, a new pod reusing an IP, the pool's selector
 //! edited, watches dropped, history compacted (410 Gone), the API server down then back — shows
-//! in what the EPP routes to (within a second here, printed; the tests allow five on a loaded
-//! machine), and an outage keeps the last view. The pool's
-//! `InferenceObjective`s and `InferenceModelRewrite`s apply live: an edited priority is the
+//! in what the EPP routes to (the issue asks for a second; the tests allow five on a loaded
+//! machine and print how long each object change took), and an outage keeps the last view. The
+//! pool's `InferenceObjective`s and `InferenceModelRewrite`s apply live: an edited priority is the
 //! next request's band, edited weights its model.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
