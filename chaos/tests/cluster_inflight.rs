@@ -25,22 +25,38 @@ async fn get_json(c: &RaftCluster, id: u64, path: &str) -> serde_json::Value {
 }
 
 async fn cluster(sim: &Sim, dir: &std::path::Path, extra: &[&str]) -> RaftCluster {
+    cluster_of(2, sim, dir, extra).await
+}
+
+async fn cluster_of(n: u64, sim: &Sim, dir: &std::path::Path, extra: &[&str]) -> RaftCluster {
     let endpoints = dir.join("endpoints.yaml");
     std::fs::write(&endpoints, sim.pods_yaml()).unwrap();
-    let c = RaftCluster::start_with(2, &endpoints, extra).await.unwrap();
+    let c = RaftCluster::start_with(n, &endpoints, extra).await.unwrap();
+    let ids: Vec<u64> = (1..=n).collect();
     chaos::wait::until("a leader", Duration::from_secs(15), || async {
-        c.agreed_leader(&[1, 2]).await.is_some()
+        c.agreed_leader(&ids).await.is_some()
     })
     .await
     .unwrap();
     c
 }
 
+/// Relayed settlements of `outcome` a replica counted.
+async fn relayed(c: &RaftCluster, id: u64, outcome: &str) -> f64 {
+    let text = c.replica(id).unwrap().metrics().await.unwrap();
+    let series = format!("llm_d_epp_cluster_settlements_relayed_total{{outcome=\"{outcome}\"}} ");
+    text.lines()
+        .filter_map(|l| l.strip_prefix(&series)?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Three replicas: the key names replica 1 as its maker, so replica 2 relays the settlement to
+/// replica 1 only — replica 3 receives nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_observed_elsewhere_releases_the_routing_replicas_charge() {
     let sim = Sim::start(SimConfig::default()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let c = cluster(&sim, dir.path(), &[]).await;
+    let c = cluster_of(3, &sim, dir.path(), &[]).await;
     let info = extproc::route(&mut client(&c, 1).await, BODY, "r")
         .await
         .unwrap();
@@ -58,6 +74,14 @@ async fn a_response_observed_elsewhere_releases_the_routing_replicas_charge() {
     .await
     .unwrap();
     assert_eq!(tracked(2).await, 0);
+    assert_eq!(tracked(3).await, 0);
+    assert_eq!(relayed(&c, 2, "sent").await, 1.0);
+    assert_eq!(relayed(&c, 1, "released").await, 1.0);
+    // Nothing went to replica 3 (were it sent there, it would count it as not held: give a
+    // stray batch a while to land: it would have left with replica 1's).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(relayed(&c, 3, "not_held").await, 0.0);
+    assert_eq!(relayed(&c, 3, "released").await, 0.0);
     c.shutdown().await;
     sim.shutdown().await;
 }

@@ -494,6 +494,7 @@ pub async fn serve(
         responses,
         rewrites,
         relay: relay.as_ref().map(|r| r.sender()),
+        node_id: opts.cluster.as_ref().map(|c| c.node_id),
         renderer,
         quotas: quotas.clone(),
     });

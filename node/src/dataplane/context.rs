@@ -39,6 +39,9 @@ pub struct PickerContext {
     /// Cluster mode without cluster-wide flow control: where the settlements of requests this
     /// replica observed but did not hold go (the peers; `cluster::settle`).
     pub relay: Option<tokio::sync::mpsc::Sender<(String, Option<u64>)>>,
+    /// This replica's node id in cluster mode: its request keys name it, so a response observed
+    /// on another replica is relayed here only.
+    pub node_id: Option<u64>,
     /// Tenant mode (`--tenants-file`): identity, grants and quotas.
     pub quotas: Option<Arc<crate::request::quota::Quotas>>,
     /// The `vllm_http` token producer: engine tokens for each request before scheduling.

@@ -64,7 +64,7 @@ pub async fn dry_run(ctx: &PickerContext, run: DryRun) -> Result<Explanation, Re
         tenant.as_deref(),
     );
     let candidates = ctx.store.candidates(Instant::now());
-    let key = new_request_key();
+    let key = new_request_key(ctx.node_id);
     let tokens = match &ctx.renderer {
         Some(r) => r.tokens(&req, &body, &key, &candidates).await,
         None => None,

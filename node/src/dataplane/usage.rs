@@ -444,14 +444,33 @@ impl RouteInfo {
     }
 }
 
-/// A fresh request key: 128 random bits as 32 hex digits. Unique across replicas and restarts
-/// without coordination, and unguessable, so no client can name another's request.
-pub fn new_request_key() -> String {
-    uuid::Uuid::new_v4().simple().to_string()
+/// A fresh request key: 128 random bits as 32 hex digits, then — in cluster mode — `-` and the
+/// node id of the replica that made it (hex). Unique across replicas and restarts without
+/// coordination, and unguessable, so no client can name another's request; the owner's id tells
+/// a replica that observes the response which peer holds the request ([`request_key_owner`]).
+pub fn new_request_key(owner: Option<u64>) -> String {
+    let random = uuid::Uuid::new_v4().simple();
+    match owner {
+        Some(id) => format!("{random}-{id:x}"),
+        None => random.to_string(),
+    }
+}
+
+/// The node id a request key names as its owner (`None` for a key made outside cluster mode).
+pub fn request_key_owner(key: &str) -> Option<u64> {
+    let (_, owner) = key.split_once('-')?;
+    u64::from_str_radix(owner, 16).ok()
 }
 
 fn is_request_key(s: &str) -> bool {
-    s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit())
+    let (random, owner) = match s.split_once('-') {
+        Some((r, o)) => (r, Some(o)),
+        None => (s, None),
+    };
+    random.len() == 32
+        && random.bytes().all(|b| b.is_ascii_hexdigit())
+        && owner
+            .is_none_or(|o| (1..=16).contains(&o.len()) && o.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 fn pct(s: &str) -> String {
@@ -489,14 +508,29 @@ mod route_info_tests {
 
     #[test]
     fn keys_are_ours_or_nothing() {
-        let a = new_request_key();
-        assert_ne!(a, new_request_key());
-        let info = RouteInfo {
-            key: a.clone(),
-            ..Default::default()
-        };
-        assert_eq!(RouteInfo::decode(&info.encode()).unwrap().key, a);
-        for forged in ["client-chosen-id", "", "zz", &"f".repeat(64)] {
+        let a = new_request_key(None);
+        assert_ne!(a, new_request_key(None));
+        let owned = new_request_key(Some(0xdead_beef_0042));
+        assert_eq!(request_key_owner(&owned), Some(0xdead_beef_0042));
+        assert_eq!(request_key_owner(&a), None);
+        for key in [&a, &owned] {
+            let info = RouteInfo {
+                key: key.clone(),
+                ..Default::default()
+            };
+            assert_eq!(&RouteInfo::decode(&info.encode()).unwrap().key, key);
+        }
+        let random = &a[..32];
+        for forged in [
+            "client-chosen-id",
+            "",
+            "zz",
+            &"f".repeat(64),
+            &format!("{random}-"),
+            &format!("{random}-{}", "1".repeat(17)),
+            &format!("{random}-x1"),
+            &format!("{random}-1-2"),
+        ] {
             let d = RouteInfo::decode(&format!("k={forged};m=m;p=0")).unwrap();
             assert_eq!(d.key, "", "{forged}");
         }
@@ -505,7 +539,7 @@ mod route_info_tests {
     #[test]
     fn round_trip_with_awkward_values() {
         let info = RouteInfo {
-            key: new_request_key(),
+            key: new_request_key(None),
             model: "meta-llama/Llama-3.1-8B".into(),
             target_model: "lora;a=b %".into(),
             fairness_id: "tenant é 1".into(),

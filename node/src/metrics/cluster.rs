@@ -18,6 +18,11 @@ pub struct DirectionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     /// `ok` or `error`.
     pub result: &'static str,
@@ -37,6 +42,7 @@ pub struct GossipMetrics {
     sample_bytes: Family<DirectionLabels, Counter>,
     samples_applied: Counter,
     owned: Gauge,
+    relayed: Family<OutcomeLabels, Counter>,
 }
 
 impl GossipMetrics {
@@ -54,7 +60,15 @@ impl GossipMetrics {
             sample_bytes: Family::default(),
             samples_applied: Counter::default(),
             owned: Gauge::default(),
+            relayed: Family::default(),
         };
+        registry.register(
+            "cluster_settlements_relayed",
+            "Settlements of responses observed on one replica for requests another routed: \
+             `sent` (keys sent to peers), `released` (received, and this replica held the \
+             request), `not_held` (received, nothing held here)",
+            m.relayed.clone(),
+        );
         registry.register(
             "datalayer_fanout_bytes",
             "Encoded scrape fan-out bytes between replicas, by direction",
@@ -137,6 +151,13 @@ impl GossipMetrics {
 
     pub fn set_owned(&self, n: usize) {
         self.owned.set(n as i64);
+    }
+
+    /// `n` relayed settlements, by outcome (`sent`, `released`, `not_held`).
+    pub fn relayed(&self, outcome: &'static str, n: usize) {
+        self.relayed
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc_by(n as u64);
     }
 
     pub fn dropped_batch(&self) {

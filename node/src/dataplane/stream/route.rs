@@ -82,7 +82,7 @@ impl StreamState {
             tenant.as_deref(),
         );
         self.received(&req);
-        self.key = new_request_key();
+        self.key = new_request_key(ctx.node_id);
         if !span.is_disabled() {
             span.set_attribute("gen_ai.request.model", req.model.clone());
             span.set_attribute("epp.target_model", req.target_model.clone());
