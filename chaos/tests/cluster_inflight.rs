@@ -1,8 +1,9 @@
-//! In-flight load across replicas without cluster-wide flow control (over the real ext_proc
-//! protocol, a synthetic Envoy against a two-replica cluster): a request routed by replica 1 whose
-//! response replica 2 observes is released on replica 1 — its in-flight charge, and with
-//! `--flow-control-scope replica` its flow-control slot — instead of lingering until the sweep;
-//! and each replica's scorers see the other's in-flight requests.
+//! In-flight load across replicas (over the real ext_proc protocol, a synthetic Envoy against a
+//! cluster): a request routed by replica 1 whose response replica 2 observes is released on
+//! replica 1 — its in-flight charge, with `--flow-control-scope replica` its flow-control slot,
+//! and with cluster-wide flow control its credit admission, which replica 1 counts in bulk in the
+//! replicated ledger — instead of lingering until the sweep; and each replica's scorers see the
+//! other's in-flight requests.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
@@ -82,6 +83,125 @@ async fn a_response_observed_elsewhere_releases_the_routing_replicas_charge() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(relayed(&c, 3, "not_held").await, 0.0);
     assert_eq!(relayed(&c, 3, "released").await, 0.0);
+    c.shutdown().await;
+    sim.shutdown().await;
+}
+
+/// Three replicas with cluster-wide flow control, replica 1 holding credit and past its first
+/// request (a replica's first request of a priority asks the state whether the fast path is
+/// open and may be queued meanwhile: one to warm up, settled where it was routed).
+async fn credit_cluster(sim: &Sim, dir: &std::path::Path) -> RaftCluster {
+    let config = chaos::workloads::flow_control_config(64);
+    let c = cluster_of(3, sim, dir, &["--config-text", &config]).await;
+    chaos::wait::until("credit on replica 1", Duration::from_secs(15), || async {
+        let f = get_json(&c, 1, "/debug/flow").await;
+        f["local"]["configured"] == true && f["local"]["credit"].as_u64().unwrap_or(0) > 0
+    })
+    .await
+    .unwrap();
+    let warm = extproc::route(&mut client(&c, 1).await, BODY, "warm")
+        .await
+        .unwrap();
+    extproc::observe(&mut client(&c, 1).await, &warm, None)
+        .await
+        .unwrap();
+    chaos::wait::until("the warm-up settled", Duration::from_secs(5), || async {
+        get_json(&c, 1, "/debug/flow").await["global"]["totals"]["inflight_requests"] == 0
+    })
+    .await
+    .unwrap();
+    c
+}
+
+/// Requests replica 1 holds in bulk on a pod, as the replicated ledger shows them.
+fn on_pod(f: &serde_json::Value) -> u64 {
+    f["global"]["held"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["member"] == 1 && r["pod"].is_string())
+        .map(|r| r["requests"].as_u64().unwrap_or(0))
+        .sum()
+}
+
+/// Cluster-wide flow control: replica 1 admits on credit and counts the request in its bulk
+/// holding (every replica's ledger shows it on the pod); replica 2 observes the response and
+/// relays it to replica 1, whose next report takes it out of every replica's ledger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credit_admission_settled_elsewhere_leaves_every_replicas_ledger() {
+    let sim = Sim::start(SimConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let c = credit_cluster(&sim, dir.path()).await;
+    let flow = |id| {
+        let c = &c;
+        async move { get_json(c, id, "/debug/flow").await }
+    };
+    let fast = flow(1).await["local"]["fast_path"].as_u64().unwrap();
+    let info = extproc::route(&mut client(&c, 1).await, BODY, "r")
+        .await
+        .unwrap();
+    let f = flow(1).await;
+    assert_eq!(f["local"]["fast_path"], fast + 1, "{f}");
+    assert_eq!(f["local"]["held"], 1, "{f}");
+    for id in 1..=3 {
+        chaos::wait::until("the holding replicated", Duration::from_secs(5), || async {
+            let f = flow(id).await;
+            on_pod(&f) == 1 && f["global"]["totals"]["inflight_requests"] == 1
+        })
+        .await
+        .unwrap();
+    }
+    assert!(
+        flow(1).await["global"]["oldest_inflight"]
+            .as_array()
+            .is_some_and(|a| a.is_empty()),
+        "no per-request ledger entry for a credit admission"
+    );
+    extproc::observe(&mut client(&c, 2).await, &info, None)
+        .await
+        .unwrap();
+    for id in 1..=3 {
+        chaos::wait::until("the ledger empty", Duration::from_secs(5), || async {
+            let f = flow(id).await;
+            on_pod(&f) == 0 && f["global"]["totals"]["inflight_requests"] == 0
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(flow(1).await["local"]["held"], 0);
+    assert_eq!(relayed(&c, 2, "sent").await, 1.0);
+    assert_eq!(relayed(&c, 1, "released").await, 1.0);
+    assert_eq!(relayed(&c, 3, "not_held").await, 0.0);
+    c.shutdown().await;
+    sim.shutdown().await;
+}
+
+/// A credit admission whose response nobody observes (the synthetic Envoy never sends it to the
+/// pod, which reports nothing running): its maker releases it once the pod has reported fewer
+/// requests than the ledger holds for a second and it is two seconds old — every replica's ledger
+/// empties.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credit_admission_whose_settlement_is_lost_is_reconciled_by_its_maker() {
+    let sim = Sim::start(SimConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let c = credit_cluster(&sim, dir.path()).await;
+    extproc::route(&mut client(&c, 1).await, BODY, "lost")
+        .await
+        .unwrap();
+    chaos::wait::until("the holding replicated", Duration::from_secs(5), || async {
+        on_pod(&get_json(&c, 3, "/debug/flow").await) == 1
+    })
+    .await
+    .unwrap();
+    for id in 1..=3 {
+        chaos::wait::until("the ledger reconciled", Duration::from_secs(15), || async {
+            let f = get_json(&c, id, "/debug/flow").await;
+            on_pod(&f) == 0 && f["global"]["totals"]["inflight_requests"] == 0
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(get_json(&c, 1, "/debug/flow").await["local"]["held"], 0);
     c.shutdown().await;
     sim.shutdown().await;
 }

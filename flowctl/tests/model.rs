@@ -553,6 +553,10 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
             }
             Command::Tick => {}
+            // Bulk holdings are a cluster's (tests/bulk.rs); the model never issues them.
+            Command::Hold { .. } | Command::Served { .. } => {
+                prop_assert!(false, "not generated: {:?}", cmd)
+            }
         }
         prop_assert!(
             rest.len() >= expect.len(),

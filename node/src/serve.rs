@@ -423,10 +423,11 @@ pub async fn serve(
         }
         g
     });
-    // Cluster mode without cluster-wide flow control: responses observed here for requests
-    // charged on another replica are relayed to it (see `cluster::settle`).
+    // Cluster mode: responses observed here for requests another replica charged — its
+    // in-flight charge, its replica-scope slot, or its cluster-wide credit admission — are
+    // relayed to it (see `cluster::settle`).
     let relay = match &opts.cluster {
-        Some(c) if global_gate.is_none() && (built.inflight.is_some() || flow_gate.is_some()) => {
+        Some(c) if global_gate.is_some() || built.inflight.is_some() || flow_gate.is_some() => {
             Some(SettleRelay::new(
                 c.node_id,
                 built.inflight.clone(),
@@ -436,6 +437,9 @@ pub async fn serve(
         }
         _ => None,
     };
+    if let (Some(g), Some(r)) = (&global_gate, &relay) {
+        g.set_relay(r.sender());
+    }
     let cluster = match (peer, &opts.cluster) {
         (Some(listener), Some(c)) => {
             let identity = c

@@ -10,7 +10,9 @@
 //!   a retried batch is recognised and ignored.
 //! * **Credit (the fast path).** While the replicated state says a request would be dispatched at
 //!   once ([`FlowController::admits_now`]) a replica may admit up to its credit *locally*, without
-//!   a consensus round trip, and report those admissions later ([`FlowCmd::Admitted`]). The
+//!   a consensus round trip, and report those admissions later — counted in bulk per (flow, pod)
+//!   ([`FlowCmd::Held`]: one controller record per row, [`Command::Hold`]; their settlements are
+//!   the member's own), or one by one ([`FlowCmd::Admitted`], degraded mode). The
 //!   cluster's total credit (`credit_slack`) is split between live members in proportion to their
 //!   recent demand, every `rebalance_ms`. In-flight can therefore exceed what the detector allows
 //!   by at most the total credit (invariant I1).
@@ -131,6 +133,55 @@ pub enum FlowCmd {
     /// this batch or before) and it admits nothing more, so its credit returns at once, without
     /// quarantine.
     Retire,
+    /// The member's requests admitted on local credit and still running, held in bulk: one row
+    /// per (flow, pod) instead of an `Admitted` and a `Settle` per request. `rows` are absolute
+    /// counts of the rows that changed since the member's previous `Held` (`full`: every row it
+    /// holds; any other row of its is zero); `version` only grows within a life (an older or
+    /// repeated report is ignored); `admitted` counts the life's credit admissions so far (its
+    /// demand, and how much of its credit the state has seen spent); `served` corrects the
+    /// flows' charges for requests that ended since the previous report.
+    Held {
+        version: u64,
+        full: bool,
+        admitted: u64,
+        rows: Vec<HeldRow>,
+        served: Vec<ServedRow>,
+    },
+}
+
+/// A member's requests of one flow on one pod (`None`: not routed yet) admitted on local credit
+/// and still running, as it counts them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldRow {
+    pub flow: FlowKey,
+    pub pod: Option<String>,
+    pub requests: u64,
+    pub tokens: u64,
+}
+
+/// Requests of one flow held in bulk that ended since the member's previous report: estimated
+/// at `charged` tokens, using `actual`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServedRow {
+    pub flow: FlowKey,
+    pub requests: u64,
+    pub charged: u64,
+    pub actual: u64,
+}
+
+/// A bulk holding: its controller record and counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct Holding {
+    id: RequestId,
+    requests: u64,
+    tokens: u64,
+}
+
+/// One member life's bulk holdings, by (flow, pod).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+struct Holdings {
+    #[serde(with = "pairs")]
+    rows: BTreeMap<(FlowKey, Option<String>), Holding>,
 }
 
 /// The decision about a queued request, as its owner reads it.
@@ -185,6 +236,11 @@ pub struct MemberFlow {
     pub retired: bool,
     pub admitted_local: u64,
     pub enqueued: u64,
+    /// The last [`FlowCmd::Held`] applied (its version) and the credit admissions it counted.
+    #[serde(default)]
+    pub held_version: u64,
+    #[serde(default)]
+    pub held_admitted: u64,
 }
 
 /// Per-pod in-flight load from the ledger.
@@ -238,6 +294,15 @@ pub struct GlobalFlow {
     /// lease it held then ends — so nobody else is granted it before.
     #[serde(with = "pairs", default)]
     shrunk: BTreeMap<(MemberId, u64), (u32, u64)>,
+    /// Members' bulk holdings ([`FlowCmd::Held`]), by life (member, incarnation).
+    #[serde(with = "pairs", default)]
+    held: BTreeMap<(MemberId, u64), Holdings>,
+    /// Lives whose holdings nobody reports any more (lease ended, or restarted): since when (µs).
+    /// Their routed rows are eased by the pods' reports like settlement-less entries
+    /// ([`GlobalFlow::reconcile`]); unrouted ones are released after [`QUARANTINE_MAX_MS`]. A
+    /// life back from a partition holds its rows again.
+    #[serde(with = "pairs", default)]
+    held_lost: BTreeMap<(MemberId, u64), u64>,
     reconciled: u64,
     dispatched: u64,
     reclaimed: u64,
@@ -269,6 +334,8 @@ impl GlobalFlow {
             quarantine: BTreeMap::new(),
             unaccounted_window: None,
             shrunk: BTreeMap::new(),
+            held: BTreeMap::new(),
+            held_lost: BTreeMap::new(),
             reconciled: 0,
             dispatched: 0,
             reclaimed: 0,
@@ -305,8 +372,11 @@ impl GlobalFlow {
             self.quarantine_credit(id);
             if let Some(m) = self.members.get_mut(&id) {
                 m.expired = true;
+                let life = (id, m.incarnation);
+                self.held_lost.insert(life, self.now_us);
             }
         }
+        self.release_unrouted_lost();
         let now = self.now_us;
         self.shrunk.retain(|_, (_, until)| *until > now);
         if self.now_us.saturating_sub(self.last_rebalance_us) >= self.params.rebalance_ms * 1000 {
@@ -325,6 +395,7 @@ impl GlobalFlow {
             m.expired = false;
         }
         if revived {
+            self.held_lost.remove(&(member, incarnation));
             // Back in the same life before the quarantine released them: its unrouted dispatches
             // are its own to report again (it may forward them at any moment now), no longer
             // orphans to release while the pods do not show them yet.
@@ -371,6 +442,7 @@ impl GlobalFlow {
         };
         self.ease_quarantine(unaccounted);
         let mut release: Vec<RequestId> = Vec::new();
+        let mut eased_rows = 0;
         for (pod, seen) in observed {
             let held = self.pods.get(pod).map_or(0, |l| l.requests);
             if held <= *seen {
@@ -382,6 +454,7 @@ impl GlobalFlow {
                 continue;
             }
             let old_enough = now.saturating_sub(RECONCILE_MIN_AGE_MS * 1000);
+            let before = release.len();
             release.extend(
                 self.entries
                     .iter()
@@ -391,6 +464,10 @@ impl GlobalFlow {
                     .map(|(id, _)| *id)
                     .take((held - seen) as usize),
             );
+            let rest = (held - seen).saturating_sub((release.len() - before) as u64);
+            if rest > 0 {
+                eased_rows += self.ease_lost_rows(pod, rest);
+            }
             self.excess_since.remove(pod);
         }
         for &id in &release {
@@ -400,8 +477,9 @@ impl GlobalFlow {
             });
             self.forget(id);
         }
-        self.reconciled += release.len() as u64;
-        release.len() as u64
+        let released = release.len() as u64 + eased_rows;
+        self.reconciled += released;
+        released
     }
 
     /// Apply one member's batch at `now_us`.
@@ -439,6 +517,8 @@ impl GlobalFlow {
             if old != 0 {
                 self.reclaim(member, true);
                 self.quarantine_credit(member);
+                let now = self.now_us;
+                self.held_lost.entry((member, old)).or_insert(now);
                 // Nobody waits for the old life's verdicts, and its sequence numbers come again.
                 let stale: Vec<(u64, MemberId, u64)> = self
                     .verdict_times
@@ -530,6 +610,13 @@ impl GlobalFlow {
                 self.forget(id);
                 true
             }
+            FlowCmd::Held {
+                version,
+                full,
+                admitted,
+                rows,
+                served,
+            } => self.held(member, version, full, admitted, rows, served),
             FlowCmd::Retire => {
                 let Some(m) = self.members.get_mut(&member) else {
                     return false;
@@ -540,6 +627,188 @@ impl GlobalFlow {
                 true
             }
         }
+    }
+
+    /// [`FlowCmd::Held`]: set the member's changed rows, credit its demand, correct charges.
+    fn held(
+        &mut self,
+        member: MemberId,
+        version: u64,
+        full: bool,
+        admitted: u64,
+        rows: Vec<HeldRow>,
+        served: Vec<ServedRow>,
+    ) -> bool {
+        let Some(m) = self.members.get_mut(&member) else {
+            return false;
+        };
+        if version <= m.held_version {
+            return false;
+        }
+        m.held_version = version;
+        let new = admitted.saturating_sub(m.held_admitted);
+        m.held_admitted = m.held_admitted.max(admitted);
+        m.demand += new;
+        m.admitted_local += new;
+        let life = m.incarnation;
+        for s in served {
+            self.run(Command::Served {
+                flow: s.flow,
+                requests: s.requests,
+                charged: s.charged,
+                actual: s.actual,
+            });
+        }
+        let life = (member, life);
+        if full {
+            let listed: BTreeSet<(&FlowKey, &Option<String>)> =
+                rows.iter().map(|r| (&r.flow, &r.pod)).collect();
+            let gone: Vec<(FlowKey, Option<String>)> = self
+                .held
+                .get(&life)
+                .into_iter()
+                .flat_map(|h| h.rows.keys())
+                .filter(|(f, p)| !listed.contains(&(f, p)))
+                .cloned()
+                .collect();
+            for row in gone {
+                self.set_holding(life, row, 0, 0);
+            }
+        }
+        for r in rows {
+            self.set_holding(life, (r.flow, r.pod), r.requests, r.tokens);
+        }
+        true
+    }
+
+    /// Set one holding (0 requests removes it): the controller's record, the pods' load.
+    fn set_holding(
+        &mut self,
+        life: (MemberId, u64),
+        row: (FlowKey, Option<String>),
+        requests: u64,
+        tokens: u64,
+    ) {
+        let old = self.held.get(&life).and_then(|h| h.rows.get(&row)).copied();
+        let (id, old_n, old_t) = match old {
+            Some(h) => (h.id, h.requests, h.tokens),
+            None if requests == 0 => return,
+            None => {
+                let id = self.next_id;
+                self.next_id += 1;
+                (id, 0, 0)
+            }
+        };
+        if (old_n, old_t) == (requests, tokens) {
+            return;
+        }
+        let (member, (flow, pod)) = (&life.0, &row);
+        self.run(Command::Hold {
+            id,
+            flow: flow.clone(),
+            requests,
+            tokens,
+        });
+        if let Some(pod) = pod {
+            let owner = (pod.clone(), *member);
+            for load in [
+                self.pods.entry(pod.clone()).or_default(),
+                self.pod_owner.entry(owner.clone()).or_default(),
+            ] {
+                load.requests = load.requests.saturating_sub(old_n) + requests;
+                load.tokens = load.tokens.saturating_sub(old_t) + tokens;
+            }
+            if self.pods.get(pod).is_some_and(|l| l.requests == 0) {
+                self.pods.remove(pod);
+            }
+            if self.pod_owner.get(&owner).is_some_and(|l| l.requests == 0) {
+                self.pod_owner.remove(&owner);
+            }
+        }
+        if requests == 0 {
+            if let Some(h) = self.held.get_mut(&life) {
+                h.rows.remove(&row);
+                if h.rows.is_empty() {
+                    self.held.remove(&life);
+                }
+            }
+        } else {
+            self.held.entry(life).or_default().rows.insert(
+                row,
+                Holding {
+                    id,
+                    requests,
+                    tokens,
+                },
+            );
+        }
+    }
+
+    /// Lost lives' unrouted rows, [`QUARANTINE_MAX_MS`] after the life ended: nothing tells
+    /// where they run, so the pods cannot vouch for them; released like unreported credit.
+    fn release_unrouted_lost(&mut self) {
+        let horizon = self.now_us.saturating_sub(QUARANTINE_MAX_MS * 1000);
+        let lives: Vec<(MemberId, u64)> = self
+            .held_lost
+            .iter()
+            .filter(|(_, at)| **at <= horizon)
+            .map(|(life, _)| *life)
+            .collect();
+        for life in lives {
+            let unrouted: Vec<(FlowKey, Option<String>)> = self
+                .held
+                .get(&life)
+                .into_iter()
+                .flat_map(|h| h.rows.keys())
+                .filter(|(_, pod)| pod.is_none())
+                .cloned()
+                .collect();
+            for row in unrouted {
+                self.set_holding(life, row, 0, 0);
+            }
+            if !self.held.contains_key(&life) {
+                self.held_lost.remove(&life);
+            }
+        }
+    }
+
+    /// Release up to `n` requests of lost lives' rows on `pod` whose life ended at least
+    /// [`RECONCILE_MIN_AGE_MS`] ago (oldest life first); returns how many.
+    fn ease_lost_rows(&mut self, pod: &str, n: u64) -> u64 {
+        let old_enough = self.now_us.saturating_sub(RECONCILE_MIN_AGE_MS * 1000);
+        let mut lives: Vec<(u64, (MemberId, u64))> = self
+            .held_lost
+            .iter()
+            .filter(|(_, at)| **at <= old_enough)
+            .map(|(life, at)| (*at, *life))
+            .collect();
+        lives.sort_unstable();
+        let mut left = n;
+        for (_, life) in lives {
+            let rows: Vec<((FlowKey, Option<String>), Holding)> = self
+                .held
+                .get(&life)
+                .into_iter()
+                .flat_map(|h| h.rows.iter())
+                .filter(|((_, p), _)| p.as_deref() == Some(pod))
+                .map(|(k, h)| (k.clone(), *h))
+                .collect();
+            for (row, h) in rows {
+                if left == 0 {
+                    break;
+                }
+                let take = h.requests.min(left);
+                let keep = h.requests - take;
+                // Tokens leave in proportion (the rows do not know each request's).
+                let tokens = h.tokens.saturating_mul(keep) / h.requests.max(1);
+                self.set_holding(life, row, keep, tokens);
+                left -= take;
+            }
+            if !self.held.contains_key(&life) {
+                self.held_lost.remove(&life);
+            }
+        }
+        n - left
     }
 
     fn add(
@@ -841,6 +1110,12 @@ impl GlobalFlow {
         self.by_key.contains_key(&key)
     }
 
+    /// Whether the ledger holds a request in flight under `request_id` (its settlement goes
+    /// through the log; bulk holdings are their members' to settle).
+    pub fn holds_request(&self, request_id: &str) -> bool {
+        self.by_request.contains_key(request_id)
+    }
+
     /// Whether `member` may admit a request of `priority` on local credit now (its credit is
     /// [`GlobalFlow::member`]`.credit`): a live member and a state that would dispatch at once
     /// even if every member had spent all its credit unreported — so that, with a detector that
@@ -879,7 +1154,18 @@ impl GlobalFlow {
             .map(|e| (e.key, e.request_id.as_str(), e.pod.as_deref()))
     }
 
-    /// Per-pod in-flight requests/tokens (routed entries only).
+    /// Members' bulk holdings: (member, incarnation, flow, pod, requests, tokens).
+    pub fn holdings(
+        &self,
+    ) -> impl Iterator<Item = (MemberId, u64, &FlowKey, Option<&str>, u64, u64)> + '_ {
+        self.held.iter().flat_map(|((m, life), h)| {
+            h.rows.iter().map(move |((flow, pod), r)| {
+                (*m, *life, flow, pod.as_deref(), r.requests, r.tokens)
+            })
+        })
+    }
+
+    /// Per-pod in-flight requests/tokens (routed entries and bulk holdings).
     pub fn pods(&self) -> &BTreeMap<String, PodLoad> {
         &self.pods
     }

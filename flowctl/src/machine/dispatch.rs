@@ -266,21 +266,112 @@ impl FlowController {
                 .remove(&(r.priority, u64::MAX - r.dispatch_seq, id));
         }
         let now = self.now;
+        let n = r.requests;
         if let Some(flow) = self.flows.get_mut(r.flow as usize).and_then(Option::as_mut) {
-            flow.inflight -= 1;
+            flow.inflight = flow
+                .inflight
+                .saturating_sub(u32::try_from(n).unwrap_or(u32::MAX));
             if let Some(band) = self.bands.get_mut(flow.band as usize) {
                 if let Some(actual) = actual_tokens {
                     band.sched.settle(flow, r.flow, r.tokens, actual);
                 }
-                band.sched.released(flow, actual_tokens, now);
-                band.inflight -= 1;
-                band.inflight_tokens -= r.tokens;
+                band.sched.released(flow, n, actual_tokens, now);
+                band.inflight = band.inflight.saturating_sub(n);
+                band.inflight_tokens = band.inflight_tokens.saturating_sub(r.tokens);
             }
         }
-        self.totals.inflight_requests -= 1;
-        self.totals.inflight_tokens -= r.tokens;
+        self.totals.inflight_requests = self.totals.inflight_requests.saturating_sub(n);
+        self.totals.inflight_tokens = self.totals.inflight_tokens.saturating_sub(r.tokens);
         self.maybe_gc_flow(r.flow);
         true
+    }
+
+    /// [`Command::Hold`]: set bulk record `id` to `requests` requests of `tokens` tokens of
+    /// `flow`, charging the increase like admissions and releasing the decrease.
+    pub(super) fn hold(&mut self, id: RequestId, flow: FlowKey, requests: u64, tokens: u64) {
+        if self.queued.contains_key(&id) {
+            return;
+        }
+        let (old_n, old_t, fi) = match self.inflight.get(&id) {
+            Some(r) => (r.requests, r.tokens, r.flow),
+            None if requests == 0 => return,
+            None => {
+                let b = self.band_index(flow.priority);
+                (0, 0, self.flow_for(flow, b))
+            }
+        };
+        if old_n == requests && old_t == tokens {
+            return;
+        }
+        let now = self.now;
+        let Some(f) = self.flows.get_mut(fi as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        let Some(band) = self.bands.get_mut(f.band as usize) else {
+            return;
+        };
+        if requests > old_n {
+            let (n, t) = (requests - old_n, tokens.saturating_sub(old_t));
+            // An idle flow joins the weighted schedule at the current virtual time (as `admit`).
+            if f.queue.is_empty() {
+                band.sched.head_changed(f, fi, None, Some((0, 0)));
+                band.sched.charge_n(f, fi, n, t);
+                band.sched.head_changed(f, fi, Some((0, 0)), None);
+            } else {
+                band.sched.charge_n(f, fi, n, t);
+            }
+        } else if requests < old_n {
+            band.sched.released(f, old_n - requests, None, now);
+        }
+        let to_u32 = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
+        f.inflight = f
+            .inflight
+            .saturating_sub(to_u32(old_n))
+            .saturating_add(to_u32(requests));
+        band.inflight = band.inflight.saturating_sub(old_n) + requests;
+        band.inflight_tokens = band.inflight_tokens.saturating_sub(old_t) + tokens;
+        let priority = band.priority;
+        self.totals.inflight_requests =
+            self.totals.inflight_requests.saturating_sub(old_n) + requests;
+        self.totals.inflight_tokens = self.totals.inflight_tokens.saturating_sub(old_t) + tokens;
+        if requests == 0 {
+            self.inflight.remove(&id);
+            self.maybe_gc_flow(fi);
+            return;
+        }
+        let dispatch_seq = self.next_seq;
+        let r = self.inflight.entry(id).or_insert_with(|| InFlight {
+            flow: fi,
+            priority,
+            tokens: 0,
+            dispatch_seq,
+            requests: 0,
+        });
+        if r.requests == 0 {
+            self.next_seq += 1;
+        }
+        r.requests = requests;
+        r.tokens = tokens;
+    }
+
+    /// [`Command::Served`]: completions within a bulk holding correct their flow's charge and
+    /// credit its program's service (their count leaves with the holding's next [`Command::Hold`]).
+    pub(super) fn served(&mut self, flow: &FlowKey, requests: u64, charged: u64, actual: u64) {
+        let now = self.now;
+        let Some(&fi) = self.flow_index.get(flow) else {
+            return;
+        };
+        let Some(f) = self.flows.get_mut(fi as usize).and_then(Option::as_mut) else {
+            return;
+        };
+        let Some(band) = self.bands.get_mut(f.band as usize) else {
+            return;
+        };
+        if requests > 0 {
+            band.sched
+                .settle(f, fi, charged.max(requests), actual.max(requests));
+        }
+        band.sched.served(&f.fairness_id, actual, now);
     }
 
     pub(super) fn expire(&mut self, now: Nanos, out: &mut Vec<Outcome>) {
@@ -456,6 +547,7 @@ impl FlowController {
                 priority,
                 tokens,
                 dispatch_seq,
+                requests: 1,
             },
         );
     }

@@ -111,6 +111,25 @@ pub enum Command {
         id: RequestId,
         actual_tokens: Option<u64>,
     },
+    /// A replica's requests of `flow` admitted on local credit and still running, as one bulk
+    /// record `id` (absolute: `requests` requests of `tokens` tokens between them). An increase
+    /// charges the flow like that many admissions, a decrease releases like completions; 0
+    /// removes it. Like `Admit`, whatever the caps or saturation say; no outcome. Never evictable.
+    Hold {
+        id: RequestId,
+        flow: FlowKey,
+        requests: u64,
+        tokens: u64,
+    },
+    /// `requests` requests of `flow` held in bulk ended, estimated at `charged` tokens and
+    /// using `actual`: token charging is corrected and the program's service credited, as
+    /// `Complete` does for one request (their count leaves with the holding's next `Hold`).
+    Served {
+        flow: FlowKey,
+        requests: u64,
+        charged: u64,
+        actual: u64,
+    },
     /// Whether the data plane can abort in-flight request `id` (its eviction stream is attached,
     /// or no longer): a sheddable (priority < 0) request is a candidate for eviction only while
     /// `evictable`, so an eviction always ends a real request. `Ignored` if not in flight.
@@ -315,8 +334,20 @@ impl FlowController {
                     });
                 }
             }
+            Command::Hold {
+                id,
+                flow,
+                requests,
+                tokens,
+            } => self.hold(id, flow, requests, tokens),
+            Command::Served {
+                flow,
+                requests,
+                charged,
+                actual,
+            } => self.served(&flow, requests, charged, actual),
             Command::SetEvictable { id, evictable } => match self.inflight.get(&id) {
-                Some(r) => {
+                Some(r) if r.requests == 1 => {
                     let key = (r.priority, u64::MAX - r.dispatch_seq, id);
                     if !evictable {
                         self.evictable.remove(&key);
@@ -324,7 +355,8 @@ impl FlowController {
                         self.evictable.insert(key);
                     }
                 }
-                None => out.push(Outcome::Ignored {
+                // A bulk holding stands for requests nobody here can abort one by one.
+                _ => out.push(Outcome::Ignored {
                     id,
                     why: IgnoredReason::UnknownId,
                 }),

@@ -52,6 +52,13 @@ pub(super) struct InFlight {
     pub(super) priority: i32,
     pub(super) tokens: u64,
     pub(super) dispatch_seq: u64,
+    /// Requests the record stands for: 1, or a replica's bulk holding ([`super::Command::Hold`]).
+    #[serde(default = "one")]
+    pub(super) requests: u64,
+}
+
+fn one() -> u64 {
+    1
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -247,12 +254,14 @@ impl Sched {
         }
     }
 
-    /// An in-flight request of `flow` ended; `actual`: its tokens, when it completed.
-    pub(super) fn released(&mut self, flow: &Flow, actual: Option<u64>, now: Nanos) {
+    /// `n` in-flight requests of `flow` ended; `actual`: their tokens, when they completed.
+    pub(super) fn released(&mut self, flow: &Flow, n: u64, actual: Option<u64>, now: Nanos) {
         if let Sched::Las { programs, .. } = self
             && let Some(p) = programs.get_mut(&flow.fairness_id)
         {
-            p.inflight = p.inflight.saturating_sub(1);
+            p.inflight = p
+                .inflight
+                .saturating_sub(u32::try_from(n).unwrap_or(u32::MAX));
             if let Some(tokens) = actual {
                 p.service += tokens as f64;
                 p.anchor = now;
@@ -264,11 +273,16 @@ impl Sched {
     /// Charge a dispatch to an active flow (weighted; program-aware counts it in flight), before
     /// its head changes.
     pub(super) fn charge(&mut self, flow: &mut Flow, fi: u32, tokens: u64) {
+        self.charge_n(flow, fi, 1, tokens);
+    }
+
+    /// [`Sched::charge`] for `n` requests of `tokens` between them (a bulk holding).
+    pub(super) fn charge_n(&mut self, flow: &mut Flow, fi: u32, n: u64, tokens: u64) {
         if let Sched::Las { programs, .. } = self {
-            programs
-                .entry(flow.fairness_id.clone())
-                .or_default()
-                .inflight += 1;
+            let p = programs.entry(flow.fairness_id.clone()).or_default();
+            p.inflight = p
+                .inflight
+                .saturating_add(u32::try_from(n).unwrap_or(u32::MAX));
             return;
         }
         if let Sched::Weighted {
@@ -278,13 +292,25 @@ impl Sched {
         } = self
         {
             let cost = match charge {
-                Charge::Requests => 1.0,
-                Charge::Tokens => tokens.max(1) as f64,
+                Charge::Requests => n as f64,
+                Charge::Tokens => tokens.max(n) as f64,
             };
             active.remove(&(Pass(flow.pass), fi));
             *vtime = vtime.max(flow.pass);
             flow.pass += cost / flow.weight;
             active.insert((Pass(flow.pass), fi));
+        }
+    }
+
+    /// Credit a program's attained service with `actual` tokens its requests used
+    /// (`program-aware-fairness`; requests that ended as part of a bulk holding).
+    pub(super) fn served(&mut self, fairness_id: &str, actual: u64, now: Nanos) {
+        if let Sched::Las { programs, .. } = self
+            && let Some(p) = programs.get_mut(fairness_id)
+        {
+            p.service += actual as f64;
+            p.anchor = now;
+            p.last_completion = now;
         }
     }
 

@@ -12,7 +12,7 @@
 //!   [`crate::request::quota::QuotaLedger`] over the replicated quota book, admitting within
 //!   this replica's slices of the buckets;
 //! - [`settle`]: settlements of requests observed here but routed (and charged) elsewhere,
-//!   relayed to the peers when flow control is not cluster-wide;
+//!   relayed to the replica that made the request key;
 //! - [`options`]: the flags of cluster mode.
 //!
 //! Nothing here is on a request's way unless the gate is: routing reads only local state, which

@@ -13,7 +13,9 @@
 //!
 //! Keys are batched every [`FLUSH`] into one message per peer, over a bounded queue per peer: a
 //! peer that cannot keep up loses batches (counted), and the sweep remains the backstop.
-//! Cluster-wide flow control settles through the replicated ledger instead and relays nothing.
+//! With cluster-wide flow control the gate relays only keys of other live replicas that the
+//! replicated ledger does not hold — their credit admissions, which their makers count
+//! (`gate::run::sort_foreign`); ledger entries are settled through the log.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -106,7 +108,7 @@ impl SettleRelay {
                 continue;
             }
             let held = self.tracker.as_ref().is_some_and(|t| t.finish(&s.key));
-            let slot = self.gate.complete(&s.key, s.tokens);
+            let slot = self.gate.settled_by_peer(&s.key, s.tokens);
             if held || slot {
                 released += 1;
             } else {

@@ -4,8 +4,11 @@
 //! in-flight ledger for every replica. This gate turns a request into one of three paths:
 //!
 //! * **Fast path** — the applied state says the request would be dispatched at once and this
-//!   replica's unreported local admissions are below its credit: admit now, report later
-//!   ([`FlowCmd::Admitted`], batched). No consensus round trip (invariant I7).
+//!   replica's unreported local admissions are below its credit: admit now, report later. No
+//!   consensus round trip (invariant I7). Such requests are this replica's to count: it holds
+//!   them per (flow, pod) and reports the counts that changed ([`FlowCmd::Held`], batched) —
+//!   not a command per request. Their responses settle here; one observed on another replica
+//!   reaches this one through the settlement relay (the request key names its maker).
 //! * **Slow path** — otherwise propose [`FlowCmd::Enqueue`] and hold the stream until the applied
 //!   state carries the verdict for this replica's key (the leader-independent, deterministic
 //!   dispatch of the global queue).
@@ -17,10 +20,10 @@
 //!   `rejected-saturated`.
 //!   `fail-closed` answers 429 at once. Admission is never unbounded.
 //!
-//! Everything this replica says (admissions, enqueues, cancels, routed pods, settlements of
-//! responses it observed — for any replica's request) goes through one outbox, proposed as one
-//! log entry per batch by a single writer (a failed proposal is retried; the state ignores
-//! sequence numbers it has already seen). A watcher follows the applied index: it delivers
+//! Everything else this replica says (enqueues, cancels, routed pods and settlements of requests
+//! in the replicated ledger, degraded-mode admissions) goes through one outbox, proposed with the
+//! changed counts as one log entry per batch by a single writer (a failed proposal is retried;
+//! the state ignores sequence numbers and count versions it has already seen). A watcher follows the applied index: it delivers
 //! verdicts, forgets reported admissions, tracks credit and degradation, and — on the leader —
 //! proposes the pool's metrics and the flow configuration ([`run`]).
 //!
@@ -34,16 +37,18 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use flowctl::global::{Ask, FlowCmd, GlobalParams};
+use flowctl::global::{Ask, FlowCmd, GlobalParams, HeldRow, ServedRow};
 use flowctl::{ControllerConfig, DropReason, FlowKey, Nanos};
 use futures::future::BoxFuture;
 use tokio::sync::{Notify, oneshot};
 
 use super::member::ClusterMember;
 use super::options::PartitionMode;
+use crate::cluster::settle::Settlement;
 use crate::config::ConfigError;
 use crate::datalayer::Datastore;
 use crate::datalayer::inflight::RemoteLoadFeed;
+use crate::dataplane::usage::request_key_owner;
 use crate::metrics::Metrics;
 use crate::request::admission::{
     Admit, AdmitRequest, Cancel, CapacityCheck, Gate, Pending, Ticket, Verdict, Waiter,
@@ -54,8 +59,12 @@ use crate::request::admission::{
 pub struct GlobalGateOptions {
     pub params: GlobalParams,
     pub partition: PartitionMode,
-    /// Linger before proposing a batch of reports only (enqueues go at once).
+    /// Linger before proposing a batch of reports only (enqueues and cancels go at once) when
+    /// they matter now (see `run::reports_due`).
     pub report_linger: Duration,
+    /// Longest linger of the count reports otherwise: below saturation they only keep the
+    /// ledger's figures current, and every log entry costs each replica a round of consensus.
+    pub report_linger_max: Duration,
     /// How often the leader proposes the pool's metrics.
     pub pool_interval: Duration,
     /// Without quorum, how long a request beyond the local share waits for the cluster to
@@ -69,6 +78,7 @@ impl Default for GlobalGateOptions {
             params: GlobalParams::default(),
             partition: PartitionMode::LocalShare,
             report_linger: Duration::from_millis(2),
+            report_linger_max: Duration::from_millis(25),
             pool_interval: Duration::from_millis(100),
             degraded_wait: Duration::from_secs(3),
         }
@@ -90,14 +100,176 @@ struct GWaiter {
     degraded_deadline: Option<Instant>,
 }
 
+/// A request admitted here on credit and still running (counted in [`Held`]).
+struct Own {
+    request_id: String,
+    flow: FlowKey,
+    pod: Option<String>,
+    tokens: u64,
+    at: Instant,
+}
+
+/// This replica's credit admissions, held in bulk: each running one, their counts per (flow,
+/// pod), and what the last report proposed.
+#[derive(Default)]
+struct Held {
+    own: HashMap<u64, Own>,
+    by_key: HashMap<String, u64>,
+    rows: BTreeMap<(FlowKey, Option<String>), (u64, u64)>,
+    /// The counts the last proposed report carried.
+    reported: BTreeMap<(FlowKey, Option<String>), (u64, u64)>,
+    /// Completions since the last report, per flow: (requests, charged, actual tokens).
+    served: BTreeMap<FlowKey, (u64, u64, u64)>,
+    /// Credit admissions of this life so far, and as many as the applied state has seen.
+    admitted: u64,
+    applied_admitted: u64,
+    /// As many as this replica's last committed report counted.
+    committed_admitted: u64,
+    version: u64,
+    /// Something changed since the last report.
+    dirty: bool,
+    /// A report was lost (dropped from a full outbox): the next one carries every row.
+    whole: bool,
+    /// Pods reporting fewer requests than the ledger holds for them: since when
+    /// (`run::reconcile_held`).
+    excess: HashMap<String, Instant>,
+}
+
+impl Held {
+    fn add(&mut self, flow: &FlowKey, pod: &Option<String>, requests: i64, tokens: i64) {
+        let key = (flow.clone(), pod.clone());
+        let row = self.rows.entry(key.clone()).or_default();
+        row.0 = row.0.saturating_add_signed(requests);
+        row.1 = row.1.saturating_add_signed(tokens);
+        if row.0 == 0 {
+            self.rows.remove(&key);
+        }
+        self.dirty = true;
+    }
+
+    fn admit(&mut self, seq: u64, request_id: &str, flow: FlowKey, tokens: u64) {
+        self.add(&flow, &None, 1, tokens as i64);
+        self.admitted += 1;
+        self.by_key.insert(request_id.to_string(), seq);
+        self.own.insert(
+            seq,
+            Own {
+                request_id: request_id.to_string(),
+                flow,
+                pod: None,
+                tokens,
+                at: Instant::now(),
+            },
+        );
+    }
+
+    fn routed(&mut self, seq: u64, pod: &str) -> bool {
+        let Some(o) = self.own.get_mut(&seq) else {
+            return false;
+        };
+        let (flow, old, tokens) = (o.flow.clone(), o.pod.take(), o.tokens as i64);
+        o.pod = Some(pod.to_string());
+        self.add(&flow, &old, -1, -tokens);
+        self.add(&flow, &Some(pod.to_string()), 1, tokens);
+        true
+    }
+
+    /// The response of one of ours ended (`actual` tokens when known); false if not ours.
+    fn complete(&mut self, request_id: &str, actual: Option<u64>) -> bool {
+        let Some(seq) = self.by_key.remove(request_id) else {
+            return false;
+        };
+        self.end(seq, actual);
+        true
+    }
+
+    fn end(&mut self, seq: u64, actual: Option<u64>) -> Option<Own> {
+        let o = self.own.remove(&seq)?;
+        self.by_key.remove(&o.request_id);
+        self.add(&o.flow, &o.pod, -1, -(o.tokens as i64));
+        if let Some(actual) = actual {
+            let s = self.served.entry(o.flow.clone()).or_default();
+            s.0 += 1;
+            s.1 += o.tokens;
+            s.2 += actual;
+        }
+        Some(o)
+    }
+
+    /// Credit admissions the applied state has not seen yet.
+    fn unreported(&self) -> usize {
+        usize::try_from(self.admitted.saturating_sub(self.applied_admitted)).unwrap_or(usize::MAX)
+    }
+
+    /// Credit admissions no committed report counts yet.
+    fn uncommitted(&self) -> usize {
+        let seen = self.applied_admitted.max(self.committed_admitted);
+        usize::try_from(self.admitted.saturating_sub(seen)).unwrap_or(usize::MAX)
+    }
+
+    /// The report of what changed since the last one (`None`: nothing did).
+    fn report(&mut self) -> Option<FlowCmd> {
+        if !self.dirty && !self.whole {
+            return None;
+        }
+        self.dirty = false;
+        let full = std::mem::take(&mut self.whole);
+        if full {
+            self.reported.clear();
+        }
+        let mut rows: Vec<HeldRow> = self
+            .rows
+            .iter()
+            .filter(|(k, v)| self.reported.get(*k) != Some(*v))
+            .map(|((flow, pod), (n, t))| HeldRow {
+                flow: flow.clone(),
+                pod: pod.clone(),
+                requests: *n,
+                tokens: *t,
+            })
+            .collect();
+        rows.extend(
+            self.reported
+                .keys()
+                .filter(|k| !self.rows.contains_key(*k))
+                .map(|(flow, pod)| HeldRow {
+                    flow: flow.clone(),
+                    pod: pod.clone(),
+                    requests: 0,
+                    tokens: 0,
+                }),
+        );
+        self.reported = self.rows.clone();
+        let served = std::mem::take(&mut self.served)
+            .into_iter()
+            .map(|(flow, (requests, charged, actual))| ServedRow {
+                flow,
+                requests,
+                charged,
+                actual,
+            })
+            .collect();
+        self.version += 1;
+        Some(FlowCmd::Held {
+            version: self.version,
+            full,
+            admitted: self.admitted,
+            rows,
+            served,
+        })
+    }
+}
+
 #[derive(Default)]
 struct State {
     next_seq: u64,
     /// Commands to propose, oldest first (a deque: past the bound the oldest is dropped in O(1)).
     outbox: VecDeque<FlowCmd>,
     waiting: HashMap<u64, GWaiter>,
-    /// Local admissions not yet in the applied state (sequence numbers, ascending).
+    /// Degraded-mode admissions not yet in the applied state (sequence numbers, ascending).
     unreported: VecDeque<u64>,
+    /// Credit admissions, held in bulk.
+    held: Held,
     /// This replica's credit in the applied state, and the applied index it was read at.
     credit: u32,
     credit_index: u64,
@@ -108,8 +280,17 @@ struct State {
     applied_last_seq: u64,
     /// The applied state has cluster flow control configured.
     configured: bool,
-    /// Admitted requests of this replica (fast, slow or degraded) → when; pruned of those the
-    /// state no longer holds, and given up after [`ADMITTED_MAX_AGE`] (response never observed).
+    /// Members the applied state counts live (lease held): a settlement of another's key goes
+    /// to it only while it is one of them (a dead maker's requests are settled in the ledger).
+    live: Vec<u64>,
+    /// The applied state counts this replica's lease ended.
+    expired: bool,
+    /// Settlements of live members' keys observed here, for the writer to sort: those the
+    /// ledger holds are settled in it, the others relayed to their maker.
+    foreign: Vec<Settlement>,
+    /// Admitted requests of this replica in the replicated ledger (slow or degraded) → when;
+    /// pruned of those the state no longer holds, and given up after [`ADMITTED_MAX_AGE`]
+    /// (response never observed).
     admitted: BTreeMap<u64, (Instant, String)>,
     /// Degraded-mode admissions still running here, by request key.
     degraded_running: HashMap<String, u32>,
@@ -126,10 +307,18 @@ struct State {
 }
 
 impl State {
-    /// Queue a command for the next proposal; past [`OUTBOX_LIMIT`] the oldest is dropped.
+    /// Local admissions the applied state has not seen: credit spent unreported.
+    fn unreported(&self) -> usize {
+        self.unreported.len() + self.held.unreported()
+    }
+
+    /// Queue a command for the next proposal; past [`OUTBOX_LIMIT`] the oldest is dropped (a
+    /// count report so dropped makes the next one whole).
     fn push(&mut self, cmd: FlowCmd) {
         if self.outbox.len() >= OUTBOX_LIMIT {
-            self.outbox.pop_front();
+            if let Some(FlowCmd::Held { .. }) = self.outbox.pop_front() {
+                self.held.whole = true;
+            }
             self.dropped_cmds += 1;
         }
         self.outbox.push_back(cmd);
@@ -156,6 +345,9 @@ pub struct GlobalGate {
     /// elsewhere, to the in-flight ledger the scorers read.
     load_feed: Option<RemoteLoadFeed>,
     member: OnceLock<Arc<ClusterMember>>,
+    /// Where settlements of other replicas' credit admissions go (to the replica that made
+    /// the key; see [`run`]).
+    relay: OnceLock<tokio::sync::mpsc::Sender<Settlement>>,
     state: Mutex<State>,
     wake: Notify,
     capacity: CapacityCheck,
@@ -199,6 +391,7 @@ impl GlobalGate {
             store,
             load_feed,
             member: OnceLock::new(),
+            relay: OnceLock::new(),
             state: Mutex::new(State {
                 next_seq: 1,
                 ..State::default()
@@ -271,18 +464,10 @@ impl GlobalGate {
             st.unreported.pop_front();
         }
         let leased = self.credit_spendable(&mut st);
-        if !degraded && open && leased && st.unreported.len() < st.credit as usize {
-            st.unreported.push_back(seq);
-            st.admitted
-                .insert(seq, (Instant::now(), req.request_id.to_string()));
+        if !degraded && open && leased && st.unreported() < st.credit as usize {
+            st.held.admit(seq, req.request_id, ask.flow, ask.tokens);
             st.fast += 1;
             self.admitted_by("fast");
-            st.push(FlowCmd::Admitted {
-                seq,
-                request_id: req.request_id.to_string(),
-                ask,
-                pod: None,
-            });
             drop(st);
             self.wake.notify_one();
             self.metrics.cluster.fast_admit(t0.elapsed());
@@ -364,6 +549,8 @@ impl GlobalGate {
         // others cannot see must fit in the credit they hold back (I1).
         let share = st.credit as usize;
         let running: u32 = st.degraded_running.values().sum();
+        // (`degraded_base` counts what was unreported when the quorum went, credit admissions
+        // included; those still count as running here.)
         let leased = self.credit_spendable(st);
         if !leased || running as usize + st.degraded_base >= share {
             return None;
@@ -389,6 +576,9 @@ impl GlobalGate {
     /// A pending request was dropped (client gone) or an admitted one goes nowhere.
     fn cancel(&self, seq: u64) {
         let mut st = self.lock();
+        if st.held.end(seq, None).is_some() {
+            return;
+        }
         if let Some(w) = st.waiting.remove(&seq) {
             w.waiter.resolve(
                 &self.metrics,
@@ -408,6 +598,9 @@ impl GlobalGate {
     pub fn routed(&self, ticket: Ticket, pod: &str) {
         let mut st = self.lock();
         let seq = ticket.0;
+        if st.held.routed(seq, pod) {
+            return;
+        }
         let unsent = st.outbox.iter_mut().rev().find_map(|c| match c {
             FlowCmd::Admitted { seq: s, pod, .. } if *s == seq => Some(pod),
             _ => None,
@@ -421,9 +614,54 @@ impl GlobalGate {
         }
     }
 
-    /// The response of `request_id` ended here (whichever replica admitted it).
+    /// The response of `request_id` ended here (whichever replica admitted it): one of this
+    /// replica's credit admissions leaves its counts; another replica's key goes to that
+    /// replica (its credit admissions are its own to count); anything else is settled in the
+    /// replicated ledger.
     pub fn complete(&self, request_id: &str, actual_tokens: Option<u64>) {
         let mut st = self.lock();
+        if st.held.complete(request_id, actual_tokens) {
+            return;
+        }
+        if let Some(owner) = request_key_owner(request_id)
+            && owner != self.node_id
+            && st.live.contains(&owner)
+            && self.relay.get().is_some()
+        {
+            st.foreign.push((request_id.to_string(), actual_tokens));
+            drop(st);
+            self.wake.notify_one();
+            return;
+        }
+        self.settle_in_ledger(&mut st, request_id, actual_tokens);
+    }
+
+    /// A settlement another replica relayed here (the key names this replica): one of its
+    /// credit admissions, or — admitted through the ledger — settled there. False if it names
+    /// nothing this replica made.
+    pub fn settled_by_peer(&self, request_id: &str, actual_tokens: Option<u64>) -> bool {
+        let mut st = self.lock();
+        if st.held.complete(request_id, actual_tokens) {
+            return true;
+        }
+        if request_key_owner(request_id) != Some(self.node_id) {
+            return false;
+        }
+        self.settle_in_ledger(&mut st, request_id, actual_tokens);
+        true
+    }
+
+    /// Where the settlements of other replicas' keys go (`cluster::settle`).
+    pub fn set_relay(&self, relay: tokio::sync::mpsc::Sender<Settlement>) {
+        let _ = self.relay.set(relay);
+    }
+
+    fn settle_in_ledger(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        request_id: &str,
+        actual_tokens: Option<u64>,
+    ) {
         if let Some(n) = st.degraded_running.get_mut(request_id) {
             *n -= 1;
             if *n == 0 {
@@ -434,7 +672,6 @@ impl GlobalGate {
             request_id: request_id.to_string(),
             actual_tokens,
         });
-        drop(st);
         self.wake.notify_one();
     }
 
@@ -488,7 +725,11 @@ impl Gate for GlobalGate {
 
     fn complete(&self, request_id: &str, actual_tokens: Option<u64>) -> bool {
         GlobalGate::complete(self, request_id, actual_tokens);
-        true // the replicated ledger settles it, whichever replica admitted it
+        true // counted here, relayed to its maker, or settled in the replicated ledger
+    }
+
+    fn settled_by_peer(&self, request_id: &str, actual_tokens: Option<u64>) -> bool {
+        GlobalGate::settled_by_peer(self, request_id, actual_tokens)
     }
 
     fn not_ready(&self) -> Option<&'static str> {
@@ -510,6 +751,66 @@ impl Gate for GlobalGate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A report's rows as (fairness id, pod, requests).
+    type Rows = Vec<(String, Option<String>, u64)>;
+
+    /// A count report as (full, admitted, rows, corrections).
+    fn rows(cmd: Option<FlowCmd>) -> (bool, u64, Rows, usize) {
+        match cmd {
+            Some(FlowCmd::Held {
+                full,
+                admitted,
+                rows,
+                served,
+                ..
+            }) => (
+                full,
+                admitted,
+                rows.into_iter()
+                    .map(|r| (r.flow.fairness_id, r.pod, r.requests))
+                    .collect(),
+                served.len(),
+            ),
+            other => panic!("not a count report: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn count_reports_carry_what_changed_and_a_lost_one_makes_the_next_whole() {
+        let mut h = Held::default();
+        let a = FlowKey::new("a", 0);
+        h.admit(1, "k1", a.clone(), 10);
+        h.admit(2, "k2", a.clone(), 10);
+        assert_eq!(rows(h.report()), (false, 2, vec![("a".into(), None, 2)], 0));
+        assert!(h.report().is_none(), "nothing changed");
+        assert!(h.routed(1, "p"));
+        assert!(!h.routed(9, "p"), "not a credit admission of ours");
+        let (_, _, r, _) = rows(h.report());
+        assert_eq!(
+            r,
+            vec![("a".into(), None, 1), ("a".into(), Some("p".into()), 1)]
+        );
+        // One ends with its token count (a correction), one without.
+        assert!(h.complete("k1", Some(40)));
+        assert!(!h.complete("k1", Some(40)), "once");
+        assert!(h.end(2, None).is_some());
+        let (_, admitted, r, served) = rows(h.report());
+        assert_eq!(admitted, 2);
+        assert_eq!(
+            r,
+            vec![("a".into(), None, 0), ("a".into(), Some("p".into()), 0)]
+        );
+        assert_eq!(served, 1);
+        assert_eq!(h.unreported(), 2, "the applied state has seen none yet");
+        h.applied_admitted = 2;
+        assert_eq!(h.unreported(), 0);
+        // A dropped report: the next one lists every row and says so.
+        h.admit(3, "k3", a, 10);
+        let _ = h.report();
+        h.whole = true;
+        assert_eq!(rows(h.report()), (true, 3, vec![("a".into(), None, 1)], 0));
+    }
 
     #[test]
     fn a_full_outbox_drops_its_oldest_commands_and_counts_them() {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use flowctl::DropReason;
 use flowctl::cluster::{ClusterCommand, ClusterOutput};
-use flowctl::global::{FlowCmd, Verdict as GVerdict};
+use flowctl::global::{FlowCmd, RECONCILE_MIN_AGE_MS, RECONCILE_PERSIST_MS, Verdict as GVerdict};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -41,9 +41,10 @@ impl GlobalGate {
                 _ = self.wake.notified() => {}
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
+            self.sort_foreign(&member).await;
             let urgent = {
                 let st = self.lock();
-                if st.outbox.is_empty() {
+                if st.outbox.is_empty() && !st.held.dirty && !st.held.whole {
                     continue;
                 }
                 st.outbox
@@ -51,9 +52,24 @@ impl GlobalGate {
                     .any(|c| matches!(c, FlowCmd::Enqueue { .. } | FlowCmd::Cancel { .. }))
             };
             if !urgent {
-                tokio::time::sleep(self.opts.report_linger).await;
+                let t0 = Instant::now();
+                loop {
+                    tokio::time::sleep(self.opts.report_linger).await;
+                    self.sort_foreign(&member).await;
+                    if t0.elapsed() >= self.opts.report_linger_max || self.reports_due() {
+                        break;
+                    }
+                }
             }
-            let cmds: Vec<FlowCmd> = std::mem::take(&mut self.lock().outbox).into();
+            let cmds: Vec<FlowCmd> = {
+                let mut st = self.lock();
+                let mut cmds: Vec<FlowCmd> = std::mem::take(&mut st.outbox).into();
+                cmds.extend(st.held.report());
+                cmds
+            };
+            if cmds.is_empty() {
+                continue;
+            }
             let t0 = Instant::now();
             let res = tokio::time::timeout(
                 lease,
@@ -68,6 +84,13 @@ impl GlobalGate {
             match res {
                 Ok(Ok(out)) => {
                     self.metrics.cluster.flow_batch(cmds.len(), t0.elapsed());
+                    if let Some(admitted) = cmds.iter().rev().find_map(|c| match c {
+                        FlowCmd::Held { admitted, .. } => Some(*admitted),
+                        _ => None,
+                    }) {
+                        let mut st = self.lock();
+                        st.held.committed_admitted = st.held.committed_admitted.max(admitted);
+                    }
                     // Enqueues dispatched (or refused) as the batch applied: release them now,
                     // without waiting for this replica to apply the entry.
                     if let ClusterOutput::Flow(res) = out
@@ -94,6 +117,60 @@ impl GlobalGate {
         }
     }
 
+    /// Settlements of other live replicas' keys observed here: those the ledger holds (admitted
+    /// through the global queue, or in degraded mode) are settled in it from here, at once; the
+    /// others — credit admissions, counted by the replica that made them — are relayed to it.
+    async fn sort_foreign(&self, member: &ClusterMember) {
+        let foreign = std::mem::take(&mut self.lock().foreign);
+        if foreign.is_empty() {
+            return;
+        }
+        let (held, _) = member
+            .node
+            .local_read(|s| {
+                s.0.flow().map(|f| {
+                    foreign
+                        .iter()
+                        .map(|(k, _)| f.holds_request(k))
+                        .collect::<Vec<bool>>()
+                })
+            })
+            .await;
+        let held = held.unwrap_or_default();
+        let relay = self.relay.get();
+        let mut st = self.lock();
+        for (i, (key, tokens)) in foreign.into_iter().enumerate() {
+            if held.get(i).copied().unwrap_or(false) || relay.is_none() {
+                st.push(FlowCmd::Settle {
+                    request_id: key,
+                    actual_tokens: tokens,
+                });
+            } else if let Some(relay) = relay
+                && relay.try_send((key, tokens)).is_err()
+            {
+                self.metrics.gossip.dropped_batch();
+            }
+        }
+    }
+
+    /// Whether the lingering reports should go now rather than at `report_linger_max`: they
+    /// matter at once when the outbox holds a command for the replicated ledger (a settlement
+    /// or routed pod of a queued request's slot), the fast path is closed for a priority seen
+    /// here (someone waits, or the pool is near its limit), half this replica's credit is spent
+    /// on admissions no committed report counts (the fast path must not stall on a lingering
+    /// report; those committed count even before this replica applies them), or the replica is
+    /// degraded, stopping or not yet configured.
+    fn reports_due(&self) -> bool {
+        let st = self.lock();
+        !st.outbox.is_empty()
+            || st.held.whole
+            || st.degraded
+            || st.shutting_down
+            || !st.configured
+            || 2 * (st.unreported.len() + st.held.uncommitted()) >= st.credit as usize
+            || st.open_by_priority.values().any(|open| !open)
+    }
+
     /// After a graceful shutdown (the gate admits nothing more): propose what is left in the
     /// outbox and [`FlowCmd::Retire`], so that this replica's credit returns to the others at
     /// once instead of waiting in quarantine (best effort: without it the lease ends as usual).
@@ -104,6 +181,7 @@ impl GlobalGate {
                 return;
             }
             let mut cmds: Vec<FlowCmd> = std::mem::take(&mut st.outbox).into();
+            cmds.extend(st.held.report());
             cmds.push(FlowCmd::Retire);
             cmds
         };
@@ -179,12 +257,18 @@ impl GlobalGate {
                         .collect();
                     let mf = f.member_as(me, incarnation);
                     let same_config = f.config() == &self.config && f.params() == self.opts.params;
+                    let live: Vec<u64> = f
+                        .members()
+                        .iter()
+                        .filter(|(_, m)| !m.expired)
+                        .map(|(id, _)| *id)
+                        .collect();
                     Some((
                         verdicts,
                         open,
                         mf.map_or(0, |m| m.credit),
-                        mf.map_or(0, |m| m.last_seq),
-                        same_config,
+                        mf.map_or((0, 0), |m| (m.last_seq, m.held_admitted)),
+                        (same_config, live, mf.is_some_and(|m| m.expired)),
                     ))
                 })
                 .await;
@@ -202,15 +286,29 @@ impl GlobalGate {
                     if !degraded {
                         st.degraded_running.clear();
                     }
-                    st.degraded_base = if degraded { st.unreported.len() } else { 0 };
+                    st.degraded_base = if degraded { st.unreported() } else { 0 };
                     st.degraded = degraded;
                 }
                 match view {
-                    Some((verdicts, open, credit, last_seq, same_config)) => {
+                    Some((
+                        verdicts,
+                        open,
+                        credit,
+                        (last_seq, held_admitted),
+                        (same_config, live, expired),
+                    )) => {
                         st.configured = true;
+                        st.live = live;
+                        // Back from an expired lease: while it was out, the pods' reports may
+                        // have eased its counts in the ledger; the next report restates them.
+                        if st.expired && !expired {
+                            st.held.whole = true;
+                        }
+                        st.expired = expired;
                         st.credit = credit;
                         st.credit_index = applied_index;
                         st.applied_last_seq = last_seq;
+                        st.held.applied_admitted = held_admitted;
                         st.open_by_priority.extend(open);
                         while st.unreported.front().is_some_and(|s| *s <= last_seq) {
                             st.unreported.pop_front();
@@ -262,6 +360,7 @@ impl GlobalGate {
             if last_prune.elapsed() >= Duration::from_secs(1) {
                 last_prune = Instant::now();
                 self.prune_admitted(&member).await;
+                self.reconcile_held(&member).await;
             }
             if reconfigure && last_config.elapsed() >= Duration::from_secs(1) {
                 last_config = Instant::now();
@@ -380,14 +479,108 @@ impl GlobalGate {
                 _ => {}
             }
         }
-        if !expired.is_empty() {
+        let stale: Vec<u64> = st
+            .held
+            .own
+            .iter()
+            .filter(|(_, o)| o.at.elapsed() > ADMITTED_MAX_AGE)
+            .map(|(seq, _)| *seq)
+            .collect();
+        for seq in &stale {
+            st.held.end(*seq, None);
+        }
+        if !expired.is_empty() || !stale.is_empty() {
             tracing::warn!(
-                expired = expired.len(),
+                expired = expired.len() + stale.len(),
                 "cluster flow-control admissions released without an observed response"
             );
         }
         for seq in expired {
             st.push(FlowCmd::Cancel { seq });
+        }
+    }
+
+    /// This replica's credit admissions whose settlement was lost (the observing stream failed,
+    /// or its replica died before relaying it): a pod that has reported fewer requests running
+    /// and waiting than the ledger holds for it, at two checks a second or more apart, loses
+    /// this replica's share of the difference — its oldest requests there, at least
+    /// [`RECONCILE_MIN_AGE_MS`] old — as the leader's reconciliation does for ledger entries.
+    async fn reconcile_held(&self, member: &ClusterMember) {
+        let pods: Vec<String> = {
+            let st = self.lock();
+            let mut pods: Vec<String> =
+                st.held.own.values().filter_map(|o| o.pod.clone()).collect();
+            pods.sort_unstable();
+            pods.dedup();
+            pods
+        };
+        if pods.is_empty() {
+            self.lock().held.excess.clear();
+            return;
+        }
+        let now = Instant::now();
+        let seen: HashMap<String, u64> = self
+            .store
+            .candidates(now)
+            .iter()
+            .filter_map(|c| {
+                let m = c.metrics()?;
+                let n = m.running_requests? + m.waiting_queue_size.unwrap_or(0.0);
+                Some((c.endpoint.hostport.clone(), n.max(0.0) as u64))
+            })
+            .collect();
+        let (ledger, _) = member
+            .node
+            .local_read(|s| {
+                s.0.flow().map(|f| {
+                    pods.iter()
+                        .map(|p| f.pods().get(p).map_or(0, |l| l.requests))
+                        .collect::<Vec<u64>>()
+                })
+            })
+            .await;
+        let Some(ledger) = ledger else {
+            return;
+        };
+        let min_age = Duration::from_millis(RECONCILE_MIN_AGE_MS);
+        let mut st = self.lock();
+        let mut released = 0;
+        for (pod, ledger) in pods.into_iter().zip(ledger) {
+            // A pod without fresh metrics may run anything.
+            let Some(&seen) = seen.get(&pod) else {
+                st.held.excess.remove(&pod);
+                continue;
+            };
+            if ledger <= seen {
+                st.held.excess.remove(&pod);
+                continue;
+            }
+            let since = *st.held.excess.entry(pod.clone()).or_insert(now);
+            if now.duration_since(since) < Duration::from_millis(RECONCILE_PERSIST_MS) {
+                continue;
+            }
+            st.held.excess.remove(&pod);
+            let mut mine: Vec<(Instant, u64)> = st
+                .held
+                .own
+                .iter()
+                .filter(|(_, o)| o.pod.as_deref() == Some(pod.as_str()))
+                .map(|(seq, o)| (o.at, *seq))
+                .collect();
+            // This replica's share of the excess (rounded up), oldest first.
+            let share = ((ledger - seen) * mine.len() as u64).div_ceil(ledger) as usize;
+            mine.sort_unstable();
+            for (at, seq) in mine.into_iter().take(share) {
+                if at.elapsed() >= min_age && st.held.end(seq, None).is_some() {
+                    released += 1;
+                }
+            }
+        }
+        if released > 0 {
+            tracing::warn!(
+                released,
+                "cluster flow control: credit admissions released, their pods report them gone"
+            );
         }
     }
 
@@ -487,11 +680,8 @@ impl GlobalGate {
             })
             .set(saturation);
         let st = self.lock();
-        self.metrics.cluster.flow_local(
-            st.credit,
-            st.unreported.len(),
-            st.waiting.len(),
-            st.degraded,
-        );
+        self.metrics
+            .cluster
+            .flow_local(st.credit, st.unreported(), st.waiting.len(), st.degraded);
     }
 }

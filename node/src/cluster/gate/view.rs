@@ -20,7 +20,8 @@ impl GlobalGate {
                 degraded: st.degraded,
                 partition: self.opts.partition,
                 credit: st.credit,
-                unreported: st.unreported.len(),
+                unreported: st.unreported(),
+                held: st.held.own.len(),
                 waiting: st.waiting.len(),
                 outbox: st.outbox.len(),
                 fast_path: st.fast,
@@ -58,6 +59,8 @@ pub struct LocalView {
     pub partition: PartitionMode,
     pub credit: u32,
     pub unreported: usize,
+    /// Credit admissions running here, counted in bulk.
+    pub held: usize,
     pub waiting: usize,
     pub outbox: usize,
     pub fast_path: u64,
@@ -88,6 +91,19 @@ pub struct GlobalView {
     pub pods: BTreeMap<String, flowctl::global::PodLoad>,
     /// The oldest ledger entries in flight (at most 100): `[owner, seq, request key, pod]`.
     pub oldest_inflight: Vec<(u64, u64, String, Option<String>)>,
+    /// Members' credit admissions held in bulk (at most 1000 rows).
+    pub held: Vec<HeldView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct HeldView {
+    pub member: u64,
+    pub incarnation: u64,
+    pub fairness_id: String,
+    pub priority: i32,
+    pub pod: Option<String>,
+    pub requests: u64,
+    pub tokens: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -128,6 +144,21 @@ impl GlobalView {
                 .inflight_entries()
                 .take(100)
                 .map(|((m, seq), rid, pod)| (m, seq, rid.to_string(), pod.map(str::to_string)))
+                .collect(),
+            held: f
+                .holdings()
+                .take(1000)
+                .map(
+                    |(member, incarnation, flow, pod, requests, tokens)| HeldView {
+                        member,
+                        incarnation,
+                        fairness_id: flow.fairness_id.clone(),
+                        priority: flow.priority,
+                        pod: pod.map(str::to_string),
+                        requests,
+                        tokens,
+                    },
+                )
                 .collect(),
         }
     }

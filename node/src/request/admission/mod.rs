@@ -63,6 +63,12 @@ pub trait Gate: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// A settlement another replica relayed here (`cluster::settle`): the response of a
+    /// request this replica admitted ended there. True when the gate held it.
+    fn settled_by_peer(&self, request_id: &str, actual_tokens: Option<u64>) -> bool {
+        self.complete(request_id, actual_tokens)
+    }
+
     /// Whether flow control may evict in-flight sheddable requests (`enableEviction`).
     fn evicts(&self) -> bool {
         false
