@@ -51,15 +51,6 @@ fn hold(id: u64, fairness: &str, requests: u64, tokens: u64) -> Command {
     }
 }
 
-fn dispatched(out: &[Outcome]) -> Vec<u64> {
-    out.iter()
-        .filter_map(|o| match o {
-            Outcome::Dispatched { id } => Some(*id),
-            _ => None,
-        })
-        .collect()
-}
-
 /// One by one (`a`) and in bulk (`b`), then the same queue: the same dispatches in the same
 /// order, the same figures all along.
 fn same_as_one_by_one(fairness: FairnessPolicy) {

@@ -4,10 +4,10 @@
 
 mod common;
 
-use common::{band, complete, enq, one_endpoint, slots_config};
+use common::{band, complete, dispatched, enq, one_endpoint, slots_config};
 use flowctl::{
     FairnessPolicy, FlowControlConfig, FlowController, HoldbackDomain, HoldbackShape,
-    OrderingPolicy, Outcome, PluginDecl, PriorityHoldbackParams, UsageLimit,
+    OrderingPolicy, PluginDecl, PriorityHoldbackParams, UsageLimit,
 };
 
 fn bands3() -> Vec<flowctl::BandConfig> {
@@ -25,15 +25,6 @@ fn at(rank: usize, n: usize, priority: i32, lowest: i32, highest: i32) -> flowct
         lowest,
         highest,
     }
-}
-
-fn dispatched(out: &[Outcome]) -> Vec<u64> {
-    out.iter()
-        .filter_map(|o| match o {
-            Outcome::Dispatched { id } => Some(*id),
-            _ => None,
-        })
-        .collect()
 }
 
 #[test]

@@ -6,9 +6,7 @@
 mod common;
 
 use common::*;
-use flowctl::{
-    Command, FairnessPolicy, FlowController, OrderingPolicy, Outcome, ProgramAwareParams,
-};
+use flowctl::{Command, FairnessPolicy, FlowController, OrderingPolicy, ProgramAwareParams};
 
 /// One endpoint of `slots` slots.
 fn controller(params: ProgramAwareParams, slots: u64) -> FlowController {
@@ -30,15 +28,6 @@ fn done(id: u64, tokens: u64) -> Command {
         id,
         actual_tokens: Some(tokens),
     }
-}
-
-fn dispatched(out: &[Outcome]) -> Vec<u64> {
-    out.iter()
-        .filter_map(|o| match o {
-            Outcome::Dispatched { id } => Some(*id),
-            _ => None,
-        })
-        .collect()
 }
 
 fn service(fc: &FlowController, program: &str) -> Option<f64> {

@@ -5,7 +5,7 @@ pub mod cluster;
 
 use flowctl::{
     BandConfig, BandSettings, Command, ConcurrencyDetector, ControllerConfig, EndpointSnapshot,
-    EnqueueRequest, FairnessPolicy, FlowKey, Nanos, OrderingPolicy, SaturationDetector,
+    EnqueueRequest, FairnessPolicy, FlowKey, Nanos, OrderingPolicy, Outcome, SaturationDetector,
 };
 
 pub const MS: Nanos = 1_000_000;
@@ -73,4 +73,14 @@ pub fn complete(id: u64) -> Command {
         id,
         actual_tokens: None,
     }
+}
+
+/// The ids an `apply` dispatched, in order.
+pub fn dispatched(out: &[Outcome]) -> Vec<u64> {
+    out.iter()
+        .filter_map(|o| match o {
+            Outcome::Dispatched { id } => Some(*id),
+            _ => None,
+        })
+        .collect()
 }

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use super::{ADMITTED_MAX_AGE, AbortOnDrop, GlobalGate, State, wall_us};
 use crate::cluster::member::ClusterMember;
 use crate::datalayer::inflight::InflightLoad;
+use crate::datalayer::store::Candidate;
 use crate::metrics::{BandLabels, SaturationLabels};
 use crate::request::admission::{Ticket, Verdict, snapshot_with};
 
@@ -519,16 +520,7 @@ impl GlobalGate {
             return;
         }
         let now = Instant::now();
-        let seen: HashMap<String, u64> = self
-            .store
-            .candidates(now)
-            .iter()
-            .filter_map(|c| {
-                let m = c.metrics()?;
-                let n = m.running_requests? + m.waiting_queue_size.unwrap_or(0.0);
-                Some((c.endpoint.hostport.clone(), n.max(0.0) as u64))
-            })
-            .collect();
+        let seen: HashMap<String, u64> = pods_running(&self.store.candidates(now)).collect();
         let (ledger, _) = member
             .node
             .local_read(|s| {
@@ -590,14 +582,7 @@ impl GlobalGate {
         let now = Instant::now();
         let wall_ns = wall_us().saturating_mul(1000);
         let candidates = self.store.candidates(now);
-        let observed = candidates
-            .iter()
-            .filter_map(|c| {
-                let m = c.metrics()?;
-                let n = m.running_requests? + m.waiting_queue_size.unwrap_or(0.0);
-                Some((c.endpoint.hostport.clone(), n.max(0.0) as u64))
-            })
-            .collect();
+        let observed = pods_running(&candidates).collect();
         let endpoints = candidates
             .iter()
             .map(|c| {
@@ -684,4 +669,13 @@ impl GlobalGate {
             .cluster
             .flow_local(st.credit, st.unreported(), st.waiting.len(), st.degraded);
     }
+}
+
+/// What each pod with fresh metrics reports running + waiting (the ledgers' reconciliation).
+fn pods_running(candidates: &[Candidate]) -> impl Iterator<Item = (String, u64)> + '_ {
+    candidates.iter().filter_map(|c| {
+        let m = c.metrics()?;
+        let n = m.running_requests? + m.waiting_queue_size.unwrap_or(0.0);
+        Some((c.endpoint.hostport.clone(), n.max(0.0) as u64))
+    })
 }
