@@ -30,9 +30,21 @@ async fn cluster(sim: &Sim, dir: &std::path::Path, extra: &[&str]) -> RaftCluste
 }
 
 async fn cluster_of(n: u64, sim: &Sim, dir: &std::path::Path, extra: &[&str]) -> RaftCluster {
+    cluster_each(n, sim, dir, extra, &[]).await
+}
+
+async fn cluster_each(
+    n: u64,
+    sim: &Sim,
+    dir: &std::path::Path,
+    extra: &[&str],
+    own: &[(u64, &[&str])],
+) -> RaftCluster {
     let endpoints = dir.join("endpoints.yaml");
     std::fs::write(&endpoints, sim.pods_yaml()).unwrap();
-    let c = RaftCluster::start_with(n, &endpoints, extra).await.unwrap();
+    let c = RaftCluster::start_with_each(n, &endpoints, extra, own)
+        .await
+        .unwrap();
     let ids: Vec<u64> = (1..=n).collect();
     chaos::wait::until("a leader", Duration::from_secs(15), || async {
         c.agreed_leader(&ids).await.is_some()
@@ -91,8 +103,16 @@ async fn a_response_observed_elsewhere_releases_the_routing_replicas_charge() {
 /// request (a replica's first request of a priority asks the state whether the fast path is
 /// open and may be queued meanwhile: one to warm up, settled where it was routed).
 async fn credit_cluster(sim: &Sim, dir: &std::path::Path) -> RaftCluster {
+    credit_cluster_each(sim, dir, &[]).await
+}
+
+async fn credit_cluster_each(
+    sim: &Sim,
+    dir: &std::path::Path,
+    own: &[(u64, &[&str])],
+) -> RaftCluster {
     let config = chaos::workloads::flow_control_config(64);
-    let c = cluster_of(3, sim, dir, &["--config-text", &config]).await;
+    let c = cluster_each(3, sim, dir, &["--config-text", &config], own).await;
     chaos::wait::until("credit on replica 1", Duration::from_secs(15), || async {
         let f = get_json(&c, 1, "/debug/flow").await;
         f["local"]["configured"] == true && f["local"]["credit"].as_u64().unwrap_or(0) > 0
@@ -202,6 +222,84 @@ async fn a_credit_admission_whose_settlement_is_lost_is_reconciled_by_its_maker(
         .unwrap();
     }
     assert_eq!(get_json(&c, 1, "/debug/flow").await["local"]["held"], 0);
+    c.shutdown().await;
+    sim.shutdown().await;
+}
+
+/// A rolling upgrade: while replica 3 runs a build without count reports (standing in: it
+/// advertises no cluster features), replica 1 reports its credit admission on its own — a
+/// per-request ledger entry, settled through the log from replica 2 — since replica 3 could not
+/// decode a count report; once replica 3 runs the new build, replica 1 counts in bulk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credit_admissions_are_counted_in_bulk_only_once_every_replica_can_apply_it() {
+    let sim = Sim::start(SimConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let old: &[&str] = &["--cluster-features", "0"];
+    let mut c = credit_cluster_each(&sim, dir.path(), &[(3, old)]).await;
+    let entries = |f: &serde_json::Value| {
+        f["global"]["oldest_inflight"]
+            .as_array()
+            .map_or(0, Vec::len)
+    };
+    let send = |c: &RaftCluster, tag: &'static str| {
+        let c1 = c.replica(1).unwrap().addrs.ext_proc;
+        let c2 = c.replica(2).unwrap().addrs.ext_proc;
+        async move {
+            let mut r = extproc::Client::connect(format!("http://{c1}"))
+                .await
+                .unwrap();
+            let info = extproc::route(&mut r, BODY, tag).await.unwrap();
+            (info, c2)
+        }
+    };
+    let (info, observer) = send(&c, "mixed").await;
+    chaos::wait::until("a per-request entry", Duration::from_secs(5), || async {
+        let f = get_json(&c, 3, "/debug/flow").await;
+        entries(&f) == 1 && on_pod(&f) == 0
+    })
+    .await
+    .unwrap();
+    let mut o = extproc::Client::connect(format!("http://{observer}"))
+        .await
+        .unwrap();
+    extproc::observe(&mut o, &info, None).await.unwrap();
+    chaos::wait::until(
+        "settled through the log",
+        Duration::from_secs(5),
+        || async {
+            get_json(&c, 3, "/debug/flow").await["global"]["totals"]["inflight_requests"] == 0
+        },
+    )
+    .await
+    .unwrap();
+    // Replica 3 upgraded.
+    c.kill9(3).await.unwrap();
+    c.set_own_args(3, Vec::new());
+    c.restart(3).await.unwrap();
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let (info, observer) = send(&c, "upgraded").await;
+        let f = get_json(&c, 1, "/debug/flow").await;
+        let bulk = f["local"]["held"] == 1;
+        let mut o = extproc::Client::connect(format!("http://{observer}"))
+            .await
+            .unwrap();
+        extproc::observe(&mut o, &info, None).await.unwrap();
+        if bulk {
+            break;
+        }
+        assert!(tries < 100, "never counted in bulk after the upgrade: {f}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for id in 1..=3 {
+        chaos::wait::until("the ledger empty", Duration::from_secs(10), || async {
+            let f = get_json(&c, id, "/debug/flow").await;
+            on_pod(&f) == 0 && entries(&f) == 0 && f["global"]["totals"]["inflight_requests"] == 0
+        })
+        .await
+        .unwrap();
+    }
     c.shutdown().await;
     sim.shutdown().await;
 }

@@ -31,7 +31,16 @@ pub struct Member {
     /// Wall-clock milliseconds of its last heartbeat.
     pub last_seen_ms: u64,
     pub heartbeats: u64,
+    /// What the replica's build speaks ([`FEATURE_HELD`]…), as its last heartbeat said (none
+    /// from a build older than the field).
+    #[serde(default)]
+    pub features: u32,
 }
+
+/// A member's build applies [`crate::global::FlowCmd::Held`] (bulk holdings): members report
+/// their credit admissions that way only while every live member does (a build without it
+/// could not decode the log).
+pub const FEATURE_HELD: u32 = 1;
 
 /// Commands of the cluster state machine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -43,6 +52,9 @@ pub enum ClusterCommand {
         ext_proc: String,
         admin: String,
         started_ms: u64,
+        /// [`FEATURE_HELD`]… (absent from older builds' heartbeats: none).
+        #[serde(default)]
+        features: u32,
     },
     /// `node` leaves (graceful shutdown): its lease ends now.
     Leave { node: MemberId },
@@ -211,6 +223,16 @@ impl ClusterState {
         self.live(self.now_ms, lease_ms).map(|(id, _)| id).collect()
     }
 
+    /// Whether every member live within the flow lease speaks `feature` (false before flow
+    /// control is configured).
+    pub fn live_members_speak(&self, feature: u32) -> bool {
+        let Some(lease) = self.flow.as_ref().map(|f| f.params().lease_ms) else {
+            return false;
+        };
+        self.live(self.now_ms, lease)
+            .all(|(_, m)| m.features & feature == feature)
+    }
+
     /// The global flow state, when cluster flow control is configured.
     pub fn flow(&self) -> Option<&GlobalFlow> {
         self.flow.as_ref()
@@ -289,6 +311,7 @@ impl ClusterState {
                 ext_proc,
                 admin,
                 started_ms,
+                features,
             } => {
                 let now_ms = self.time_us(now_ms.saturating_mul(1000)) / 1000;
                 self.now_ms = self.now_ms.max(now_ms);
@@ -298,6 +321,7 @@ impl ClusterState {
                         m.heartbeats += 1;
                         m.ext_proc = ext_proc;
                         m.admin = admin;
+                        m.features = features;
                         ClusterOutput::Heartbeats(m.heartbeats)
                     }
                     existing => {
@@ -310,6 +334,7 @@ impl ClusterState {
                                 started_ms,
                                 last_seen_ms: now_ms,
                                 heartbeats: 1,
+                                features,
                             },
                         );
                         if restarted {
@@ -401,6 +426,7 @@ mod tests {
             ext_proc: format!("127.0.0.1:{node}"),
             admin: String::new(),
             started_ms,
+            features: FEATURE_HELD,
         }
     }
 

@@ -198,3 +198,37 @@ fn a_life_back_from_a_partition_holds_its_rows_again() {
     c.batch(1, vec![held(2, false, 2, vec![row("a", Some("p"), 0)])]);
     assert_eq!(c.inflight(), 0);
 }
+
+#[test]
+fn bulk_counts_need_every_live_member_to_speak_them() {
+    use flowctl::cluster::{ClusterCommand, FEATURE_HELD};
+    let mut c = cluster(8);
+    assert!(c.s.live_members_speak(FEATURE_HELD));
+    // Replica 2 restarts on an older build: its heartbeats carry no features.
+    let old = |c: &mut Cluster| {
+        let now_ms = c.now_ms;
+        c.s.apply(ClusterCommand::Heartbeat {
+            node: 2,
+            now_ms,
+            ext_proc: String::new(),
+            admin: String::new(),
+            started_ms: 99,
+            features: 0,
+        });
+    };
+    old(&mut c);
+    assert!(!c.s.live_members_speak(FEATURE_HELD));
+    // Its lease ends (it was replaced by a new build under another id, say): bulk again.
+    for _ in 0..5 {
+        c.now_ms += 100;
+        c.heartbeat(&[1]);
+    }
+    assert!(c.s.live_members_speak(FEATURE_HELD));
+    // An older build's heartbeat, as it encodes it (no `features` field), reads as none.
+    let encoded = r#"{"Heartbeat":{"node":3,"now_ms":1,"ext_proc":"","admin":"","started_ms":5}}"#;
+    let decoded: ClusterCommand = serde_json::from_str(encoded).unwrap();
+    assert!(matches!(
+        decoded,
+        ClusterCommand::Heartbeat { features: 0, .. }
+    ));
+}

@@ -7,7 +7,7 @@
 mod common;
 
 use common::cluster::*;
-use flowctl::cluster::{ClusterCommand, ClusterOutput};
+use flowctl::cluster::{ClusterCommand, ClusterOutput, FEATURE_HELD};
 use flowctl::global::{FlowCmd, GlobalParams, Verdict};
 use flowctl::{DropReason, EndpointSnapshot};
 use proptest::prelude::*;
@@ -656,6 +656,7 @@ fn routed_requests_outlive_their_owner_until_settled_or_reconciled() {
             ext_proc: String::new(),
             admin: String::new(),
             started_ms: 8,
+            features: FEATURE_HELD,
         })
     };
     new_life(&mut c);

@@ -201,6 +201,10 @@ struct ClusterArgs {
     /// this long (a StatefulSet scaled down). Off by default.
     #[arg(long, value_parser = duration)]
     remove_departed_after: Option<Duration>,
+    /// Tests only: the cluster features this replica advertises (a bit set; default all this
+    /// build speaks) — fewer stand in for an older build in a rolling upgrade.
+    #[arg(long, hide = true, default_value_t = flowctl::cluster::FEATURE_HELD)]
+    cluster_features: u32,
     /// This replica's Raft node id (stable across restarts).
     #[arg(long, default_value_t = 1)]
     node_id: u64,
@@ -374,6 +378,7 @@ impl ClusterArgs {
             flow_degraded_wait: self.flow_degraded_wait,
             auto_join: self.auto_join,
             remove_departed_after: self.remove_departed_after,
+            features: self.cluster_features,
         }))
     }
 }

@@ -352,6 +352,7 @@ async fn member(
                         ext_proc: String::new(),
                         admin: String::new(),
                         started_ms: incarnation,
+                        features: flowctl::cluster::FEATURE_HELD,
                     }),
                 )
                 .await;

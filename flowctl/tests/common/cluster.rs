@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use flowctl::cluster::{ClusterCommand, ClusterOutput, ClusterState};
+use flowctl::cluster::{ClusterCommand, ClusterOutput, ClusterState, FEATURE_HELD};
 use flowctl::global::{Ask, FlowCmd, GlobalParams, Verdict};
 use flowctl::{EndpointSnapshot, FlowKey};
 
@@ -65,6 +65,7 @@ impl Cluster {
                 ext_proc: String::new(),
                 admin: String::new(),
                 started_ms: self.incarnation(m),
+                features: FEATURE_HELD,
             });
         }
     }

@@ -266,6 +266,7 @@ impl ClusterMember {
                 ext_proc: ext_proc.clone(),
                 admin: admin.clone(),
                 started_ms: self.started_ms,
+                features: self.opts.features,
             };
             // A heartbeat slower than its lease is as good as lost.
             let res = tokio::time::timeout(

@@ -51,6 +51,9 @@ pub struct ClusterOptions {
     /// Remove a member that is not in `peers` once it has been dead this long (a StatefulSet
     /// scaled down); `None`: never.
     pub remove_departed_after: Option<Duration>,
+    /// The cluster features this replica's heartbeats advertise (`flowctl::cluster::FEATURE_*`):
+    /// all this build speaks, or — in tests — fewer, standing in for an older build.
+    pub features: u32,
 }
 
 /// Voters a self-joining replica makes the cluster grow to; beyond, joiners stay learners.

@@ -266,7 +266,8 @@ struct State {
     /// Commands to propose, oldest first (a deque: past the bound the oldest is dropped in O(1)).
     outbox: VecDeque<FlowCmd>,
     waiting: HashMap<u64, GWaiter>,
-    /// Degraded-mode admissions not yet in the applied state (sequence numbers, ascending).
+    /// Admissions reported one by one (degraded mode, or without `bulk`) not yet in the applied
+    /// state (sequence numbers, ascending).
     unreported: VecDeque<u64>,
     /// Credit admissions, held in bulk.
     held: Held,
@@ -285,10 +286,15 @@ struct State {
     live: Vec<u64>,
     /// The applied state counts this replica's lease ended.
     expired: bool,
+    /// Every live member applies count reports (`flowctl::cluster::FEATURE_HELD`): credit
+    /// admissions are counted in bulk; otherwise (an older build in the cluster, as in a rolling
+    /// upgrade) each is reported on its own (`FlowCmd::Admitted`).
+    bulk: bool,
     /// Settlements of live members' keys observed here, for the writer to sort: those the
     /// ledger holds are settled in it, the others relayed to their maker.
     foreign: Vec<Settlement>,
-    /// Admitted requests of this replica in the replicated ledger (slow or degraded) → when;
+    /// Admitted requests of this replica in the replicated ledger (slow path, degraded mode,
+    /// or credit admissions without `bulk`) → when;
     /// pruned of those the state no longer holds, and given up after [`ADMITTED_MAX_AGE`]
     /// (response never observed).
     admitted: BTreeMap<u64, (Instant, String)>,
@@ -465,7 +471,19 @@ impl GlobalGate {
         }
         let leased = self.credit_spendable(&mut st);
         if !degraded && open && leased && st.unreported() < st.credit as usize {
-            st.held.admit(seq, req.request_id, ask.flow, ask.tokens);
+            if st.bulk {
+                st.held.admit(seq, req.request_id, ask.flow, ask.tokens);
+            } else {
+                st.unreported.push_back(seq);
+                st.admitted
+                    .insert(seq, (Instant::now(), req.request_id.to_string()));
+                st.push(FlowCmd::Admitted {
+                    seq,
+                    request_id: req.request_id.to_string(),
+                    ask,
+                    pod: None,
+                });
+            }
             st.fast += 1;
             self.admitted_by("fast");
             drop(st);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flowctl::DropReason;
-use flowctl::cluster::{ClusterCommand, ClusterOutput};
+use flowctl::cluster::{ClusterCommand, ClusterOutput, FEATURE_HELD};
 use flowctl::global::{FlowCmd, RECONCILE_MIN_AGE_MS, RECONCILE_PERSIST_MS, Verdict as GVerdict};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -19,6 +19,26 @@ use crate::datalayer::inflight::InflightLoad;
 use crate::datalayer::store::Candidate;
 use crate::metrics::{BandLabels, SaturationLabels};
 use crate::request::admission::{Ticket, Verdict, snapshot_with};
+
+/// What the watcher reads from the applied state on each pass.
+struct Applied {
+    /// Verdicts on this replica's waiting requests.
+    verdicts: Vec<(u64, GVerdict)>,
+    /// Whether the fast path is open, for every priority seen here.
+    open: Vec<(i32, bool)>,
+    /// This life's credit, last sequence number and credit admissions counted.
+    credit: u32,
+    last_seq: u64,
+    held_admitted: u64,
+    /// This replica's lease ended.
+    expired: bool,
+    /// The state runs this replica's flow configuration.
+    same_config: bool,
+    /// Members with their lease.
+    live: Vec<u64>,
+    /// Every live member applies count reports.
+    bulk: bool,
+}
 
 impl GlobalGate {
     /// Start the writer and the watcher (cluster mode, once the consensus node runs).
@@ -257,20 +277,22 @@ impl GlobalGate {
                         .map(|p| (*p, f.fast_path_open(me, *p)))
                         .collect();
                     let mf = f.member_as(me, incarnation);
-                    let same_config = f.config() == &self.config && f.params() == self.opts.params;
-                    let live: Vec<u64> = f
-                        .members()
-                        .iter()
-                        .filter(|(_, m)| !m.expired)
-                        .map(|(id, _)| *id)
-                        .collect();
-                    Some((
+                    Some(Applied {
                         verdicts,
                         open,
-                        mf.map_or(0, |m| m.credit),
-                        mf.map_or((0, 0), |m| (m.last_seq, m.held_admitted)),
-                        (same_config, live, mf.is_some_and(|m| m.expired)),
-                    ))
+                        credit: mf.map_or(0, |m| m.credit),
+                        last_seq: mf.map_or(0, |m| m.last_seq),
+                        held_admitted: mf.map_or(0, |m| m.held_admitted),
+                        expired: mf.is_some_and(|m| m.expired),
+                        same_config: f.config() == &self.config && f.params() == self.opts.params,
+                        live: f
+                            .members()
+                            .iter()
+                            .filter(|(_, m)| !m.expired)
+                            .map(|(id, _)| *id)
+                            .collect(),
+                        bulk: s.0.live_members_speak(FEATURE_HELD),
+                    })
                 })
                 .await;
             let degraded = !member.has_quorum() || last_progress.elapsed() > lease;
@@ -291,27 +313,29 @@ impl GlobalGate {
                     st.degraded = degraded;
                 }
                 match view {
-                    Some((
-                        verdicts,
-                        open,
-                        credit,
-                        (last_seq, held_admitted),
-                        (same_config, live, expired),
-                    )) => {
+                    Some(a) => {
                         st.configured = true;
-                        st.live = live;
+                        st.live = a.live;
                         // Back from an expired lease: while it was out, the pods' reports may
                         // have eased its counts in the ledger; the next report restates them.
-                        if st.expired && !expired {
+                        if st.expired && !a.expired {
                             st.held.whole = true;
                         }
-                        st.expired = expired;
-                        st.credit = credit;
+                        st.expired = a.expired;
+                        if st.bulk != a.bulk {
+                            tracing::info!(
+                                bulk = a.bulk,
+                                "cluster flow control: credit admissions counted in bulk (every \
+                                 live replica applies count reports), or else one by one"
+                            );
+                        }
+                        st.bulk = a.bulk;
+                        st.credit = a.credit;
                         st.credit_index = applied_index;
-                        st.applied_last_seq = last_seq;
-                        st.held.applied_admitted = held_admitted;
-                        st.open_by_priority.extend(open);
-                        while st.unreported.front().is_some_and(|s| *s <= last_seq) {
+                        st.applied_last_seq = a.last_seq;
+                        st.held.applied_admitted = a.held_admitted;
+                        st.open_by_priority.extend(a.open);
+                        while st.unreported.front().is_some_and(|s| *s <= a.last_seq) {
                             st.unreported.pop_front();
                         }
                         // A verdict read from a state older than this life's lease may have
@@ -319,9 +343,9 @@ impl GlobalGate {
                         // a dispatch the cluster undid when the lease ended (the orphan's slot
                         // given to others). Found by the deterministic simulation (dst.rs).
                         if member.lease_index().is_some_and(|l| applied_index >= l) {
-                            self.deliver(&mut st, verdicts);
+                            self.deliver(&mut st, a.verdicts);
                         }
-                        reconfigure = !same_config;
+                        reconfigure = !a.same_config;
                     }
                     None => {
                         st.configured = false;
