@@ -23,9 +23,10 @@
 //! Everything else this replica says (enqueues, cancels, routed pods and settlements of requests
 //! in the replicated ledger, degraded-mode admissions) goes through one outbox, proposed with the
 //! changed counts as one log entry per batch by a single writer (a failed proposal is retried;
-//! the state ignores sequence numbers and count versions it has already seen). A watcher follows the applied index: it delivers
-//! verdicts, forgets reported admissions, tracks credit and degradation, and — on the leader —
-//! proposes the pool's metrics and the flow configuration ([`run`]).
+//! the state ignores sequence numbers and count versions it has already seen). A watcher
+//! follows the applied index: it delivers verdicts, forgets reported admissions, tracks credit
+//! and degradation, and — on the leader — proposes the pool's metrics and the flow
+//! configuration ([`run`]).
 //!
 //! Layout: this module admits and takes reports; [`run`] holds the writer, the watcher and the
 //! leader's duties; [`view`] is `/debug/flow`.
