@@ -36,8 +36,9 @@ pub struct PickerContext {
     pub responses: Arc<crate::datalayer::responses::ResponseBindings>,
     /// `InferenceModelRewrite` rules (`--model-rewrites-file`, or watched from Kubernetes).
     pub rewrites: Arc<Live<ModelRewrites>>,
-    /// Cluster mode without cluster-wide flow control: where the settlements of requests this
-    /// replica observed but did not hold go (the peers; `cluster::settle`).
+    /// Cluster mode: where the settlements of requests this replica observed but did not hold go
+    /// (the replica that made the key; `cluster::settle`). With cluster-wide flow control the
+    /// gate hands them over itself.
     pub relay: Option<tokio::sync::mpsc::Sender<(String, Option<u64>)>>,
     /// This replica's node id in cluster mode: its request keys name it, so a response observed
     /// on another replica is relayed here only.
