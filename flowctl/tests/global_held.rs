@@ -232,3 +232,28 @@ fn bulk_counts_need_every_live_member_to_speak_them() {
         ClusterCommand::Heartbeat { features: 0, .. }
     ));
 }
+
+#[test]
+fn absurd_counts_saturate_and_leave_no_trace_once_withdrawn() {
+    let mut c = cluster(8);
+    let huge = HeldRow {
+        flow: FlowKey::new("a", 0),
+        pod: Some("p".into()),
+        requests: u64::MAX,
+        tokens: u64::MAX,
+    };
+    c.batch(
+        1,
+        vec![held(1, false, u64::MAX, vec![huge, row("b", Some("p"), 2)])],
+    );
+    c.batch(
+        2,
+        vec![held(1, false, u64::MAX, vec![row("c", Some("p"), 3)])],
+    );
+    assert_eq!(c.inflight(), u64::MAX, "saturated, not wrapped");
+    assert_eq!(pod_requests(&c, "p"), u64::MAX);
+    c.batch(1, vec![held(2, true, u64::MAX, vec![])]);
+    c.batch(2, vec![held(2, true, u64::MAX, vec![])]);
+    assert_eq!(c.inflight(), 0);
+    assert_eq!(pod_requests(&c, "p"), 0);
+}

@@ -74,8 +74,8 @@ impl GlobalFlow {
         m.held_version = version;
         let new = admitted.saturating_sub(m.held_admitted);
         m.held_admitted = m.held_admitted.max(admitted);
-        m.demand += new;
-        m.admitted_local += new;
+        m.demand = m.demand.saturating_add(new);
+        m.admitted_local = m.admitted_local.saturating_add(new);
         let life = m.incarnation;
         for s in served {
             self.run(Command::Served {
@@ -141,8 +141,8 @@ impl GlobalFlow {
                 self.pods.entry(pod.clone()).or_default(),
                 self.pod_owner.entry(owner.clone()).or_default(),
             ] {
-                load.requests = load.requests.saturating_sub(old_n) + requests;
-                load.tokens = load.tokens.saturating_sub(old_t) + tokens;
+                load.requests = load.requests.saturating_sub(old_n).saturating_add(requests);
+                load.tokens = load.tokens.saturating_sub(old_t).saturating_add(tokens);
             }
             if self.pods.get(pod).is_some_and(|l| l.requests == 0) {
                 self.pods.remove(pod);

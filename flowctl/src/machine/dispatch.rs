@@ -328,12 +328,22 @@ impl FlowController {
             .inflight
             .saturating_sub(to_u32(old_n))
             .saturating_add(to_u32(requests));
-        band.inflight = band.inflight.saturating_sub(old_n) + requests;
-        band.inflight_tokens = band.inflight_tokens.saturating_sub(old_t) + tokens;
+        band.inflight = band.inflight.saturating_sub(old_n).saturating_add(requests);
+        band.inflight_tokens = band
+            .inflight_tokens
+            .saturating_sub(old_t)
+            .saturating_add(tokens);
         let priority = band.priority;
-        self.totals.inflight_requests =
-            self.totals.inflight_requests.saturating_sub(old_n) + requests;
-        self.totals.inflight_tokens = self.totals.inflight_tokens.saturating_sub(old_t) + tokens;
+        self.totals.inflight_requests = self
+            .totals
+            .inflight_requests
+            .saturating_sub(old_n)
+            .saturating_add(requests);
+        self.totals.inflight_tokens = self
+            .totals
+            .inflight_tokens
+            .saturating_sub(old_t)
+            .saturating_add(tokens);
         if requests == 0 {
             self.inflight.remove(&id);
             self.maybe_gc_flow(fi);
