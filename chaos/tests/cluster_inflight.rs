@@ -99,9 +99,11 @@ async fn a_response_observed_elsewhere_releases_the_routing_replicas_charge() {
     sim.shutdown().await;
 }
 
-/// Three replicas with cluster-wide flow control, replica 1 holding credit and past its first
-/// request (a replica's first request of a priority asks the state whether the fast path is
-/// open and may be queued meanwhile: one to warm up, settled where it was routed).
+/// Three replicas with cluster-wide flow control, replica 1 admitting on credit: warm-up
+/// requests (each settled where it was routed) until one takes the fast path — a replica's
+/// first request of a priority asks the state whether the fast path is open, and until the pool
+/// is known the credit granted may exceed what the pool's capacity allows, so the fast path
+/// opens a rebalance and a lease after the leader first reports the pool.
 async fn credit_cluster(sim: &Sim, dir: &std::path::Path) -> RaftCluster {
     credit_cluster_each(sim, dir, &[]).await
 }
@@ -119,14 +121,25 @@ async fn credit_cluster_each(
     })
     .await
     .unwrap();
-    let warm = extproc::route(&mut client(&c, 1).await, BODY, "warm")
-        .await
-        .unwrap();
-    extproc::observe(&mut client(&c, 1).await, &warm, None)
-        .await
-        .unwrap();
-    chaos::wait::until("the warm-up settled", Duration::from_secs(5), || async {
-        get_json(&c, 1, "/debug/flow").await["global"]["totals"]["inflight_requests"] == 0
+    let mut n = 0;
+    chaos::wait::until("a fast-path admission", Duration::from_secs(15), || {
+        n += 1;
+        let rid = format!("warm-{n}");
+        let c = &c;
+        async move {
+            let warm = extproc::route(&mut client(c, 1).await, BODY, &rid)
+                .await
+                .unwrap();
+            extproc::observe(&mut client(c, 1).await, &warm, None)
+                .await
+                .unwrap();
+            chaos::wait::until("the warm-up settled", Duration::from_secs(5), || async {
+                get_json(c, 1, "/debug/flow").await["global"]["totals"]["inflight_requests"] == 0
+            })
+            .await
+            .unwrap();
+            get_json(c, 1, "/debug/flow").await["local"]["fast_path"] != 0
+        }
     })
     .await
     .unwrap();
@@ -402,6 +415,58 @@ async fn each_replica_routes_on_the_clusters_in_flight_load() {
         running >= 1 && per_pod.contains(&running),
         "per pod on replica 1: {per_pod:?}; route info {info}"
     );
+    c.shutdown().await;
+    sim.shutdown().await;
+}
+
+/// A burst beyond replica 1's credit (a slack of 6 between three replicas): requests that find
+/// its credit spent on admissions its pending report counts wait for that report
+/// (`credit-wait`) instead of proposing an enqueue each, and take the credit it frees; every one
+/// is admitted and counted once by path, and the ledger empties once their responses end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_beyond_the_credit_waits_for_the_pending_report() {
+    let sim = Sim::start(SimConfig::default()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let slack: &[&str] = &["--flow-credit-slack", "6"];
+    let c = credit_cluster_each(&sim, dir.path(), &[(1, slack), (2, slack), (3, slack)]).await;
+    let before = get_json(&c, 1, "/debug/flow").await["local"].clone();
+    let count = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+    const BURST: u64 = 30;
+    let addr = c.replica(1).unwrap().addrs.ext_proc;
+    let routed: Vec<String> = futures::future::join_all((0..BURST).map(|i| async move {
+        let mut r = extproc::Client::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        extproc::route(&mut r, BODY, &format!("burst-{i}"))
+            .await
+            .unwrap()
+    }))
+    .await;
+    let after = get_json(&c, 1, "/debug/flow").await["local"].clone();
+    let path = |k: &str| count(&after, k) - count(&before, k);
+    assert_eq!(path("fast_path") + path("slow_path"), BURST, "{after}");
+    assert!(
+        path("credit_waits") >= 1,
+        "nobody waited for credit: {after}"
+    );
+    assert_eq!(after["credit_wait"], 0, "{after}");
+    let text = c.replica(1).unwrap().metrics().await.unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("llm_d_epp_cluster_flow_admissions_total{path=\"credit-wait\"}")),
+        "{text}"
+    );
+    let mut o = client(&c, 2).await;
+    for info in &routed {
+        extproc::observe(&mut o, info, None).await.unwrap();
+    }
+    for id in 1..=3 {
+        chaos::wait::until("the ledger empty", Duration::from_secs(10), || async {
+            get_json(&c, id, "/debug/flow").await["global"]["totals"]["inflight_requests"] == 0
+        })
+        .await
+        .unwrap();
+    }
     c.shutdown().await;
     sim.shutdown().await;
 }

@@ -14,4 +14,4 @@ echo "## fleet scale (1000 pods, 5 replicas in cluster mode, R = 2 scraping at 5
 target/release/epp-bench fleet
 echo
 echo "## cluster flow control: CPU per request against per-replica scope, slot hand-off across replicas"
-target/release/epp-bench global-flow --requests 20000 --concurrency 32 --handoffs 200 --credit-slack 32
+target/release/epp-bench global-flow --requests 20000 --concurrency 32 --handoffs 200

@@ -8,9 +8,10 @@ mod common;
 
 use common::cluster::*;
 use flowctl::cluster::{ClusterCommand, ClusterOutput, FEATURE_HELD};
-use flowctl::global::{FlowCmd, GlobalParams, Verdict};
-use flowctl::{DropReason, EndpointSnapshot};
+use flowctl::global::{FlowCmd, GlobalParams, HeldRow, Verdict};
+use flowctl::{DropReason, EndpointSnapshot, FlowKey};
 use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 use std::collections::{BTreeMap, VecDeque};
 
 #[test]
@@ -217,171 +218,329 @@ proptest! {
     /// still run what it spent.
     #[test]
     fn admission_is_bounded_by_capacity_plus_slack(ops in proptest::collection::vec(life(), 1..400)) {
-        const CAPACITY: u64 = 6;
-        const SLACK: u32 = 5;
-        const LEASE_MS: u64 = 1500;
-        let mut c = Cluster::new(
-            &[1, 2, 3],
-            3,
-            2,
-            vec![],
-            GlobalParams { credit_slack: SLACK, rebalance_ms: 200, lease_ms: LEASE_MS },
-        );
-        let members = [1u64, 2, 3];
-        let mut unreported: BTreeMap<u64, Vec<FlowCmd>> = BTreeMap::new();
-        let mut waiting: BTreeMap<(u64, u64), String> = BTreeMap::new();
-        let mut running: VecDeque<String> = VecDeque::new();
-        // Cut-off member → (when its lease began, the credit it last saw).
-        let mut cut: BTreeMap<u64, (u64, u32)> = BTreeMap::new();
-        let mut last_heartbeat: BTreeMap<u64, u64> = members.iter().map(|m| (*m, c.now_ms)).collect();
-        let mut seen = std::collections::BTreeSet::new();
-        let mut rid = 0u64;
-        for op in ops {
-            match op {
-                Life::Arrive(m, t) => {
-                    let m = u64::from(m) + 1;
-                    rid += 1;
-                    let r = format!("r{rid}");
-                    let pending = unreported.get(&m).map_or(0, Vec::len);
-                    let local = match cut.get(&m) {
-                        // Degraded: its last credit while its lease lasts, else a 429.
-                        Some((from, credit)) => c.now_ms < from + LEASE_MS && pending < *credit as usize,
-                        None => {
-                            c.s.flow().unwrap().fast_path_open(m, 0) && pending < c.credit(m) as usize
-                        }
+        lives(ops, false)?;
+    }
+
+    /// The same with credit admissions counted in bulk, as the gate does when every live
+    /// member speaks `FEATURE_HELD`: a member counts its credit admissions per flow and reports
+    /// the counts ([`FlowCmd::Held`]); their settlements are its own (relayed to it — here the
+    /// relay always arrives, the case that lowers the ledger soonest); a lost life's rows stay
+    /// booked until the pods' reports ease them; cut off, it admits one by one as before.
+    #[test]
+    fn admission_counted_in_bulk_is_bounded_by_capacity_plus_slack(
+        ops in proptest::collection::vec(life(), 1..400),
+    ) {
+        lives(ops, true)?;
+    }
+}
+
+/// A member's credit admissions counted in bulk (the gate's `Held`, on one pod): running
+/// requests per tenant, this life's admissions, and how many its last report counted.
+#[derive(Default)]
+struct Counted {
+    rows: BTreeMap<String, u64>,
+    admitted: u64,
+    reported: u64,
+    version: u64,
+    dirty: bool,
+}
+
+impl Counted {
+    fn unreported(&self) -> usize {
+        (self.admitted - self.reported) as usize
+    }
+
+    /// The report of every row (absolute counts; a row at zero drops the holding).
+    fn report(&mut self) -> Option<FlowCmd> {
+        if !std::mem::take(&mut self.dirty) {
+            return None;
+        }
+        self.version += 1;
+        self.reported = self.admitted;
+        let rows = self
+            .rows
+            .iter()
+            .map(|(t, n)| HeldRow {
+                flow: FlowKey::new(t.as_str(), 0),
+                pod: Some("p".into()),
+                requests: *n,
+                tokens: n * ask(t, 0).tokens,
+            })
+            .collect();
+        Some(FlowCmd::Held {
+            version: self.version,
+            full: false,
+            admitted: self.admitted,
+            rows,
+            served: vec![],
+        })
+    }
+}
+
+/// A running request: its key, and — counted in bulk — its maker, the maker's life, its tenant.
+type Running = (String, Option<(u64, u64, String)>);
+
+/// The body of the I1 property tests: `bulk` members count their credit admissions in bulk.
+fn lives(ops: Vec<Life>, bulk: bool) -> Result<(), TestCaseError> {
+    const CAPACITY: u64 = 6;
+    const SLACK: u32 = 5;
+    const LEASE_MS: u64 = 1500;
+    let mut c = Cluster::new(
+        &[1, 2, 3],
+        3,
+        2,
+        vec![],
+        GlobalParams {
+            credit_slack: SLACK,
+            rebalance_ms: 200,
+            lease_ms: LEASE_MS,
+        },
+    );
+    let members = [1u64, 2, 3];
+    let mut unreported: BTreeMap<u64, Vec<FlowCmd>> = BTreeMap::new();
+    let mut counted: BTreeMap<u64, Counted> = BTreeMap::new();
+    let mut waiting: BTreeMap<(u64, u64), String> = BTreeMap::new();
+    let mut running: VecDeque<Running> = VecDeque::new();
+    // Cut-off member → (when its lease began, the credit it last saw).
+    let mut cut: BTreeMap<u64, (u64, u32)> = BTreeMap::new();
+    let mut last_heartbeat: BTreeMap<u64, u64> = members.iter().map(|m| (*m, c.now_ms)).collect();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut rid = 0u64;
+    // What a member proposes in one batch: its outbox, then its count report (as the gate).
+    let report = |m: u64,
+                  extra: Vec<FlowCmd>,
+                  unreported: &mut BTreeMap<u64, Vec<FlowCmd>>,
+                  counted: &mut BTreeMap<u64, Counted>| {
+        let mut cmds = unreported.remove(&m).unwrap_or_default();
+        cmds.extend(extra);
+        cmds.extend(counted.get_mut(&m).and_then(Counted::report));
+        cmds
+    };
+    for op in ops {
+        match op {
+            Life::Arrive(m, t) => {
+                let m = u64::from(m) + 1;
+                rid += 1;
+                let r = format!("r{rid}");
+                let tenant = format!("t{t}");
+                let pending = unreported.get(&m).map_or(0, Vec::len)
+                    + counted.get(&m).map_or(0, Counted::unreported);
+                let (local, in_bulk) = match cut.get(&m) {
+                    // Degraded: its last credit while its lease lasts, else a 429; one by one.
+                    Some((from, credit)) => (
+                        c.now_ms < from + LEASE_MS && pending < *credit as usize,
+                        false,
+                    ),
+                    None => (
+                        c.s.flow().unwrap().fast_path_open(m, 0) && pending < c.credit(m) as usize,
+                        bulk,
+                    ),
+                };
+                let seq = c.next_seq(m);
+                if local && in_bulk {
+                    let n = counted.entry(m).or_default();
+                    n.admitted += 1;
+                    *n.rows.entry(tenant.clone()).or_default() += 1;
+                    n.dirty = true;
+                    running.push_back((r, Some((m, c.incarnation(m), tenant))));
+                } else if local {
+                    unreported.entry(m).or_default().push(FlowCmd::Admitted {
+                        seq,
+                        request_id: r.clone(),
+                        ask: ask(&tenant, 0),
+                        pod: Some("p".into()),
+                    });
+                    running.push_back((r, None));
+                } else if !cut.contains_key(&m) {
+                    let enqueue = FlowCmd::Enqueue {
+                        seq,
+                        request_id: r.clone(),
+                        ask: ask(&tenant, 0),
                     };
-                    let seq = c.next_seq(m);
-                    if local {
-                        unreported.entry(m).or_default().push(FlowCmd::Admitted {
-                            seq,
-                            request_id: r.clone(),
-                            ask: ask(&format!("t{t}"), 0),
-                            pod: Some("p".into()),
-                        });
-                        running.push_back(r);
-                    } else if !cut.contains_key(&m) {
-                        let mut cmds = unreported.remove(&m).unwrap_or_default();
-                        cmds.push(FlowCmd::Enqueue { seq, request_id: r.clone(), ask: ask(&format!("t{t}"), 0) });
-                        c.batch(m, cmds);
-                        waiting.insert((m, seq), r);
-                    }
+                    let cmds = report(m, vec![enqueue], &mut unreported, &mut counted);
+                    c.batch(m, cmds);
+                    waiting.insert((m, seq), r);
                 }
-                Life::Flush(m) => {
-                    let m = u64::from(m) + 1;
-                    if !cut.contains_key(&m) && let Some(cmds) = unreported.remove(&m) {
+            }
+            Life::Flush(m) => {
+                let m = u64::from(m) + 1;
+                if !cut.contains_key(&m) {
+                    let cmds = report(m, vec![], &mut unreported, &mut counted);
+                    if !cmds.is_empty() {
                         c.batch(m, cmds);
                     }
                 }
-                Life::Complete(m) => {
-                    let by = (0..3u64).map(|i| (u64::from(m) + i) % 3 + 1).find(|x| !cut.contains_key(x));
-                    if let (Some(by), Some(r)) = (by, running.pop_front()) {
-                        c.settle(by, &r);
+            }
+            Life::Complete(m) => {
+                let by = (0..3u64)
+                    .map(|i| (u64::from(m) + i) % 3 + 1)
+                    .find(|x| !cut.contains_key(x));
+                match (by, running.front()) {
+                    (_, Some((_, Some((maker, life, tenant))))) => {
+                        // Its maker's to count down; a lost life's the pods' reports ease.
+                        if c.incarnation(*maker) == *life {
+                            let n = counted.get_mut(maker).unwrap();
+                            *n.rows.get_mut(tenant).unwrap() -= 1;
+                            n.dirty = true;
+                        }
+                        running.pop_front();
                     }
+                    (Some(by), Some((r, None))) => {
+                        c.settle(by, r);
+                        running.pop_front();
+                    }
+                    _ => {}
                 }
-                Life::Tick(ms) => {
-                    for m in members {
-                        if !cut.contains_key(&m) && let Some(cmds) = unreported.remove(&m) {
+            }
+            Life::Tick(ms) => {
+                for m in members {
+                    if !cut.contains_key(&m) {
+                        let cmds = report(m, vec![], &mut unreported, &mut counted);
+                        if !cmds.is_empty() {
                             c.batch(m, cmds);
                         }
                     }
-                    c.now_ms += u64::from(ms);
-                    let up: Vec<u64> = members.iter().copied().filter(|m| !cut.contains_key(m)).collect();
-                    c.heartbeat(&up);
-                    for m in up {
-                        last_heartbeat.insert(m, c.now_ms);
-                    }
                 }
-                Life::Observe => {
-                    let n = running.len() as u64;
-                    c.observe(2, &[("p", n), ("q", 0)]);
-                }
-                Life::Crash(m) => {
-                    let m = u64::from(m) + 1;
-                    cut.remove(&m);
-                    unreported.remove(&m);
-                    waiting.retain(|k, _| k.0 != m);
-                    c.restart(m);
+                c.now_ms += u64::from(ms);
+                let up: Vec<u64> = members
+                    .iter()
+                    .copied()
+                    .filter(|m| !cut.contains_key(m))
+                    .collect();
+                c.heartbeat(&up);
+                for m in up {
                     last_heartbeat.insert(m, c.now_ms);
                 }
-                Life::Cut(m) => {
-                    let m = u64::from(m) + 1;
-                    if cut.is_empty() {
-                        cut.insert(m, (last_heartbeat[&m], c.credit(m)));
-                    }
-                }
-                Life::Heal(m) => {
-                    let m = u64::from(m) + 1;
-                    if cut.remove(&m).is_some() {
-                        if let Some(cmds) = unreported.remove(&m) {
-                            c.batch(m, cmds);
-                        }
-                        c.heartbeat(&[m]);
-                        last_heartbeat.insert(m, c.now_ms);
-                    }
+            }
+            Life::Observe => {
+                let n = running.len() as u64;
+                c.observe(2, &[("p", n), ("q", 0)]);
+            }
+            Life::Crash(m) => {
+                let m = u64::from(m) + 1;
+                cut.remove(&m);
+                unreported.remove(&m);
+                counted.remove(&m);
+                waiting.retain(|k, _| k.0 != m);
+                c.restart(m);
+                last_heartbeat.insert(m, c.now_ms);
+            }
+            Life::Cut(m) => {
+                let m = u64::from(m) + 1;
+                if cut.is_empty() {
+                    cut.insert(m, (last_heartbeat[&m], c.credit(m)));
                 }
             }
-            // Owners that can read the state act on their verdicts: forward and report the pod.
-            let decided: Vec<((u64, u64), Verdict)> = waiting
-                .keys()
-                .filter(|k| !cut.contains_key(&k.0))
-                .filter_map(|k| c.verdict(*k).map(|v| (*k, v)))
-                .collect();
-            for (k, v) in decided {
-                let r = waiting.remove(&k).unwrap();
-                if v == Verdict::Dispatched {
-                    prop_assert!(seen.insert(r.clone()), "dispatched twice: {}", r);
-                    running.push_back(r);
-                    c.batch(k.0, vec![FlowCmd::Routed { seq: k.1, pod: "p".into() }]);
+            Life::Heal(m) => {
+                let m = u64::from(m) + 1;
+                if cut.remove(&m).is_some() {
+                    let cmds = report(m, vec![], &mut unreported, &mut counted);
+                    if !cmds.is_empty() {
+                        c.batch(m, cmds);
+                    }
+                    c.heartbeat(&[m]);
+                    last_heartbeat.insert(m, c.now_ms);
                 }
             }
-            prop_assert!(
-                running.len() as u64 <= CAPACITY + u64::from(SLACK),
-                "{} running > capacity {} + slack {}", running.len(), CAPACITY, SLACK
-            );
-            prop_assert!(members.map(|m| c.credit(m)).iter().sum::<u32>() <= SLACK);
         }
-        // Heal, let everything finish: the ledger and the credit come back whole (I4).
-        for (m, _) in std::mem::take(&mut cut) {
-            if let Some(cmds) = unreported.remove(&m) {
+        // Owners that can read the state act on their verdicts: forward and report the pod.
+        let decided: Vec<((u64, u64), Verdict)> = waiting
+            .keys()
+            .filter(|k| !cut.contains_key(&k.0))
+            .filter_map(|k| c.verdict(*k).map(|v| (*k, v)))
+            .collect();
+        for (k, v) in decided {
+            let r = waiting.remove(&k).unwrap();
+            if v == Verdict::Dispatched {
+                prop_assert!(seen.insert(r.clone()), "dispatched twice: {}", r);
+                running.push_back((r, None));
+                c.batch(
+                    k.0,
+                    vec![FlowCmd::Routed {
+                        seq: k.1,
+                        pod: "p".into(),
+                    }],
+                );
+            }
+        }
+        prop_assert!(
+            running.len() as u64 <= CAPACITY + u64::from(SLACK),
+            "{} running > capacity {} + slack {}",
+            running.len(),
+            CAPACITY,
+            SLACK
+        );
+        prop_assert!(members.map(|m| c.credit(m)).iter().sum::<u32>() <= SLACK);
+    }
+    // Heal, let everything finish: the ledger and the credit come back whole (I4).
+    for (m, _) in std::mem::take(&mut cut) {
+        let cmds = report(m, vec![], &mut unreported, &mut counted);
+        if !cmds.is_empty() {
+            c.batch(m, cmds);
+        }
+    }
+    for _ in 0..2000 {
+        for m in members {
+            let cmds = report(m, vec![], &mut unreported, &mut counted);
+            if !cmds.is_empty() {
                 c.batch(m, cmds);
             }
         }
-        for _ in 0..2000 {
-            for (m, cmds) in std::mem::take(&mut unreported) {
-                c.batch(m, cmds);
-            }
-            let decided: Vec<((u64, u64), Verdict)> = waiting
-                .keys()
-                .filter_map(|k| c.verdict(*k).map(|v| (*k, v)))
-                .collect();
-            for (k, v) in decided {
-                let r = waiting.remove(&k).unwrap();
-                if v == Verdict::Dispatched {
-                    running.push_back(r);
-                    c.batch(k.0, vec![FlowCmd::Routed { seq: k.1, pod: "p".into() }]);
-                }
-            }
-            if let Some(r) = running.pop_front() {
-                c.settle(1, &r);
-            } else if waiting.is_empty() {
-                break;
-            } else {
-                c.now_ms += 100;
-                c.heartbeat(&members);
-                c.observe(2, &[("p", 0), ("q", 0)]);
+        let decided: Vec<((u64, u64), Verdict)> = waiting
+            .keys()
+            .filter_map(|k| c.verdict(*k).map(|v| (*k, v)))
+            .collect();
+        for (k, v) in decided {
+            let r = waiting.remove(&k).unwrap();
+            if v == Verdict::Dispatched {
+                running.push_back((r, None));
+                c.batch(
+                    k.0,
+                    vec![FlowCmd::Routed {
+                        seq: k.1,
+                        pod: "p".into(),
+                    }],
+                );
             }
         }
-        prop_assert!(waiting.is_empty() && running.is_empty());
-        for _ in 0..50 {
+        if let Some((r, held)) = running.pop_front() {
+            match held {
+                Some((maker, life, tenant)) => {
+                    if c.incarnation(maker) == life {
+                        let n = counted.get_mut(&maker).unwrap();
+                        *n.rows.get_mut(&tenant).unwrap() -= 1;
+                        n.dirty = true;
+                    }
+                }
+                None => {
+                    c.settle(1, &r);
+                }
+            }
+        } else if waiting.is_empty() {
+            break;
+        } else {
             c.now_ms += 100;
             c.heartbeat(&members);
             c.observe(2, &[("p", 0), ("q", 0)]);
         }
-        prop_assert_eq!(c.inflight(), 0);
-        prop_assert_eq!(c.quarantined(), 0);
-        // The slack on six slots: a quarter of them, at least one per member.
-        prop_assert_eq!(members.map(|m| c.credit(m)).iter().sum::<u32>(), 3);
     }
+    for m in members {
+        let cmds = report(m, vec![], &mut unreported, &mut counted);
+        if !cmds.is_empty() {
+            c.batch(m, cmds);
+        }
+    }
+    prop_assert!(waiting.is_empty() && running.is_empty());
+    for _ in 0..50 {
+        c.now_ms += 100;
+        c.heartbeat(&members);
+        c.observe(2, &[("p", 0), ("q", 0)]);
+    }
+    prop_assert_eq!(c.inflight(), 0);
+    prop_assert_eq!(c.quarantined(), 0);
+    // The slack on six slots: a quarter of them, at least one per member.
+    prop_assert_eq!(members.map(|m| c.credit(m)).iter().sum::<u32>(), 3);
+    Ok(())
 }
 
 /// Three members, two endpoints of twelve slots, a slack of 6 settled at two credits each.

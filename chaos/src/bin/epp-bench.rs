@@ -169,8 +169,9 @@ enum Cmd {
         /// Slot hand-offs measured in the saturated phase.
         #[arg(long, default_value_t = 200)]
         handoffs: usize,
-        #[arg(long, default_value_t = 32)]
-        credit_slack: u32,
+        /// `--flow-credit-slack` of the replicas (unset: `epp serve`'s default).
+        #[arg(long)]
+        credit_slack: Option<u32>,
     },
 }
 
@@ -687,7 +688,7 @@ async fn global_flow(
     requests: usize,
     concurrency: usize,
     handoffs: usize,
-    credit_slack: u32,
+    credit_slack: Option<u32>,
 ) -> anyhow::Result<()> {
     let sim = Sim::start(SimConfig {
         pods: 16,
@@ -702,20 +703,20 @@ async fn global_flow(
         "messages": [{"role": "user", "content": "Say hello in one word, please."}],
         "max_tokens": 4,
     }))?;
-    let slack = credit_slack.to_string();
+    let slack = credit_slack.map(|s| s.to_string());
+    let slack_label = slack.clone().unwrap_or_else(|| "default".into());
 
     // Unsaturated: cluster scope (fast path on local credit) versus per-replica flow control.
     println!(
-        "| flow control | credit slack | requests | concurrency | wall s | admissions/s | EPP CPU µs per request (3 replicas) | decision p50 ms | decision p99 ms | fast / slow path | fast admit p50 | fast admit p99 | Raft entries per admission |"
+        "| flow control | credit slack | requests | concurrency | wall s | admissions/s | EPP CPU µs per request (3 replicas) | decision p50 ms | decision p99 ms | fast / credit-wait / slow path | fast admit p50 | fast admit p99 | Raft entries per admission |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for scope in ["cluster", "replica"] {
-        let (raft, clients) = flow_cluster(
-            &endpoints,
-            100_000,
-            &["--flow-control-scope", scope, "--flow-credit-slack", &slack],
-        )
-        .await?;
+        let mut extra = vec!["--flow-control-scope", scope];
+        if let Some(s) = &slack {
+            extra.extend(["--flow-credit-slack", s.as_str()]);
+        }
+        let (raft, clients) = flow_cluster(&endpoints, 100_000, &extra).await?;
         let run = |n: usize, tag: &'static str| {
             let clients = clients.clone();
             let body = body.clone();
@@ -788,10 +789,14 @@ async fn global_flow(
                 &texts,
                 "llm_d_epp_cluster_flow_admissions_total{path=\"slow\"}",
             );
+            let wait = counter(
+                &texts,
+                "llm_d_epp_cluster_flow_admissions_total{path=\"credit-wait\"}",
+            );
             let h = histogram(&texts, "llm_d_epp_cluster_flow_fast_admit_duration_seconds");
             let entries = (c2 - c1) as f64 - idle_per_s * wall;
             (
-                format!("{fast:.0} / {slow:.0}"),
+                format!("{fast:.0} / {wait:.0} / {slow:.0}"),
                 format!("≤ {:.0} µs", histogram_quantile(&h, 0.5) * 1e6),
                 format!("≤ {:.0} µs", histogram_quantile(&h, 0.99) * 1e6),
                 format!("{:.3}", entries.max(0.0) / requests as f64),
@@ -805,7 +810,7 @@ async fn global_flow(
             )
         };
         println!(
-            "| {scope} | {credit_slack} | {requests} | {concurrency} | {wall:.2} | {:.0} | {cpu_us:.0} | {:.3} | {:.3} | {fast_slow} | {admit50} | {admit99} | {per_admission} |",
+            "| {scope} | {slack_label} | {requests} | {concurrency} | {wall:.2} | {:.0} | {cpu_us:.0} | {:.3} | {:.3} | {fast_slow} | {admit50} | {admit99} | {per_admission} |",
             requests as f64 / wall,
             pct(&lat, 0.5),
             pct(&lat, 0.99),

@@ -90,7 +90,7 @@ impl Default for GlobalParams {
     fn default() -> Self {
         GlobalParams {
             lease_ms: 1500,
-            credit_slack: 16,
+            credit_slack: 256,
             rebalance_ms: 1000,
         }
     }

@@ -215,6 +215,7 @@ pub struct ServiceLabels {
 }
 
 /// How cluster flow control admitted a request: `fast` (local credit), `slow` (global queue),
+/// `credit-wait` (waited for the replica's report to free credit; then credit or the queue),
 /// `degraded-admit` / `degraded-reject` (no quorum).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PathLabels {

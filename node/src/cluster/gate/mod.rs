@@ -66,6 +66,9 @@ pub struct GlobalGateOptions {
     /// Longest linger of the count reports otherwise: below saturation they only keep the
     /// ledger's figures current, and every log entry costs each replica a round of consensus.
     pub report_linger_max: Duration,
+    /// Longest wait of a request that found the fast path open but this replica's credit spent
+    /// on admissions its pending report counts (then it takes the global queue).
+    pub credit_wait: Duration,
     /// How often the leader proposes the pool's metrics.
     pub pool_interval: Duration,
     /// Without quorum, how long a request beyond the local share waits for the cluster to
@@ -80,6 +83,7 @@ impl Default for GlobalGateOptions {
             partition: PartitionMode::LocalShare,
             report_linger: Duration::from_millis(2),
             report_linger_max: Duration::from_millis(25),
+            credit_wait: Duration::from_millis(50),
             pool_interval: Duration::from_millis(100),
             degraded_wait: Duration::from_secs(3),
         }
@@ -107,6 +111,18 @@ struct Own {
     flow: FlowKey,
     pod: Option<String>,
     tokens: u64,
+    at: Instant,
+}
+
+/// A request that found the fast path open but this replica's credit spent on admissions the
+/// applied state has not counted yet: it waits (its stream held, like a queued one) for the report
+/// that counts them to apply, then takes the credit that frees — instead of an enqueue, a log
+/// entry of its own, that could only commit after that report anyway (one writer). If the fast
+/// path closes meanwhile, or the credit does not come within `credit_wait`, it takes the queue.
+struct Parked {
+    seq: u64,
+    request_id: String,
+    ask: Ask,
     at: Instant,
 }
 
@@ -267,6 +283,10 @@ struct State {
     /// Commands to propose, oldest first (a deque: past the bound the oldest is dropped in O(1)).
     outbox: VecDeque<FlowCmd>,
     waiting: HashMap<u64, GWaiter>,
+    /// Requests waiting for credit (also in `waiting`), oldest first: their sequence numbers are
+    /// below any later request's, so every path that proposes a sequence number enqueues them
+    /// first (the state ignores a number at or below the last it saw from this replica).
+    parked: VecDeque<Parked>,
     /// Admissions reported one by one (degraded mode, or without `bulk`) not yet in the applied
     /// state (sequence numbers, ascending).
     unreported: VecDeque<u64>,
@@ -308,6 +328,7 @@ struct State {
     shutting_down: bool,
     fast: u64,
     slow: u64,
+    credit_waits: u64,
     degraded_admits: u64,
     degraded_rejects: u64,
     dropped_cmds: u64,
@@ -463,6 +484,13 @@ impl GlobalGate {
         let seq = st.next_seq;
         st.next_seq += 1;
         let degraded = st.degraded || view.is_none();
+        // Those waiting for credit go first: credit freed meanwhile is theirs (and without
+        // quorum they take the queue, before this request's number is proposed).
+        if degraded {
+            self.enqueue_parked(&mut st, true);
+        } else {
+            self.unpark(&mut st);
+        }
         if degraded && let Some(p) = self.admit_degraded(&mut st, seq, req.request_id, &ask) {
             return p;
         }
@@ -471,7 +499,8 @@ impl GlobalGate {
             st.unreported.pop_front();
         }
         let leased = self.credit_spendable(&mut st);
-        if !degraded && open && leased && st.unreported() < st.credit as usize {
+        let spendable = !degraded && open && leased;
+        if spendable && st.parked.is_empty() && st.unreported() < st.credit as usize {
             if st.bulk {
                 st.held.admit(seq, req.request_id, ask.flow, ask.tokens);
             } else {
@@ -492,8 +521,49 @@ impl GlobalGate {
             self.metrics.cluster.fast_admit(t0.elapsed());
             return Pending::ready(Verdict::Dispatched(Ticket(seq)));
         }
+        // Credit spent on admissions the pending report counts: wait for it — as many as the
+        // report is sure to free (it goes once half the credit is spent), beyond that the rate
+        // needs more than the credit and the queue serves it sooner.
+        if spendable
+            && st.bulk
+            && st.held.unreported() > 0
+            && st.parked.len() < st.credit as usize / 2
+        {
+            st.credit_waits += 1;
+            self.admitted_by("credit-wait");
+            let rx = self.hold(&mut st, seq, &req, false);
+            st.parked.push_back(Parked {
+                seq,
+                request_id: req.request_id.to_string(),
+                ask,
+                at: Instant::now(),
+            });
+            drop(st);
+            self.wake.notify_one();
+            return Pending::queued(self.clone(), seq, rx);
+        }
         st.slow += 1;
         self.admitted_by("slow");
+        let rx = self.hold(&mut st, seq, &req, degraded);
+        self.enqueue_parked(&mut st, true);
+        st.push(FlowCmd::Enqueue {
+            seq,
+            request_id: req.request_id.to_string(),
+            ask,
+        });
+        drop(st);
+        self.wake.notify_one();
+        Pending::queued(self.clone(), seq, rx)
+    }
+
+    /// Hold a request's stream until its verdict (`waiting`), with its backstops.
+    fn hold(
+        &self,
+        st: &mut State,
+        seq: u64,
+        req: &AdmitRequest<'_>,
+        degraded: bool,
+    ) -> oneshot::Receiver<Verdict> {
         let (tx, rx) = oneshot::channel();
         let ttl: Nanos = self.config.default_request_ttl;
         let deadline = (ttl > 0).then(|| {
@@ -506,19 +576,67 @@ impl GlobalGate {
         st.waiting.insert(
             seq,
             GWaiter {
-                waiter: Waiter::new(tx, &req, &self.metrics),
+                waiter: Waiter::new(tx, req, &self.metrics),
                 deadline,
                 degraded_deadline,
             },
         );
-        st.push(FlowCmd::Enqueue {
-            seq,
-            request_id: req.request_id.to_string(),
-            ask,
-        });
-        drop(st);
-        self.wake.notify_one();
-        Pending::queued(self.clone(), seq, rx)
+        rx
+    }
+
+    /// Requests waiting for credit, oldest first: admitted on the credit the applied state has
+    /// freed; sent to the queue once the fast path closed (or credit waits are off: degraded,
+    /// per-request reports, stopping), nothing this replica admitted awaits a report, or they
+    /// waited `credit_wait`.
+    fn unpark(&self, st: &mut State) {
+        while let Some((priority, at)) = st.parked.front().map(|p| (p.ask.flow.priority, p.at)) {
+            let usable = st.bulk && !st.degraded && st.configured && !st.shutting_down;
+            let open = usable && st.open_by_priority.get(&priority) == Some(&true);
+            if open && st.unreported() < st.credit as usize && self.credit_spendable(st) {
+                let Some(p) = st.parked.pop_front() else {
+                    break;
+                };
+                let Some(w) = st.waiting.remove(&p.seq) else {
+                    continue;
+                };
+                st.held
+                    .admit(p.seq, &p.request_id, p.ask.flow, p.ask.tokens);
+                st.fast += 1;
+                if !w
+                    .waiter
+                    .resolve(&self.metrics, Verdict::Dispatched(Ticket(p.seq)))
+                {
+                    // The stream left meanwhile.
+                    st.held.end(p.seq, None);
+                }
+                continue;
+            }
+            let worth_waiting = open
+                && st.credit > 0
+                && st.held.unreported() > 0
+                && at.elapsed() < self.opts.credit_wait;
+            if worth_waiting {
+                break;
+            }
+            self.enqueue_parked(st, false);
+        }
+    }
+
+    /// The oldest request waiting for credit (`all`: every one) takes the queue.
+    fn enqueue_parked(&self, st: &mut State, all: bool) {
+        while let Some(p) = st.parked.pop_front() {
+            if st.waiting.contains_key(&p.seq) {
+                st.slow += 1;
+                st.push(FlowCmd::Enqueue {
+                    seq: p.seq,
+                    request_id: p.request_id,
+                    ask: p.ask,
+                });
+            }
+            if !all {
+                break;
+            }
+        }
     }
 
     /// Whether this replica may spend its credit now. Only while the cluster still counts it as
@@ -596,6 +714,17 @@ impl GlobalGate {
     fn cancel(&self, seq: u64) {
         let mut st = self.lock();
         if st.held.end(seq, None).is_some() {
+            return;
+        }
+        // Waiting for credit: nothing proposed yet.
+        if let Some(i) = st.parked.iter().position(|p| p.seq == seq) {
+            st.parked.remove(i);
+            if let Some(w) = st.waiting.remove(&seq) {
+                w.waiter.resolve(
+                    &self.metrics,
+                    Verdict::Rejected(DropReason::RejectedContextCancelled),
+                );
+            }
             return;
         }
         if let Some(w) = st.waiting.remove(&seq) {
@@ -698,6 +827,7 @@ impl GlobalGate {
     pub fn shutdown(&self) {
         let mut st = self.lock();
         st.shutting_down = true;
+        st.parked.clear();
         let waiting: Vec<(u64, GWaiter)> = st.waiting.drain().collect();
         for (seq, w) in waiting {
             w.waiter.resolve(

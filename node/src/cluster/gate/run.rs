@@ -176,7 +176,8 @@ impl GlobalGate {
 
     /// Whether the lingering reports should go now rather than at `report_linger_max`: they
     /// matter at once when the outbox holds a command for the replicated ledger (a settlement
-    /// or routed pod of a queued request's slot), the fast path is closed for a priority seen
+    /// or routed pod of a queued request's slot), a request waits for the credit they free, the
+    /// fast path is closed for a priority seen
     /// here (someone waits, or the pool is near its limit), half this replica's credit is spent
     /// on admissions no committed report counts (the fast path must not stall on a lingering
     /// report; those committed count even before this replica applies them), or the replica is
@@ -184,6 +185,7 @@ impl GlobalGate {
     fn reports_due(&self) -> bool {
         let st = self.lock();
         !st.outbox.is_empty()
+            || !st.parked.is_empty()
             || st.held.whole
             || st.degraded
             || st.shutting_down
@@ -352,6 +354,7 @@ impl GlobalGate {
                         reconfigure = true;
                     }
                 }
+                self.unpark(&mut st);
                 // Backstops: nobody waits past its TTL (plus two leases) for a verdict, nor more
                 // than a lease while this replica cannot commit.
                 let now = Instant::now();

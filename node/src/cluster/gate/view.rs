@@ -23,9 +23,11 @@ impl GlobalGate {
                 unreported: st.unreported(),
                 held: st.held.own.len(),
                 waiting: st.waiting.len(),
+                credit_wait: st.parked.len(),
                 outbox: st.outbox.len(),
                 fast_path: st.fast,
                 slow_path: st.slow,
+                credit_waits: st.credit_waits,
                 degraded_admits: st.degraded_admits,
                 degraded_rejects: st.degraded_rejects,
                 dropped_commands: st.dropped_cmds,
@@ -61,10 +63,16 @@ pub struct LocalView {
     pub unreported: usize,
     /// Credit admissions running here, counted in bulk.
     pub held: usize,
+    /// Requests held for a verdict (the queue's, or credit; `credit_wait` of them wait for
+    /// credit).
     pub waiting: usize,
+    pub credit_wait: usize,
     pub outbox: usize,
+    /// Admissions by path (a request that waited for credit counts once it got it, or the
+    /// queue); `credit_waits` requests waited for credit.
     pub fast_path: u64,
     pub slow_path: u64,
+    pub credit_waits: u64,
     pub degraded_admits: u64,
     pub degraded_rejects: u64,
     pub dropped_commands: u64,
