@@ -277,6 +277,23 @@ impl Counted {
     }
 }
 
+/// What a member proposes in one batch (if anything): its outbox with `extra`, then its count
+/// report, as the gate does.
+fn propose(
+    c: &mut Cluster,
+    m: u64,
+    extra: Vec<FlowCmd>,
+    unreported: &mut BTreeMap<u64, Vec<FlowCmd>>,
+    counted: &mut BTreeMap<u64, Counted>,
+) {
+    let mut cmds = unreported.remove(&m).unwrap_or_default();
+    cmds.extend(extra);
+    cmds.extend(counted.get_mut(&m).and_then(Counted::report));
+    if !cmds.is_empty() {
+        c.batch(m, cmds);
+    }
+}
+
 /// A running request: its key, and — counted in bulk — its maker, the maker's life, its tenant.
 type Running = (String, Option<(u64, u64, String)>);
 
@@ -306,16 +323,6 @@ fn lives(ops: Vec<Life>, bulk: bool) -> Result<(), TestCaseError> {
     let mut last_heartbeat: BTreeMap<u64, u64> = members.iter().map(|m| (*m, c.now_ms)).collect();
     let mut seen = std::collections::BTreeSet::new();
     let mut rid = 0u64;
-    // What a member proposes in one batch: its outbox, then its count report (as the gate).
-    let report = |m: u64,
-                  extra: Vec<FlowCmd>,
-                  unreported: &mut BTreeMap<u64, Vec<FlowCmd>>,
-                  counted: &mut BTreeMap<u64, Counted>| {
-        let mut cmds = unreported.remove(&m).unwrap_or_default();
-        cmds.extend(extra);
-        cmds.extend(counted.get_mut(&m).and_then(Counted::report));
-        cmds
-    };
     for op in ops {
         match op {
             Life::Arrive(m, t) => {
@@ -357,18 +364,14 @@ fn lives(ops: Vec<Life>, bulk: bool) -> Result<(), TestCaseError> {
                         request_id: r.clone(),
                         ask: ask(&tenant, 0),
                     };
-                    let cmds = report(m, vec![enqueue], &mut unreported, &mut counted);
-                    c.batch(m, cmds);
+                    propose(&mut c, m, vec![enqueue], &mut unreported, &mut counted);
                     waiting.insert((m, seq), r);
                 }
             }
             Life::Flush(m) => {
                 let m = u64::from(m) + 1;
                 if !cut.contains_key(&m) {
-                    let cmds = report(m, vec![], &mut unreported, &mut counted);
-                    if !cmds.is_empty() {
-                        c.batch(m, cmds);
-                    }
+                    propose(&mut c, m, vec![], &mut unreported, &mut counted);
                 }
             }
             Life::Complete(m) => {
@@ -395,10 +398,7 @@ fn lives(ops: Vec<Life>, bulk: bool) -> Result<(), TestCaseError> {
             Life::Tick(ms) => {
                 for m in members {
                     if !cut.contains_key(&m) {
-                        let cmds = report(m, vec![], &mut unreported, &mut counted);
-                        if !cmds.is_empty() {
-                            c.batch(m, cmds);
-                        }
+                        propose(&mut c, m, vec![], &mut unreported, &mut counted);
                     }
                 }
                 c.now_ms += u64::from(ms);
@@ -434,10 +434,7 @@ fn lives(ops: Vec<Life>, bulk: bool) -> Result<(), TestCaseError> {
             Life::Heal(m) => {
                 let m = u64::from(m) + 1;
                 if cut.remove(&m).is_some() {
-                    let cmds = report(m, vec![], &mut unreported, &mut counted);
-                    if !cmds.is_empty() {
-                        c.batch(m, cmds);
-                    }
+                    propose(&mut c, m, vec![], &mut unreported, &mut counted);
                     c.heartbeat(&[m]);
                     last_heartbeat.insert(m, c.now_ms);
                 }
@@ -474,17 +471,11 @@ fn lives(ops: Vec<Life>, bulk: bool) -> Result<(), TestCaseError> {
     }
     // Heal, let everything finish: the ledger and the credit come back whole (I4).
     for (m, _) in std::mem::take(&mut cut) {
-        let cmds = report(m, vec![], &mut unreported, &mut counted);
-        if !cmds.is_empty() {
-            c.batch(m, cmds);
-        }
+        propose(&mut c, m, vec![], &mut unreported, &mut counted);
     }
     for _ in 0..2000 {
         for m in members {
-            let cmds = report(m, vec![], &mut unreported, &mut counted);
-            if !cmds.is_empty() {
-                c.batch(m, cmds);
-            }
+            propose(&mut c, m, vec![], &mut unreported, &mut counted);
         }
         let decided: Vec<((u64, u64), Verdict)> = waiting
             .keys()
@@ -525,10 +516,7 @@ fn lives(ops: Vec<Life>, bulk: bool) -> Result<(), TestCaseError> {
         }
     }
     for m in members {
-        let cmds = report(m, vec![], &mut unreported, &mut counted);
-        if !cmds.is_empty() {
-            c.batch(m, cmds);
-        }
+        propose(&mut c, m, vec![], &mut unreported, &mut counted);
     }
     prop_assert!(waiting.is_empty() && running.is_empty());
     for _ in 0..50 {

@@ -1,7 +1,7 @@
 //! Cluster-wide flow control on one replica: the shell around [`flowctl::global`].
 //!
 //! The replicated state (inside [`super::member::Replicated`]) holds one global queue and
-//! in-flight ledger for every replica. This gate turns a request into one of three paths:
+//! in-flight ledger for every replica. This gate turns a request into one of these paths:
 //!
 //! * **Fast path** — the applied state says the request would be dispatched at once and this
 //!   replica's unreported local admissions are below its credit: admit now, report later. No
@@ -9,6 +9,10 @@
 //!   them per (flow, pod) and reports the counts that changed ([`FlowCmd::Held`], batched) —
 //!   not a command per request. Their responses settle here; one observed on another replica
 //!   reaches this one through the settlement relay (the request key names its maker).
+//! * **Credit wait** — the fast path is open but the credit is spent on admissions the pending
+//!   report counts: hold the stream until that report applies and take the credit it frees (at
+//!   most half the credit's worth of requests wait, for at most `credit_wait`; then the queue).
+//!   An enqueue instead would be a log entry of its own, committed only after that report.
 //! * **Slow path** — otherwise propose [`FlowCmd::Enqueue`] and hold the stream until the applied
 //!   state carries the verdict for this replica's key (the leader-independent, deterministic
 //!   dispatch of the global queue).
