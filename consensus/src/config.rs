@@ -65,7 +65,7 @@ pub struct ConsensusConfig {
     /// to put a controllable proxy on each directed link.
     pub peer_routes: BTreeMap<String, String>,
     /// Flush the log on the calling thread (blocking it) instead of on sled's flusher thread: for
-    /// single-threaded simulations (`chaos/tests/dst.rs`), where a flush completing on another
+    /// single-threaded simulations (`chaos/tests/it/dst.rs`), where a flush completing on another
     /// thread would tie the run to real time. Never for a deployment.
     #[serde(default)]
     pub inline_flush: bool,

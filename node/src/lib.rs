@@ -35,7 +35,7 @@
 //! others through small traits and feeds they own — it implements the request room's `Gate`, it
 //! receives the prefix producer's deltas through scheduling's `DeltaSink`, and it publishes the
 //! other replicas' load into the data layer's in-flight ledger through a `RemoteLoadFeed` that
-//! the ledger reads. `node/tests/rooms.rs` checks that no two modules import each other, directly
+//! the ledger reads. `node/tests/it/rooms.rs` checks that no two modules import each other, directly
 //! or through others.
 
 pub mod admin;

@@ -1,5 +1,5 @@
 //! Peer transports other than the host's TCP: connections accepted and dialed through something
-//! else — the deterministic simulation's network (`chaos/tests/dst`), where hosts, links and time
+//! else — the deterministic simulation's network (`chaos/tests/it/dst`), where hosts, links and time
 //! are simulated. Such a transport carries no TLS: it is for tests of the protocol, never for
 //! a deployment.
 

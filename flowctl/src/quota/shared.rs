@@ -30,7 +30,7 @@
 //! (the tenant waits for the refill). So over any window the overshoot is at most the slices
 //! such replicas held, and it is paid back; a replica admits from its slice only while its
 //! lease is fresh, which bounds it to one slice per lost lease. [`SharedQuota::overdrawn`]
-//! counts it. Property-tested in `flowctl/tests/quota_shared.rs`.
+//! counts it. Property-tested in `flowctl/tests/it/quota_shared.rs`.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 

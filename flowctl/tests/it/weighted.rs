@@ -3,9 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flowctl::{
     Charge, Command, FairnessPolicy, FlowController, OrderingPolicy, Outcome,
     WeightedFairnessParams,

@@ -5,9 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flowctl::{
     Charge, Command, EnqueueRequest, FairnessPolicy, FlowController, FlowKey, OrderingPolicy,
     Outcome, ProgramAwareParams, WeightedFairnessParams,

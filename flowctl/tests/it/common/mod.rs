@@ -1,5 +1,5 @@
 //! Shared builders for the integration tests.
-#![allow(dead_code)]
+#![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
 pub mod cluster;
 

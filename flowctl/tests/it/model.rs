@@ -10,9 +10,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code
 
-mod common;
-
-use common::MS;
+use crate::common::MS;
 use flowctl::{
     BandConfig, BandSettings, Charge, Command, ConcurrencyDetector, ControllerConfig, DropReason,
     EndpointSnapshot, EnqueueRequest, EvictionConfig, FairnessPolicy, FlowController, FlowKey,

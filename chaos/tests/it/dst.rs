@@ -21,7 +21,7 @@
 //!   there.
 //!
 //! `DST_SEEDS=N` runs seeds 1..=N; `DST_SEED=S` runs one seed and prints its schedule.
-//! `chaos/dst-soak.sh` runs thousands in release. A failing seed names itself.
+//! `deploy/local/dst-soak.sh` runs thousands in release. A failing seed names itself.
 //!
 //! Turmoil seeds each simulated host's tokio runtime only under `--cfg tokio_unstable`
 //! (`.cargo/config.toml`); without it, a seed reproduces the faults, latencies and elections but
@@ -40,11 +40,8 @@ use rand::Rng;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-#[path = "dst/flow.rs"]
 mod flow;
-#[path = "dst/gossip.rs"]
 mod gossip;
-#[path = "dst/harness.rs"]
 mod harness;
 
 use harness::Outcome;

@@ -5,7 +5,7 @@
 //! declarations and in code, tests included; comments and string literals skipped) is an edge
 //! from the module it appears in to the module it names. Edges are collapsed twice — to rooms
 //! (`request`, `scheduling`, …), and within a room to its direct submodules — and each graph must
-//! be acyclic. `cargo test -p node --test rooms -- --nocapture` prints both listings.
+//! be acyclic. `cargo test -p node --test it -- rooms:: --nocapture` prints both listings.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

@@ -4,9 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code
 
-mod common;
-
-use common::cluster::*;
+use crate::common::cluster::*;
 use flowctl::cluster::{ClusterCommand, ClusterOutput, FEATURE_HELD};
 use flowctl::global::{FlowCmd, GlobalParams, HeldRow, Verdict};
 use flowctl::{DropReason, EndpointSnapshot, FlowKey};

@@ -5,7 +5,7 @@
 //! is not its own; changed files are used for new connections, invalid ones are not.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::path::PathBuf;
@@ -13,9 +13,9 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use common::Cluster;
-use common::Node;
-use common::SERIAL;
+use crate::common::Cluster;
+use crate::common::Node;
+use crate::common::SERIAL;
 use consensus::ConsensusConfig;
 use consensus::TlsConfig;
 use consensus::TypeConfig;

@@ -6,10 +6,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code
 
-mod common;
-
-use common::cluster::*;
-use common::*;
+use crate::common::cluster::*;
+use crate::common::*;
 use flowctl::global::{FlowCmd, GlobalParams, HeldRow, QUARANTINE_MAX_MS, ServedRow, Verdict};
 use flowctl::{FairnessPolicy, FlowKey, OrderingPolicy};
 

@@ -4,9 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use flowctl::{
     BandConfig, BandSettings, Command, DropReason, FairnessPolicy, FlowController, Nanos,
     OrderingPolicy, Outcome,

@@ -3,9 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code
 
-mod common;
-
-use common::MS;
+use crate::common::MS;
 use flowctl::{
     BandConfig, BandSettings, Charge, Command, ConcurrencyDetector, ControllerConfig,
     EndpointSnapshot, EnqueueRequest, FairnessPolicy, FlowController, FlowKey, Nanos,

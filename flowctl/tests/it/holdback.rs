@@ -2,9 +2,7 @@
 //! headroom for the higher ones.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
-use common::{band, complete, dispatched, enq, one_endpoint, slots_config};
+use crate::common::{band, complete, dispatched, enq, one_endpoint, slots_config};
 use flowctl::{
     FairnessPolicy, FlowControlConfig, FlowController, HoldbackDomain, HoldbackShape,
     OrderingPolicy, PluginDecl, PriorityHoldbackParams, UsageLimit,

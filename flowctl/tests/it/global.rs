@@ -5,10 +5,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code
 
-mod common;
-
-use common::cluster::*;
-use common::*;
+use crate::common::cluster::*;
+use crate::common::*;
 use flowctl::cluster::{ClusterCommand, ClusterOutput, ClusterState};
 use flowctl::global::{FlowCmd, GlobalParams, Verdict};
 use flowctl::{EndpointSnapshot, FairnessPolicy, OrderingPolicy, WeightedFairnessParams};

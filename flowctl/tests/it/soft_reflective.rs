@@ -3,9 +3,9 @@
 //! `round(sat / (1 − sat))`; the top band is gated only at saturation 1.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
-use common::{band, enq, one_endpoint, slots_config};
+use crate::common::{band, enq, one_endpoint, slots_config};
 use flowctl::{BandPosition, FairnessPolicy, FlowController, OrderingPolicy, Outcome, UsageLimit};
 
 fn at(rank: usize, n: usize) -> BandPosition {

@@ -1,17 +1,15 @@
 //! Multi-node behaviour over real tonic on 127.0.0.1 (OS-chosen ports, one tempdir per node).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::Cluster;
-use common::ELECTION_MAX;
-use common::HEARTBEAT;
-use common::SERIAL;
-use common::wait_watch;
-use common::within;
+use crate::common::Cluster;
+use crate::common::ELECTION_MAX;
+use crate::common::HEARTBEAT;
+use crate::common::SERIAL;
+use crate::common::wait_watch;
+use crate::common::within;
 use consensus::ConsensusConfig;
 use consensus::testkit::LogCommand;
 use futures::StreamExt;

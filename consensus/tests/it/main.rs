@@ -1,0 +1,12 @@
+//! The consensus crate's integration tests: clusters of real nodes on loopback, the storage,
+//! peer TLS.
+//!
+//! One test binary per crate: each module here was a binary of its own, and every binary is
+//! a full link of the dependency graph (issue 48). Run one module with
+//! `cargo test -p consensus --test it -- <module>::` or
+//! `cargo nextest run -p consensus -E 'test(/^<module>::/)'`.
+
+mod cluster;
+mod common;
+mod storage;
+mod tls;

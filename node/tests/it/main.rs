@@ -1,0 +1,10 @@
+//! The `epp` binary's integration tests: its command line, input fuzzing, the module graph.
+//!
+//! One test binary per crate: each module here was a binary of its own, and every binary is
+//! a full link of the dependency graph (issue 48). Run one module with
+//! `cargo test -p node --test it -- <module>::` or
+//! `cargo nextest run -p node -E 'test(/^<module>::/)'`.
+
+mod cli;
+mod fuzz;
+mod rooms;
