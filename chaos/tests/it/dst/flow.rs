@@ -503,7 +503,14 @@ pub fn run(seed: u64, verbose: bool, lease_rule: bool) -> Outcome {
 
 #[test]
 fn global_flow_keeps_its_invariants_under_seeded_faults() {
-    harness::run_seeds("global flow", 100, |seed, verbose| run(seed, verbose, true));
+    harness::run_seeds(
+        "global flow",
+        harness::Seeds {
+            ci: 15,
+            regressions: &[],
+        },
+        |seed, verbose| run(seed, verbose, true),
+    );
 }
 
 /// The checker sees over-admission: members that act on verdicts read from a state older than
@@ -511,17 +518,16 @@ fn global_flow_keeps_its_invariants_under_seeded_faults() {
 /// the pool's capacity after a partition heals — here in at least one of the first ten seeds.
 #[test]
 fn acting_on_verdicts_older_than_the_lease_over_admits() {
-    let over: Vec<u64> = (1..=10)
-        .filter(|seed| {
-            run(*seed, false, false)
-                .violations
-                .iter()
-                .any(|v| v.starts_with("the pods ran"))
-        })
-        .collect();
-    println!("seeds over capacity without the lease rule: {over:?}");
+    // The first seed that over-admits settles it (seed 3 today); the rest need not run.
+    let over = (1..=10).find(|seed| {
+        run(*seed, false, false)
+            .violations
+            .iter()
+            .any(|v| v.starts_with("the pods ran"))
+    });
+    println!("first seed over capacity without the lease rule: {over:?}");
     assert!(
-        !over.is_empty(),
-        "no seed over-admitted without the lease rule"
+        over.is_some(),
+        "no seed of the first ten over-admitted without the lease rule"
     );
 }

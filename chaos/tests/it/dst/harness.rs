@@ -306,22 +306,43 @@ pub fn fingerprint(value: &impl std::hash::Hash) -> u64 {
     h.finish()
 }
 
-/// Runs `check` on seeds 1..=`DST_SEEDS` (default `default_seeds`), or on `DST_SEED` alone
-/// (verbose), a thread per core; fails naming the seeds with violations.
-pub fn run_seeds(name: &str, default_seeds: u64, check: impl Fn(u64, bool) -> Outcome + Sync) {
-    let seeds: Vec<u64> = match std::env::var("DST_SEED") {
-        Ok(s) => vec![s.parse().expect("DST_SEED: a number")],
-        Err(_) => {
-            let n: u64 = std::env::var("DST_SEEDS")
-                .ok()
-                .map_or(default_seeds, |s| s.parse().expect("DST_SEEDS: a number"));
-            (1..=n).collect()
+/// The seeds a test run checks: `DST_SEED` alone (verbose), else 1..=`DST_SEEDS` (the soak,
+/// `deploy/local/dst-soak.sh`: thousands in release), else the CI set — 1..=`ci` and the
+/// `regressions` (seeds that once failed, kept whatever the count). Every set checks the same
+/// invariants; the soak checks them on more schedules.
+pub struct Seeds {
+    pub ci: u64,
+    pub regressions: &'static [u64],
+}
+
+impl Seeds {
+    fn chosen(&self) -> Vec<u64> {
+        if let Ok(s) = std::env::var("DST_SEED") {
+            return vec![s.parse().expect("DST_SEED: a number")];
         }
-    };
+        let n = std::env::var("DST_SEEDS")
+            .ok()
+            .map_or(self.ci, |s| s.parse().expect("DST_SEEDS: a number"));
+        let mut seeds: Vec<u64> = (1..=n).chain(self.regressions.iter().copied()).collect();
+        seeds.sort_unstable();
+        seeds.dedup();
+        seeds
+    }
+}
+
+/// Runs `check` on the chosen [`Seeds`], a thread per core; fails naming the seeds with
+/// violations.
+pub fn run_seeds(name: &str, seeds: Seeds, check: impl Fn(u64, bool) -> Outcome + Sync) {
+    let seeds = seeds.chosen();
     let verbose = seeds.len() == 1;
     let started = std::time::Instant::now();
-    // One simulation per thread at a time (turmoil's world is thread-local): a thread per core.
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+    // One simulation per thread at a time (turmoil's world is thread-local): a thread per core,
+    // or `DST_THREADS` (deploy/local/test.sh sets 1: its runner runs the sweeps side by side).
+    let threads = std::env::var("DST_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(4)))
+        .max(1);
     let check = &check;
     let outcomes: Vec<(u64, Outcome)> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads)
