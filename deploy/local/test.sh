@@ -1,17 +1,44 @@
 #!/usr/bin/env bash
 # The test command: formatting, lints, then every test in the workspace — including the end-to-end
 # tests that start Envoy, EPP replicas and simulated pods (Envoy, Helm and the manifest validators
-# and the PromQL grammar are installed into .venv if missing).
+# and the PromQL grammar are installed into .venv if missing; cargo-nextest if it is missing).
+#
+# One compilation serves the lints and the tests: every workspace crate is compiled by
+# clippy-driver (rustc with Clippy's lints, as `cargo clippy` runs it) with `-D warnings`, for
+# every target (`--all-targets`: libraries, binaries, tests, benches, examples), with code
+# generation, and the tests run from that build. `cargo clippy` followed by `cargo test` compiled
+# the workspace twice. The timings of each phase are printed at the end (docs/benchmarks.md,
+# "Test suite").
+#   deploy/local/test.sh [nextest filter arguments, e.g. -E 'package(flowctl)']
 set -euo pipefail
 source "$(dirname "$0")/prepare.sh"
+started=$SECONDS
+phases=()
+phase() { phases+=("$(printf '%-8s %4ds' "$1" $((SECONDS - mark)))"); mark=$SECONDS; }
+mark=$SECONDS
 # The chart tests render with Helm (npm) and validate with kubernetes-validate (PyPI), the
 # dashboard and alert rules are parsed with Prometheus' PromQL grammar (npm); the tests install
 # them too, this only fails early, with the installer's message.
 deploy/local/install-helm.sh >/dev/null
 deploy/local/install-kube-validate.sh >/dev/null
 deploy/local/install-promql.sh >/dev/null
+deploy/local/ensure-nextest.sh
+phase install
 cargo fmt --all -- --check
-cargo clippy --locked --workspace --all-targets -- -D warnings
-# `cargo test` also builds the binaries the end-to-end tests run (every package with integration
-# tests gets its bins built into target/debug). --no-fail-fast: report every failing test binary.
-cargo test --locked --workspace --no-fail-fast
+phase fmt
+# Clippy's own protocol (what `cargo clippy -- -D warnings` sets): the driver wraps rustc for the
+# workspace's crates only, its arguments separated by `__CLIPPY_HACKERY__`.
+export RUSTC_WORKSPACE_WRAPPER
+RUSTC_WORKSPACE_WRAPPER="$(rustc --print sysroot)/bin/clippy-driver"
+export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings"
+deploy/local/check-lint-wrapper.sh
+cargo test --locked --workspace --all-targets --no-run
+phase build
+# Every test in a process of its own, a few side by side (.config/nextest.toml: which tests may
+# not overlap, how many run at once, when a hung one is killed); the simulation's seed sweeps a
+# thread each. --no-fail-fast: report every failing test.
+DST_THREADS=1 cargo nextest run --locked --workspace --no-fail-fast "$@"
+# Documentation tests (nextest does not run them).
+cargo test --locked --workspace --doc
+phase run
+echo "test.sh: ${phases[*]} — total $((SECONDS - started))s"
