@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: formatting, lints, then every test in the workspace — including the end-to-end
 # tests that start Envoy, EPP replicas and simulated pods (Envoy, Helm and the manifest validators
-# and the PromQL grammar are installed into .venv if missing; cargo-nextest if it is missing).
+# and the PromQL grammar are installed into .venv if missing).
 #
 # One compilation serves the lints and the tests: every workspace crate is compiled by
 # clippy-driver (rustc with Clippy's lints, as `cargo clippy` runs it) with `-D warnings`, for
@@ -9,7 +9,7 @@
 # generation, and the tests run from that build. `cargo clippy` followed by `cargo test` compiled
 # the workspace twice. The timings of each phase are printed at the end (docs/benchmarks.md,
 # "Test suite").
-#   deploy/local/test.sh [nextest filter arguments, e.g. -E 'package(flowctl)']
+#   deploy/local/test.sh [PATTERN...]   (run-tests.py's: e.g. '^flowctl' or 'chaos::it e2e_prefix::')
 set -euo pipefail
 source "$(dirname "$0")/prepare.sh"
 started=$SECONDS
@@ -22,7 +22,6 @@ mark=$SECONDS
 deploy/local/install-helm.sh >/dev/null
 deploy/local/install-kube-validate.sh >/dev/null
 deploy/local/install-promql.sh >/dev/null
-deploy/local/ensure-nextest.sh
 phase install
 cargo fmt --all -- --check
 phase fmt
@@ -32,13 +31,17 @@ export RUSTC_WORKSPACE_WRAPPER
 RUSTC_WORKSPACE_WRAPPER="$(rustc --print sysroot)/bin/clippy-driver"
 export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings"
 deploy/local/check-lint-wrapper.sh
-cargo test --locked --workspace --all-targets --no-run
+# Cargo's messages (which test binaries it built) to a file for the runner, its diagnostics as
+# always to the terminal.
+mkdir -p target/testrun
+cargo test --locked --workspace --all-targets --no-run --message-format=json-render-diagnostics \
+  >target/testrun/artifacts.json
 phase build
-# Every test in a process of its own, a few side by side (.config/nextest.toml: which tests may
-# not overlap, how many run at once, when a hung one is killed); the simulation's seed sweeps a
-# thread each. --no-fail-fast: report every failing test.
-DST_THREADS=1 cargo nextest run --locked --workspace --no-fail-fast "$@"
-# Documentation tests (nextest does not run them).
+# Every test in a process of its own, a few side by side (deploy/local/test-groups.toml: how many
+# at once, which may not overlap, when a hung one is killed); the simulation's seed sweeps a thread
+# each.
+DST_THREADS=1 deploy/local/run-tests.py target/testrun/artifacts.json "$@"
+# Documentation tests (run-tests.py runs the test binaries only).
 cargo test --locked --workspace --doc
 phase run
 echo "test.sh: ${phases[*]} — total $((SECONDS - started))s"
