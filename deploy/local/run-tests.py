@@ -144,106 +144,87 @@ def kill_group(pgid):
         pass
 
 
-def run_all(pending, running, threads, groups, in_group, start, finish, timeout):
-    """Starts the pending tests in order as slots and their groups allow, until all are done."""
-    while pending or running:
-        started = True
-        while started and len(running) < threads:
-            started = False
-            for t in pending:
-                if all(in_group[g] < groups[g]["max"] for g in t.groups):
-                    pending.remove(t)
-                    start(t)
-                    started = True
-                    break
-        time.sleep(0.02)
-        now = time.monotonic()
-        for t in list(running):
-            code = t.proc.poll()
-            if code is not None:
-                finish(t, "PASS" if code == 0 else "FAIL")
-            elif now - t.start > timeout:
-                kill_group(t.proc.pid)
-                t.proc.wait()
-                finish(t, "TIMEOUT")
-
-
 def check_keys(table, known, what):
     unknown = set(table) - known
     if unknown:
-        sys.exit(f"run-tests: test-groups.toml: unknown keys in {what}: {sorted(unknown)}")
+        sys.exit(f"run-tests: test-groups: unknown keys in {what}: {sorted(unknown)}")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("artifacts", help="cargo's JSON messages from `cargo test --no-run`")
-    ap.add_argument("-j", "--threads", type=int, help="tests at once (test-groups.toml's default)")
-    ap.add_argument("patterns", nargs="*", help="run only the tests whose name matches one")
-    args = ap.parse_args()
+class Run:
+    """One run: the pending tests in order, those running, those done."""
 
-    with open(ROOT / "deploy/local/test-groups.toml", "rb") as f:
-        cfg = tomllib.load(f)
-    check_keys(cfg, {"threads", "timeout", "slow", "first", "group"}, "the file")
-    for g in cfg.get("group", []):
-        check_keys(g, {"name", "max", "tests"}, f"group {g.get('name')!r}")
-    threads = args.threads or cfg["threads"]
-    timeout, slow = cfg["timeout"], cfg["slow"]
-    groups = {g["name"]: g for g in cfg.get("group", [])}
-    first = [re.compile(p) for p in cfg.get("first", [])]
+    def __init__(self, cfg, tests, threads, out_dir):
+        self.threads, self.timeout, self.slow = threads, cfg["timeout"], cfg["slow"]
+        self.groups = {g["name"]: g for g in cfg.get("group", [])}
+        first = [re.compile(p) for p in cfg.get("first", [])]
+        for i, t in enumerate(tests):
+            t.groups = [
+                n for n, g in self.groups.items() if any(re.search(p, t.id) for p in g["tests"])
+            ]
+            rank = next((k for k, p in enumerate(first) if p.search(t.id)), len(first))
+            t.order = (rank, i)
+        self.total = len(tests)
+        self.pending = sorted(tests, key=lambda t: t.order)
+        self.running, self.done = [], []
+        self.in_group = {n: 0 for n in self.groups}
+        self.out_dir = out_dir
+        self.logs = out_dir / "logs"
+        shutil.rmtree(self.logs, ignore_errors=True)
+        self.logs.mkdir(parents=True)
 
-    tests = []
-    for b in binaries(args.artifacts):
-        tests.extend(list_tests(b))
-    if args.patterns:
-        pats = [re.compile(p) for p in args.patterns]
-        tests = [t for t in tests if any(p.search(t.id) for p in pats)]
-        if not tests:
-            sys.exit(f"run-tests: no test matches {' or '.join(args.patterns)}")
-    for i, t in enumerate(tests):
-        t.groups = [n for n, g in groups.items() if any(re.search(p, t.id) for p in g["tests"])]
-        rank = next((k for k, p in enumerate(first) if p.search(t.id)), len(first))
-        t.order = (rank, i)
-    pending = sorted(tests, key=lambda t: t.order)
+    def run(self):
+        """Starts the pending tests in order as slots and their groups allow, until all are done."""
+        self.t0 = time.monotonic()
+        try:
+            while self.pending or self.running:
+                while len(self.running) < self.threads and (t := self.next_ready()):
+                    self.start(t)
+                time.sleep(0.02)
+                now = time.monotonic()
+                for t in list(self.running):
+                    code = t.proc.poll()
+                    if code is not None:
+                        self.finish(t, "PASS" if code == 0 else "FAIL")
+                    elif now - t.start > self.timeout:
+                        kill_group(t.proc.pid)
+                        t.proc.wait()
+                        self.finish(t, "TIMEOUT")
+        finally:
+            for t in self.running:
+                kill_group(t.proc.pid)
+        return time.monotonic() - self.t0
 
-    out_dir = ROOT / "target/testrun"
-    logs = out_dir / "logs"
-    shutil.rmtree(logs, ignore_errors=True)
-    logs.mkdir(parents=True)
-    binaries_count = len({t.binary["exe"] for t in tests})
-    print(f"run-tests: {len(tests)} tests from {binaries_count} binaries, {threads} at a time")
-
-    running, done = [], []
-    in_group = {n: 0 for n in groups}
-    t0 = time.monotonic()
-
-    def stop_all(signum, _frame):
-        for t in running:
+    def stop(self, signum, _frame):
+        for t in self.running:
             kill_group(t.proc.pid)
         sys.exit(128 + signum)
 
-    signal.signal(signal.SIGINT, stop_all)
-    signal.signal(signal.SIGTERM, stop_all)
+    def next_ready(self):
+        for t in self.pending:
+            if all(self.in_group[g] < self.groups[g]["max"] for g in t.groups):
+                self.pending.remove(t)
+                return t
+        return None
 
-    def start(t):
+    def start(self, t):
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", t.id)[:200]
-        t.log = logs / f"{safe}.log"
-        fh = open(t.log, "wb")
-        t.proc = subprocess.Popen(
-            [t.binary["exe"], t.name, "--exact", "--nocapture"],
-            cwd=t.binary["cwd"],
-            env=env_for(t.binary),
-            stdin=subprocess.DEVNULL,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        fh.close()
+        t.log = self.logs / f"{safe}.log"
+        with open(t.log, "wb") as fh:
+            t.proc = subprocess.Popen(
+                [t.binary["exe"], t.name, "--exact", "--nocapture"],
+                cwd=t.binary["cwd"],
+                env=env_for(t.binary),
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         t.start = time.monotonic()
         for g in t.groups:
-            in_group[g] += 1
-        running.append(t)
+            self.in_group[g] += 1
+        self.running.append(t)
 
-    def finish(t, status):
+    def finish(self, t, status):
         t.duration = time.monotonic() - t.start
         pgid = t.proc.pid
         # Processes the test started and left behind: given half a second to go.
@@ -256,49 +237,85 @@ def main():
                 status = "LEAK"
         t.status = status
         for g in t.groups:
-            in_group[g] -= 1
-        running.remove(t)
-        done.append(t)
-        n = f"({len(done)}/{len(tests)})"
-        if status != "PASS" or t.duration > slow:
+            self.in_group[g] -= 1
+        self.running.remove(t)
+        self.done.append(t)
+        if status != "PASS" or t.duration > self.slow:
+            n = f"({len(self.done)}/{self.total})"
             print(f"{status:>7} [{t.duration:7.1f}s] {n} {t.id}", flush=True)
-        if status != "PASS":
-            try:
-                text = t.log.read_text(errors="replace").splitlines()
-            except OSError as e:
-                text = [f"(its output is lost: {e})"]
-            shown = text[-300:]
-            if len(text) > len(shown):
-                print(f"    … {len(text) - len(shown)} earlier lines in {t.log}")
-            for line in shown:
-                print(f"    {line}")
-            if left:
-                print("    the test left processes running (killed):")
-                for p in left:
-                    print(f"      {p}")
-            if status == "TIMEOUT":
-                print(f"    killed after {timeout} s")
+        if status == "PASS":
+            return
+        try:
+            text = t.log.read_text(errors="replace").splitlines()
+        except OSError as e:
+            text = [f"(its output is lost: {e})"]
+        shown = text[-300:]
+        if len(text) > len(shown):
+            print(f"    … {len(text) - len(shown)} earlier lines in {t.log}")
+        for line in shown:
+            print(f"    {line}")
+        if left:
+            print("    the test left processes running (killed):")
+            for p in left:
+                print(f"      {p}")
+        if status == "TIMEOUT":
+            print(f"    killed after {self.timeout} s")
 
-    try:
-        run_all(pending, running, threads, groups, in_group, start, finish, timeout)
-    finally:
-        for t in running:
-            kill_group(t.proc.pid)
+    def report(self, wall):
+        """Writes timings.tsv, prints the summary; the failed tests."""
+        with open(self.out_dir / "timings.tsv", "w", encoding="utf-8") as f:
+            f.write("start_s\tduration_s\tstatus\ttest\n")
+            for t in sorted(self.done, key=lambda t: t.start):
+                f.write(f"{t.start - self.t0:.1f}\t{t.duration:.2f}\t{t.status}\t{t.id}\n")
+        failed = [t for t in self.done if t.status != "PASS"]
+        per_pkg = {}
+        for t in self.done:
+            p = per_pkg.setdefault(t.binary["package"], [0, 0])
+            p[0 if t.status == "PASS" else 1] += 1
+        counts = ", ".join(
+            f"{k} {v[0]}" + (f" ({v[1]} failed)" if v[1] else "") for k, v in per_pkg.items()
+        )
+        passed = len(self.done) - len(failed)
+        print(f"run-tests: {passed} passed, {len(failed)} failed in {wall:.0f} s — {counts}")
+        for t in failed:
+            print(f"  {t.status} {t.id}")
+        return failed
 
-    wall = time.monotonic() - t0
-    with open(out_dir / "timings.tsv", "w", encoding="utf-8") as f:
-        f.write("start_s\tduration_s\tstatus\ttest\n")
-        for t in sorted(done, key=lambda t: t.start):
-            f.write(f"{t.start - t0:.1f}\t{t.duration:.2f}\t{t.status}\t{t.id}\n")
-    failed = [t for t in done if t.status != "PASS"]
-    per_pkg = {}
-    for t in done:
-        p = per_pkg.setdefault(t.binary["package"], [0, 0])
-        p[0 if t.status == "PASS" else 1] += 1
-    counts = ", ".join(f"{k} {v[0]}" + (f" ({v[1]} failed)" if v[1] else "") for k, v in per_pkg.items())
-    print(f"run-tests: {len(done) - len(failed)} passed, {len(failed)} failed in {wall:.0f} s — {counts}")
-    for t in failed:
-        print(f"  {t.status} {t.id}")
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifacts", help="cargo's JSON messages from `cargo test --no-run`")
+    ap.add_argument("-j", "--threads", type=int, help="tests at once (the groups file's default)")
+    ap.add_argument(
+        "--groups",
+        default=ROOT / "deploy/local/test-groups.toml",
+        help="the groups file (deploy/local/test-groups.toml)",
+    )
+    ap.add_argument("--out", default=ROOT / "target/testrun", help="where logs and timings go")
+    ap.add_argument("patterns", nargs="*", help="run only the tests whose name matches one")
+    args = ap.parse_args()
+
+    with open(args.groups, "rb") as f:
+        cfg = tomllib.load(f)
+    check_keys(cfg, {"threads", "timeout", "slow", "first", "group"}, "the file")
+    for g in cfg.get("group", []):
+        check_keys(g, {"name", "max", "tests"}, f"group {g.get('name')!r}")
+
+    tests = []
+    for b in binaries(args.artifacts):
+        tests.extend(list_tests(b))
+    if args.patterns:
+        pats = [re.compile(p) for p in args.patterns]
+        tests = [t for t in tests if any(p.search(t.id) for p in pats)]
+        if not tests:
+            sys.exit(f"run-tests: no test matches {' or '.join(args.patterns)}")
+    threads = args.threads or cfg["threads"]
+    run = Run(cfg, tests, threads, Path(args.out))
+    n_bins = len({t.binary["exe"] for t in tests})
+    print(f"run-tests: {len(tests)} tests from {n_bins} binaries, {threads} at a time")
+    signal.signal(signal.SIGINT, run.stop)
+    signal.signal(signal.SIGTERM, run.stop)
+    failed = run.report(run.run())
     sys.exit(1 if failed else 0)
 
 

@@ -40,6 +40,7 @@ phase build
 # Every test in a process of its own, a few side by side (deploy/local/test-groups.toml: how many
 # at once, which may not overlap, when a hung one is killed); the simulation's seed sweeps a thread
 # each.
+deploy/local/check-test-runner.sh
 DST_THREADS=1 deploy/local/run-tests.py target/testrun/artifacts.json "$@"
 # Documentation tests (run-tests.py runs the test binaries only).
 cargo test --locked --workspace --doc
