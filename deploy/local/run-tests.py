@@ -44,6 +44,7 @@ class Test:
         self.name = name
         self.id = f"{binary['id']} {name}"
         self.groups = []
+        self.alone = False
         self.order = 0
         self.proc = None
         self.log = None
@@ -161,8 +162,9 @@ class Run:
             t.groups = [
                 n for n, g in self.groups.items() if any(re.search(p, t.id) for p in g["tests"])
             ]
+            t.alone = any(re.search(p, t.id) for p in cfg.get("alone", []))
             rank = next((k for k, p in enumerate(first) if p.search(t.id)), len(first))
-            t.order = (rank, i)
+            t.order = (not t.alone, rank, i)
         self.total = len(tests)
         self.pending = sorted(tests, key=lambda t: t.order)
         self.running, self.done = [], []
@@ -200,7 +202,16 @@ class Run:
         sys.exit(128 + signum)
 
     def next_ready(self):
+        """The first pending test that may start now. A test that runs alone (they come first)
+        waits for the running ones to finish, and nothing starts beside it."""
+        if any(t.alone for t in self.running):
+            return None
         for t in self.pending:
+            if t.alone:
+                if self.running:
+                    return None
+                self.pending.remove(t)
+                return t
             if all(self.in_group[g] < self.groups[g]["max"] for g in t.groups):
                 self.pending.remove(t)
                 return t
@@ -297,7 +308,7 @@ def main():
 
     with open(args.groups, "rb") as f:
         cfg = tomllib.load(f)
-    check_keys(cfg, {"threads", "timeout", "slow", "first", "group"}, "the file")
+    check_keys(cfg, {"threads", "timeout", "slow", "first", "alone", "group"}, "the file")
     for g in cfg.get("group", []):
         check_keys(g, {"name", "max", "tests"}, f"group {g.get('name')!r}")
 
