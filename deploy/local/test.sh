@@ -40,9 +40,11 @@ phase build
 # Every test in a process of its own, a few side by side (deploy/local/test-groups.toml: how many
 # at once, which may not overlap, when a hung one is killed); the simulation's seed sweeps a thread
 # each.
+# Documentation tests first (run-tests.py runs the test binaries only), so that the runner's
+# closing line ('N passed, N failed') is the last count printed.
+cargo test --locked --workspace --doc
 deploy/local/check-test-runner.sh
 DST_THREADS=1 deploy/local/run-tests.py target/testrun/artifacts.json "$@"
-# Documentation tests (run-tests.py runs the test binaries only).
-cargo test --locked --workspace --doc
 phase run
 echo "test.sh: ${phases[*]} — total $((SECONDS - started))s"
+cat target/testrun/result
