@@ -24,6 +24,7 @@
 //! - [`peerbench`]: the peer benchmark (EPP vs round robin vs those routers), with [`plot`] for
 //!   its SVG.
 
+pub mod burst;
 pub mod chart;
 pub mod cluster;
 pub mod discoverybench;

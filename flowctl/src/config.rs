@@ -118,6 +118,24 @@ pub struct FlowControlConfig {
     pub saturation_detector: Option<PluginRefSpec>,
     #[serde(default)]
     pub enable_eviction: Option<bool>,
+    /// Our extension: the demand reserve ([`DemandReserve`]); unset = on with its default factor.
+    #[serde(default)]
+    pub demand_reserve: Option<DemandReserveSpec>,
+}
+
+/// `flowControl.demandReserve` (our extension).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DemandReserveSpec {
+    /// [`DemandReserve::factor`]; 0 turns the reserve off.
+    #[serde(default)]
+    pub factor: Option<f64>,
+    /// [`DemandReserve::settle`] (a Go duration); 0 turns settling off.
+    #[serde(default)]
+    pub settle: Option<GoDuration>,
+    /// [`DemandReserve::max_settle`].
+    #[serde(default)]
+    pub max_settle: Option<GoDuration>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -190,6 +208,50 @@ pub struct BandConfig {
     pub settings: BandSettings,
 }
 
+/// The demand reserve (`machine::reserve`): a lower band may use only the capacity that the bands
+/// above it are neither using nor predicted to need within the next service time.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DemandReserve {
+    /// `K`: a band's arrivals are counted over the last `1/K` of a service time and predicted to
+    /// recur `K` times over the next one. 0 = off.
+    pub factor: f64,
+    /// While requests keep arriving less than this apart (a burst), a lower band that would fill
+    /// the pool waits, so the higher-priority requests arriving in the same burst are dispatched
+    /// first. 0 = off.
+    #[serde(default)]
+    pub settle: Nanos,
+    /// The longest a burst holds the lower bands back, from its first arrival.
+    #[serde(default)]
+    pub max_settle: Nanos,
+}
+
+/// What `flowControl` gets when the config does not say.
+pub const DEFAULT_DEMAND_RESERVE: DemandReserve = DemandReserve {
+    factor: 8.0,
+    settle: 20_000_000,
+    max_settle: 100_000_000,
+};
+
+impl DemandReserve {
+    pub const OFF: DemandReserve = DemandReserve {
+        factor: 0.0,
+        settle: 0,
+        max_settle: 0,
+    };
+
+    pub fn enabled(&self) -> bool {
+        self.factor > 0.0 || self.settle > 0
+    }
+}
+
+impl Default for DemandReserve {
+    /// Off: a controller built in code gets exactly the policies it names (the configuration
+    /// file's default is [`DEFAULT_DEMAND_RESERVE`]).
+    fn default() -> Self {
+        DemandReserve::OFF
+    }
+}
+
 /// Eviction of in-flight sheddable requests (llm-d controller defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EvictionConfig {
@@ -228,6 +290,8 @@ pub struct ControllerConfig {
     pub usage_limit: UsageLimit,
     pub detector: SaturationDetector,
     pub eviction: EvictionConfig,
+    #[serde(default)]
+    pub demand_reserve: DemandReserve,
 }
 
 impl Default for ControllerConfig {
@@ -243,6 +307,7 @@ impl Default for ControllerConfig {
             usage_limit: UsageLimit::default(),
             detector: SaturationDetector::default(),
             eviction: EvictionConfig::default(),
+            demand_reserve: DemandReserve::default(),
         }
     }
 }
@@ -260,6 +325,13 @@ impl ControllerConfig {
         }
         self.usage_limit
             .validate("flowControl.usageLimitPolicyPluginRef")?;
+        let k = self.demand_reserve.factor;
+        if !(k.is_finite() && (0.0..=1000.0).contains(&k)) {
+            return Err(ConfigError::invalid(
+                "flowControl.demandReserve.factor",
+                format!("{k} is not between 0 (off) and 1000"),
+            ));
+        }
         Ok(())
     }
 
@@ -459,6 +531,15 @@ impl FlowControlConfig {
                 enabled: self.enable_eviction.unwrap_or(false),
                 ..EvictionConfig::default()
             },
+            demand_reserve: {
+                let spec = self.demand_reserve.clone().unwrap_or_default();
+                let d = DEFAULT_DEMAND_RESERVE;
+                DemandReserve {
+                    factor: spec.factor.unwrap_or(d.factor),
+                    settle: spec.settle.map_or(d.settle, |g| g.0),
+                    max_settle: spec.max_settle.map_or(d.max_settle, |g| g.0),
+                }
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -476,7 +557,14 @@ mod tests {
     fn empty_section_gets_llmd_defaults() {
         let fc = FlowControlConfig::from_value(&json!({})).unwrap();
         let cfg = fc.resolve(&[]).unwrap();
-        assert_eq!(cfg, ControllerConfig::default());
+        // llm-d's defaults, and our extension's.
+        assert_eq!(
+            cfg,
+            ControllerConfig {
+                demand_reserve: DEFAULT_DEMAND_RESERVE,
+                ..ControllerConfig::default()
+            }
+        );
         assert_eq!(cfg.max_requests, 0);
         assert_eq!(cfg.default_request_ttl, 60 * NANOS_PER_SEC);
         assert_eq!(cfg.no_endpoint_request_ttl, 60 * NANOS_PER_SEC);

@@ -56,8 +56,8 @@ pub mod saturation;
 pub mod units;
 
 pub use config::{
-    BandConfig, BandSettings, ConfigError, ControllerConfig, EvictionConfig, FlowControlConfig,
-    PluginDecl,
+    BandConfig, BandSettings, ConfigError, ControllerConfig, DEFAULT_DEMAND_RESERVE, DemandReserve,
+    EvictionConfig, FlowControlConfig, PluginDecl,
 };
 pub use machine::{
     BandStats, Command, EnqueueRequest, FlowController, FlowKey, FlowStats, IgnoredReason,

@@ -153,6 +153,38 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', default_value = "4,8")]
         max_concurrency: Vec<u64>,
     },
+    /// Premium requests arriving with a best-effort burst, in the same instant, with flow control
+    /// (the shipped example) and without, side by side ([`chaos::burst`]).
+    Burst {
+        #[arg(long, default_value_t = 4)]
+        pods: usize,
+        /// Slots per pod (`max_num_seqs`, and the example's `maxConcurrency`).
+        #[arg(long, default_value_t = 16)]
+        slots: usize,
+        /// Burst sizes as multiples of the pool's slots.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        times: Vec<usize>,
+        /// Premium requests ahead of the burst.
+        #[arg(long, default_value_t = 10)]
+        premium_first: usize,
+        /// A premium request after every this many best-effort ones (0: none).
+        #[arg(long, default_value_t = 5)]
+        premium_every: usize,
+        /// Replica counts (more than one: cluster mode, cluster-wide flow control).
+        #[arg(long, value_delimiter = ',', default_value = "1")]
+        replicas: Vec<usize>,
+        #[arg(long, default_value = "simple", value_parser = chaos::workloads::parse_engine)]
+        engine: sim::EngineModel,
+        /// Only with flow control (no side-by-side run without it).
+        #[arg(long)]
+        flow_control_only: bool,
+        /// `flowControl.demandReserve.factor` (0: off; unset: the example's).
+        #[arg(long)]
+        reserve_factor: Option<f64>,
+        /// Where to write the rows as JSON.
+        #[arg(long, default_value = "target/burst-bench.json")]
+        json: std::path::PathBuf,
+    },
     /// Kubernetes discovery of a large pool through a fake API server ([`chaos::discoverybench`]).
     Discovery {
         #[arg(long, default_value_t = 1000)]
@@ -272,6 +304,46 @@ async fn main() -> anyhow::Result<()> {
             let ms = peerbench::precise_vs_approx(&opts).await?;
             println!("\n## Medians over {runs} runs\n");
             print!("{}", peerbench::render(&peerbench::summarize(&ms), runs));
+            Ok(())
+        }
+        Cmd::Burst {
+            pods,
+            slots,
+            times,
+            premium_first,
+            premium_every,
+            replicas,
+            engine,
+            flow_control_only,
+            reserve_factor,
+            json,
+        } => {
+            let mut rows = Vec::new();
+            for &r in &replicas {
+                for &t in &times {
+                    let o = chaos::burst::Options {
+                        pods,
+                        slots,
+                        n: t * pods * slots,
+                        premium_first,
+                        premium_every,
+                        replicas: r,
+                        engine,
+                        reserve_factor,
+                        ..Default::default()
+                    };
+                    for fc in [false, true] {
+                        if !fc && flow_control_only {
+                            continue;
+                        }
+                        eprintln!("replicas {r}, N = {}, flow control {fc} ...", o.n);
+                        rows.push(chaos::burst::measure(&o, fc).await?);
+                    }
+                }
+            }
+            print!("{}", chaos::burst::render(&rows));
+            std::fs::write(&json, serde_json::to_string_pretty(&rows)?)
+                .with_context(|| format!("writing {}", json.display()))?;
             Ok(())
         }
         Cmd::NoRegret {

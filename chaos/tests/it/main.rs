@@ -14,6 +14,7 @@ mod cluster_inflight;
 mod demo;
 mod dst;
 mod e2e_admitter;
+mod e2e_burst;
 mod e2e_cost_model;
 mod e2e_data_parallel;
 mod e2e_envoy;

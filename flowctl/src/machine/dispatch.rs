@@ -10,13 +10,33 @@ use crate::policy::{BandPosition, OrderingPolicy, UsageLimit, soft_reflective_cy
 use crate::saturation::{ConcurrencyDetector, SaturationDetector};
 
 /// Saturation for one dispatch run: constant, or recomputed from the in-flight ledger.
-pub(super) enum Probe {
+pub(crate) enum Probe {
     Const(f64),
     /// The detector, the endpoints, their request capacity.
     Concurrency(ConcurrencyDetector, u64, u64),
 }
 
 impl Probe {
+    /// Saturation with `reserve` more requests in flight (of the average in-flight size); only
+    /// the concurrency detector counts requests, a constant saturation ignores it.
+    pub(super) fn eval_reserving(&self, totals: &Totals, reserve: f64) -> f64 {
+        let extra = reserve.ceil() as u64;
+        if extra == 0 {
+            return self.eval(totals);
+        }
+        let per_request = totals
+            .inflight_tokens
+            .checked_div(totals.inflight_requests)
+            .unwrap_or(0);
+        self.eval(&Totals {
+            inflight_requests: totals.inflight_requests.saturating_add(extra),
+            inflight_tokens: totals
+                .inflight_tokens
+                .saturating_add(extra.saturating_mul(per_request)),
+            ..*totals
+        })
+    }
+
     pub(super) fn eval(&self, totals: &Totals) -> f64 {
         match self {
             Probe::Const(v) => *v,
@@ -70,6 +90,7 @@ impl FlowController {
                     queued_bytes: 0,
                     inflight: 0,
                     inflight_tokens: 0,
+                    recent: Default::default(),
                 });
                 self.band_order.insert(i, idx);
                 idx
@@ -128,6 +149,7 @@ impl FlowController {
             return;
         }
         let band_idx = self.band_index(req.flow.priority);
+        self.note_arrivals(band_idx, 1);
         let fi = self.flow_for(req.flow, band_idx);
         let ttl = req.ttl.unwrap_or(self.config.default_request_ttl);
         let deadline = if ttl == 0 {
@@ -307,9 +329,11 @@ impl FlowController {
         let Some(f) = self.flows.get_mut(fi as usize).and_then(Option::as_mut) else {
             return;
         };
-        let Some(band) = self.bands.get_mut(f.band as usize) else {
+        let band_idx = f.band;
+        let Some(band) = self.bands.get_mut(band_idx as usize) else {
             return;
         };
+        let arrived = requests.saturating_sub(old_n);
         if requests > old_n {
             let (n, t) = (requests - old_n, tokens.saturating_sub(old_t));
             // An idle flow joins the weighted schedule at the current virtual time (as `admit`).
@@ -344,6 +368,7 @@ impl FlowController {
             .inflight_tokens
             .saturating_sub(old_t)
             .saturating_add(tokens);
+        self.note_arrivals(band_idx, arrived);
         if requests == 0 {
             self.inflight.remove(&id);
             self.maybe_gc_flow(fi);
@@ -356,6 +381,7 @@ impl FlowController {
             tokens: 0,
             dispatch_seq,
             requests: 0,
+            dispatched_at: None,
         });
         if r.requests == 0 {
             self.next_seq += 1;
@@ -482,10 +508,16 @@ impl FlowController {
     }
 
     /// Whether the highest waiting band is gated at the current saturation (`None`: nothing waits).
+    /// The highest band with queued requests, and whether the usage limit gates it — counting
+    /// the demand reserve of the bands above it as in flight.
     pub(super) fn top_band_gated(&self, probe: &Probe) -> Option<(u32, bool)> {
         let b = self.top_waiting_band()?;
-        let sat = probe.eval(&self.totals);
-        Some((b, sat >= self.ceiling(b, sat)))
+        let reserve = self.reserve_above(b);
+        let sat = probe.eval_reserving(&self.totals, reserve);
+        Some((
+            b,
+            sat >= self.ceiling(b, sat) || self.settle_gated(b, probe, reserve),
+        ))
     }
 
     pub(super) fn dispatch_loop(&mut self, probe: &Probe, out: &mut Vec<Outcome>) {
@@ -558,6 +590,7 @@ impl FlowController {
                 tokens,
                 dispatch_seq,
                 requests: 1,
+                dispatched_at: Some(self.now),
             },
         );
     }
@@ -587,6 +620,7 @@ impl FlowController {
                 band.sched.charge(flow, fi, req.tokens);
             }
         }
+        self.note_arrivals(b, 1);
         self.start_inflight(b, fi, id, req.tokens);
         out.push(Outcome::Dispatched { id });
     }

@@ -33,6 +33,7 @@
 //! an `apply` does inside (enqueue, release, expiry, dispatch, eviction).
 
 mod dispatch;
+mod reserve;
 mod state;
 
 use serde::{Deserialize, Serialize};
@@ -263,6 +264,13 @@ pub struct FlowController {
     reflect_tick: u64,
     #[serde(default)]
     reflect_open: bool,
+    /// Average service time (dispatch → completion) in ns, 0 before the first completion; the
+    /// demand reserve's horizon.
+    #[serde(default)]
+    service_ns: f64,
+    /// The current burst of arrivals, for settling.
+    #[serde(default)]
+    burst: reserve::Burst,
 }
 
 impl FlowController {
@@ -290,6 +298,8 @@ impl FlowController {
             evictable: BTreeSet::new(),
             reflect_tick: 0,
             reflect_open: false,
+            service_ns: 0.0,
+            burst: Default::default(),
         };
         let priorities: Vec<i32> = fc.config.bands.iter().map(|b| b.priority).collect();
         for p in priorities {
@@ -327,6 +337,9 @@ impl FlowController {
                 }
             }
             Command::Complete { id, actual_tokens } => {
+                if let Some(at) = self.inflight.get(&id).and_then(|r| r.dispatched_at) {
+                    self.note_service(at);
+                }
                 if !self.release(id, actual_tokens) {
                     out.push(Outcome::Ignored {
                         id,
@@ -460,18 +473,22 @@ impl FlowController {
     /// [`Self::admits_now`] as if `margin` more requests were in flight than the ledger holds —
     /// admissions others may have made and not reported yet (a cluster's outstanding credit). A
     /// detector that does not count requests (the utilization detector reads the pods' own
-    /// gauges) ignores it.
+    /// gauges) ignores it. The demand reserve of the bands above `priority` counts as in flight,
+    /// and a lower band's request that would fill the pool while a burst arrives is not admitted
+    /// at once (it takes the queue).
     pub fn admits_now_with_margin(&self, priority: i32, now: Nanos, margin: u64) -> bool {
         if self.shutting_down || self.totals.queued_requests > 0 || self.pool.is_empty() {
             return false;
         }
-        let probe = self.probe(now.max(self.now));
+        let now = now.max(self.now);
+        let probe = self.probe(now);
         let totals = Totals {
             inflight_requests: self.totals.inflight_requests.saturating_add(margin),
             ..self.totals
         };
-        let sat = probe.eval(&totals);
-        sat < self.ceiling_for(priority, sat)
+        let reserve = self.reserve_above_priority(priority, now);
+        let sat = probe.eval_reserving(&totals, reserve);
+        sat < self.ceiling_for(priority, sat) && !self.settles_at(priority, now, &totals, reserve)
     }
 
     /// The pool's request capacity when the detector counts requests (the concurrency detector

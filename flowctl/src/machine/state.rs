@@ -55,6 +55,9 @@ pub(super) struct InFlight {
     /// Requests the record stands for: 1, or a replica's bulk holding ([`super::Command::Hold`]).
     #[serde(default = "one")]
     pub(super) requests: u64,
+    /// When it was dispatched (one request; not a bulk holding), for the service time.
+    #[serde(default)]
+    pub(super) dispatched_at: Option<Nanos>,
 }
 
 fn one() -> u64 {
@@ -402,6 +405,9 @@ pub(super) struct Band {
     pub(super) queued_bytes: u64,
     pub(super) inflight: u64,
     pub(super) inflight_tokens: u64,
+    /// Recent arrivals, for the demand reserve of the bands below.
+    #[serde(default)]
+    pub(super) recent: super::reserve::Recent,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

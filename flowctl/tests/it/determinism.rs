@@ -49,6 +49,8 @@ fn config(detector_slots: u64) -> ControllerConfig {
             enabled: true,
             ..Default::default()
         },
+        // Its float state (service time, recent arrivals) must replay and snapshot exactly too.
+        demand_reserve: flowctl::DEFAULT_DEMAND_RESERVE,
         ..ControllerConfig::default()
     }
 }

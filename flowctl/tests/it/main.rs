@@ -16,6 +16,7 @@ mod model;
 mod program_aware;
 mod quota;
 mod quota_shared;
+mod reserve;
 mod soft_reflective;
 mod timeline;
 mod weighted;

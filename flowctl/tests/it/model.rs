@@ -155,6 +155,8 @@ fn config() -> impl Strategy<Value = ControllerConfig> {
                         max_per_decision: 2,
                         grace: 5 * MS,
                     },
+                    // The reference model has no demand reserve (tests/it/reserve.rs covers it).
+                    demand_reserve: flowctl::DemandReserve::OFF,
                 }
             },
         )

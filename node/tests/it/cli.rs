@@ -130,7 +130,7 @@ fn example_configs_validate() {
     ]);
     assert!(ok, "{out}");
     assert!(
-        out.contains("admission=flow-control(bands=[10,0,-10] detector=concurrency-detector maxRequests=10000 ttl=30s)"),
+        out.contains("admission=flow-control(bands=[10,0,-10] detector=concurrency-detector maxRequests=10000 ttl=30s demandReserve=(factor=8 settle=20ms maxSettle=100ms))"),
         "{out}"
     );
     let (ok, out) = epp(&[

@@ -37,17 +37,30 @@ impl AdmissionConfig {
     pub fn summary(&self) -> String {
         match self {
             AdmissionConfig::Legacy(d) => format!("admission=legacy({})", d.type_name()),
-            AdmissionConfig::FlowControl(c) => format!(
-                "admission=flow-control(bands=[{}] detector={} maxRequests={} ttl={}s)",
-                c.bands
-                    .iter()
-                    .map(|b| b.priority.to_string())
-                    .collect::<Vec<_>>()
-                    .join(","),
-                c.detector.type_name(),
-                c.max_requests,
-                c.default_request_ttl / 1_000_000_000,
-            ),
+            AdmissionConfig::FlowControl(c) => {
+                let r = c.demand_reserve;
+                let reserve = if r.enabled() {
+                    format!(
+                        " demandReserve=(factor={} settle={}ms maxSettle={}ms)",
+                        r.factor,
+                        r.settle / 1_000_000,
+                        r.max_settle / 1_000_000
+                    )
+                } else {
+                    " demandReserve=off".to_string()
+                };
+                format!(
+                    "admission=flow-control(bands=[{}] detector={} maxRequests={} ttl={}s{reserve})",
+                    c.bands
+                        .iter()
+                        .map(|b| b.priority.to_string())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    c.detector.type_name(),
+                    c.max_requests,
+                    c.default_request_ttl / 1_000_000_000,
+                )
+            }
         }
     }
 }

@@ -54,6 +54,9 @@ pub struct FlowGate {
     store: Arc<Datastore>,
     detector: flowctl::SaturationDetector,
     capacity: CapacityCheck,
+    /// Signalled when the machine asks for a timer ([`FlowController::next_wake`]: a burst's
+    /// settling ends), so the dispatcher's clock wakes then instead of at its next observation.
+    wake: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for FlowGate {
@@ -87,6 +90,7 @@ impl FlowGate {
             }),
             metrics,
             store,
+            wake: tokio::sync::Notify::new(),
         })
     }
 
@@ -271,15 +275,27 @@ impl FlowGate {
     }
 
     /// The dispatcher's clock until `stop`: pool observations (detector input, TTL expiry, gauges)
-    /// every [`OBSERVE_INTERVAL`], and every 30 s the sweep of admissions whose response was
-    /// never observed (an hour old).
+    /// every [`OBSERVE_INTERVAL`], a `Tick` when the machine asked for one (the end of a burst's
+    /// settling), and every 30 s the sweep of admissions whose response was never observed (an
+    /// hour old).
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let mut tick = tokio::time::interval(OBSERVE_INTERVAL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_sweep = tokio::time::Instant::now();
         loop {
+            let wake_at = self.lock().fc.next_wake().map(|at| {
+                let due = self.epoch + Duration::from_nanos(at);
+                tokio::time::Instant::from_std(due)
+            });
             tokio::select! {
                 _ = stop.cancelled() => return,
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep_until(wake_at.unwrap_or_else(tokio::time::Instant::now)),
+                    if wake_at.is_some() => {
+                    let now = self.now();
+                    let mut st = self.lock();
+                    self.apply(&mut st, now, Command::Tick);
+                }
                 _ = tick.tick() => {
                     self.observe();
                     if last_sweep.elapsed() >= Duration::from_secs(30) {
@@ -305,6 +321,9 @@ impl FlowGate {
         let mut out = std::mem::take(&mut st.out);
         out.clear();
         st.fc.apply_into(now, cmd, &mut out);
+        if st.fc.next_wake().is_some() {
+            self.wake.notify_one();
+        }
         let mut orphans = Vec::new();
         for o in out.drain(..) {
             match o {
