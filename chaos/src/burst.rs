@@ -42,8 +42,9 @@ pub struct Options {
     pub max_tokens: u32,
     /// A request that has no answer after this long counts as hung.
     pub timeout: Duration,
-    /// `flowControl.demandReserve.factor` to set (unset: the example's).
-    pub reserve_factor: Option<f64>,
+    /// `flowControl.demandReserve` to set, as the inside of a YAML flow mapping
+    /// (`factor: 0, settle: 0s`; unset: the example's).
+    pub demand_reserve: Option<String>,
 }
 
 impl Default for Options {
@@ -59,7 +60,7 @@ impl Default for Options {
             prompt_words: 600,
             max_tokens: 64,
             timeout: Duration::from_secs(120),
-            reserve_factor: None,
+            demand_reserve: None,
         }
     }
 }
@@ -242,7 +243,7 @@ async fn fire(
     Ok(out)
 }
 
-fn flow_control_config(slots: usize, reserve_factor: Option<f64>) -> anyhow::Result<String> {
+fn flow_control_config(slots: usize, demand_reserve: Option<&str>) -> anyhow::Result<String> {
     let shipped =
         std::fs::read_to_string(workspace_root().join("deploy/examples/flow-control.yaml"))?;
     let from = "parameters: {maxConcurrency: 4}";
@@ -251,14 +252,14 @@ fn flow_control_config(slots: usize, reserve_factor: Option<f64>) -> anyhow::Res
         "deploy/examples/flow-control.yaml no longer sets `{from}`"
     );
     let mut config = shipped.replace(from, &format!("parameters: {{maxConcurrency: {slots}}}"));
-    if let Some(k) = reserve_factor {
+    if let Some(r) = demand_reserve {
         anyhow::ensure!(
             config.contains("\nflowControl:\n") && !config.contains("demandReserve"),
-            "deploy/examples/flow-control.yaml: no `flowControl:` block to add the factor to"
+            "deploy/examples/flow-control.yaml: no `flowControl:` block to add demandReserve to"
         );
         config = config.replace(
             "\nflowControl:\n",
-            &format!("\nflowControl:\n  demandReserve: {{factor: {k}}}\n"),
+            &format!("\nflowControl:\n  demandReserve: {{{r}}}\n"),
         );
     }
     Ok(config)
@@ -276,7 +277,7 @@ pub async fn measure(o: &Options, flow_control: bool) -> anyhow::Result<Row> {
     if flow_control {
         epp_args.extend([
             "--config-text".into(),
-            flow_control_config(o.slots, o.reserve_factor)?,
+            flow_control_config(o.slots, o.demand_reserve.as_deref())?,
         ]);
         if o.replicas > 1 {
             epp_args.extend(["--flow-control-scope".into(), "cluster".into()]);

@@ -178,9 +178,10 @@ enum Cmd {
         /// Only with flow control (no side-by-side run without it).
         #[arg(long)]
         flow_control_only: bool,
-        /// `flowControl.demandReserve.factor` (0: off; unset: the example's).
+        /// `flowControl.demandReserve`, the inside of a YAML flow mapping (`'factor: 0, settle:
+        /// 0s'` turns it off; unset: the example's, i.e. the defaults).
         #[arg(long)]
-        reserve_factor: Option<f64>,
+        demand_reserve: Option<String>,
         /// Where to write the rows as JSON.
         #[arg(long, default_value = "target/burst-bench.json")]
         json: std::path::PathBuf,
@@ -315,7 +316,7 @@ async fn main() -> anyhow::Result<()> {
             replicas,
             engine,
             flow_control_only,
-            reserve_factor,
+            demand_reserve,
             json,
         } => {
             let mut rows = Vec::new();
@@ -329,7 +330,7 @@ async fn main() -> anyhow::Result<()> {
                         premium_every,
                         replicas: r,
                         engine,
-                        reserve_factor,
+                        demand_reserve: demand_reserve.clone(),
                         ..Default::default()
                     };
                     for fc in [false, true] {
