@@ -254,7 +254,7 @@ fn flow_control_config(slots: usize, demand_reserve: Option<&str>) -> anyhow::Re
     let mut config = shipped.replace(from, &format!("parameters: {{maxConcurrency: {slots}}}"));
     if let Some(r) = demand_reserve {
         anyhow::ensure!(
-            config.contains("\nflowControl:\n") && !config.contains("demandReserve"),
+            config.contains("\nflowControl:\n") && !config.contains("\n  demandReserve:"),
             "deploy/examples/flow-control.yaml: no `flowControl:` block to add demandReserve to"
         );
         config = config.replace(

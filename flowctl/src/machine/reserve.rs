@@ -15,8 +15,9 @@
 //! one went quiet, gets the whole pool.
 //!
 //! Settling: while requests keep arriving less than `settle` apart (a burst, counted over every
-//! band) a band below the top one does not dispatch if its queue would fill the pool — for at
-//! most `max_settle` from the burst's first arrival — so that a burst's higher-priority requests,
+//! band) a band below the top one does not dispatch if its queue, together with the burst's
+//! arrivals still to come (predicted from its rate so far), would fill the pool — for at most
+//! `max_settle` from the burst's first arrival — so that a burst's higher-priority requests,
 //! whichever order they reach the queue in, are dispatched before its lower-priority ones.
 //! [`FlowController::next_wake`] tells the driver when settling ends.
 //!
@@ -33,11 +34,13 @@ pub const DEFAULT_SERVICE: Nanos = 1_000_000_000;
 /// Weight of one completion in the service-time average.
 const SERVICE_WEIGHT: f64 = 1.0 / 16.0;
 
-/// The current burst of arrivals (any band): its first and latest arrival.
+/// The current burst of arrivals (any band): its first and latest arrival, how many so far.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub(super) struct Burst {
     first: Nanos,
     last: Option<Nanos>,
+    #[serde(default)]
+    count: u64,
 }
 
 /// A band's recent arrivals: a count decaying with time constant `S / K`.
@@ -84,8 +87,10 @@ impl FlowController {
             .is_none_or(|last| now.saturating_sub(last) >= cfg.settle)
         {
             self.burst.first = now;
+            self.burst.count = 0;
         }
         self.burst.last = Some(now);
+        self.burst.count = self.burst.count.saturating_add(n);
         if cfg.factor <= 0.0 {
             return;
         }
@@ -114,7 +119,9 @@ impl FlowController {
 
     fn settling_at(&self, now: Nanos) -> bool {
         let cfg = self.config.demand_reserve;
+        // One arrival is no burst.
         cfg.settle > 0
+            && self.burst.count >= 2
             && self.burst.last.is_some_and(|last| {
                 now.saturating_sub(last) < cfg.settle
                     && now.saturating_sub(self.burst.first) < cfg.max_settle
@@ -128,8 +135,17 @@ impl FlowController {
             return false;
         }
         let queued = self.bands.get(b as usize).map_or(0, |band| band.queued);
-        let sat = probe.eval_reserving(&self.totals, extra + queued as f64);
+        let more = self.burst_to_come(self.now);
+        let sat = probe.eval_reserving(&self.totals, extra + queued as f64 + more);
         sat >= self.ceiling(b, sat)
+    }
+
+    /// The current burst's arrivals still to come, predicted from its rate so far over the next
+    /// `settle`: `count · settle / elapsed` (elapsed at least 1 ms). A request that arrives on
+    /// its own is no burst and is never held.
+    fn burst_to_come(&self, now: Nanos) -> f64 {
+        let elapsed = now.saturating_sub(self.burst.first).max(1_000_000) as f64;
+        (self.burst.count as f64 * self.config.demand_reserve.settle as f64 / elapsed).min(1e9)
     }
 
     /// When the driver should next `Tick` the machine even if nothing happens: the end of the
@@ -189,7 +205,7 @@ impl FlowController {
             return false;
         }
         let probe = self.probe(now);
-        let sat = probe.eval_reserving(totals, reserve + 1.0);
+        let sat = probe.eval_reserving(totals, reserve + 1.0 + self.burst_to_come(now));
         sat >= self.ceiling_for(priority, sat)
     }
 }
