@@ -22,15 +22,18 @@
 //!    `rejected-no-endpoints` while the pool is empty); while the pool is empty, so are requests that
 //!    waited `noEndpointRequestTTL`.
 //! 3. The command.
-//! 4. Dispatch while the usage limit allows the current saturation: highest non-empty band →
-//!    fairness picks a flow → ordering picks its first request. Then, if eviction is on, the pool is
+//! 4. Dispatch while the usage limit allows the current saturation — counting the demand reserve
+//!    of the bands above as in flight, and holding a lower band that would fill the pool while a
+//!    burst arrives (`reserve`) —: highest non-empty band → fairness picks a flow → ordering
+//!    picks its first request. Then, if eviction is on, the pool is
 //!    saturated and a request waits above some in-flight sheddable one, evict up to
 //!    `max_per_decision` (lowest priority, newest dispatch first) and dispatch again.
 //!
 //! # Layout
 //! This module holds the commands, outcomes, statistics and the controller's public face;
 //! `state` the inner structures (entries, flows, fairness schedulers, bands); `dispatch` what
-//! an `apply` does inside (enqueue, release, expiry, dispatch, eviction).
+//! an `apply` does inside (enqueue, release, expiry, dispatch, eviction); `reserve` the demand
+//! reserve and burst settling.
 
 mod dispatch;
 mod reserve;
