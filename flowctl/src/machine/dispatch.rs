@@ -507,9 +507,9 @@ impl FlowController {
         self.config.usage_limit.ceiling(at, sat, self.reflect_open)
     }
 
-    /// Whether the highest waiting band is gated at the current saturation (`None`: nothing waits).
-    /// The highest band with queued requests, and whether the usage limit gates it — counting
-    /// the demand reserve of the bands above it as in flight.
+    /// The highest band with queued requests, and whether it is gated at the current saturation
+    /// — counting the demand reserve of the bands above it as in flight — or by a burst's
+    /// settling (`None`: nothing waits).
     pub(super) fn top_band_gated(&self, probe: &Probe) -> Option<(u32, bool)> {
         let b = self.top_waiting_band()?;
         let reserve = self.reserve_above(b);
