@@ -359,6 +359,34 @@ pub async fn measure(o: &Options, flow_control: bool) -> anyhow::Result<Row> {
     })
 }
 
+/// `base` at each replica count and burst size (`times` × the pool's slots), without flow control
+/// (unless `flow_control_only`) and with it, one fresh cluster each.
+pub async fn sweep(
+    base: &Options,
+    times: &[usize],
+    replicas: &[usize],
+    flow_control_only: bool,
+) -> anyhow::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for &r in replicas {
+        for &t in times {
+            let o = Options {
+                n: t * base.pods * base.slots,
+                replicas: r,
+                ..base.clone()
+            };
+            for fc in [false, true] {
+                if !fc && flow_control_only {
+                    continue;
+                }
+                eprintln!("replicas {r}, N = {}, flow control {fc} ...", o.n);
+                rows.push(measure(&o, fc).await?);
+            }
+        }
+    }
+    Ok(rows)
+}
+
 /// The rows as a Markdown table; each flow-control row's best-effort throughput is also given as
 /// a share of the no-flow-control row of the same replicas and N.
 pub fn render(rows: &[Row]) -> String {

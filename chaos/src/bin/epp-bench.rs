@@ -319,29 +319,16 @@ async fn main() -> anyhow::Result<()> {
             demand_reserve,
             json,
         } => {
-            let mut rows = Vec::new();
-            for &r in &replicas {
-                for &t in &times {
-                    let o = chaos::burst::Options {
-                        pods,
-                        slots,
-                        n: t * pods * slots,
-                        premium_first,
-                        premium_every,
-                        replicas: r,
-                        engine,
-                        demand_reserve: demand_reserve.clone(),
-                        ..Default::default()
-                    };
-                    for fc in [false, true] {
-                        if !fc && flow_control_only {
-                            continue;
-                        }
-                        eprintln!("replicas {r}, N = {}, flow control {fc} ...", o.n);
-                        rows.push(chaos::burst::measure(&o, fc).await?);
-                    }
-                }
-            }
+            let base = chaos::burst::Options {
+                pods,
+                slots,
+                premium_first,
+                premium_every,
+                engine,
+                demand_reserve,
+                ..Default::default()
+            };
+            let rows = chaos::burst::sweep(&base, &times, &replicas, flow_control_only).await?;
             print!("{}", chaos::burst::render(&rows));
             std::fs::write(&json, serde_json::to_string_pretty(&rows)?)
                 .with_context(|| format!("writing {}", json.display()))?;
