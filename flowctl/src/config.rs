@@ -332,6 +332,14 @@ impl ControllerConfig {
                 format!("{k} is not between 0 (off) and 1000"),
             ));
         }
+        // Settling holds lower bands back: bounded, so no configuration can starve them.
+        let r = self.demand_reserve;
+        if r.max_settle > 10 * crate::units::NANOS_PER_SEC || r.settle > r.max_settle {
+            return Err(ConfigError::invalid(
+                "flowControl.demandReserve",
+                "settle must not exceed maxSettle, and maxSettle must not exceed 10s".to_string(),
+            ));
+        }
         Ok(())
     }
 

@@ -176,6 +176,17 @@ fn the_configuration_file_turns_the_reserve_on_by_default() {
     .unwrap();
     let err = bad.resolve(&[]).unwrap_err().to_string();
     assert!(err.contains("flowControl.demandReserve.factor"), "{err}");
+    for bad in [
+        serde_json::json!({"demandReserve": {"maxSettle": "1h"}}),
+        serde_json::json!({"demandReserve": {"settle": "200ms", "maxSettle": "100ms"}}),
+    ] {
+        let err = flowctl::FlowControlConfig::from_value(&bad)
+            .unwrap()
+            .resolve(&[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("flowControl.demandReserve"), "{err}");
+    }
     let unknown =
         flowctl::FlowControlConfig::from_value(&serde_json::json!({"demandReserve": {"factr": 8}}));
     assert!(unknown.unwrap_err().to_string().contains("factr"));
