@@ -54,8 +54,8 @@ fail() {
   exit 1
 }
 [ "$status" = 1 ] || fail "exit status $status, not 1"
-[ "$(tail -n 1 "$work/report")" = 'run-tests: 1 passed, 3 failed, 1 skipped' ] ||
-  fail "its last line is not 'run-tests: 1 passed, 3 failed, 1 skipped'"
+[ "$(tail -n 1 "$work/report")" = 'tests: 1 passed, 3 failed, 1 skipped' ] ||
+  fail "its last line is not 'tests: 1 passed, 3 failed, 1 skipped'"
 grep -q '^  FAIL runner-check tests::panics$' "$work/report" || fail "the panic not reported"
 grep -q '^  LEAK runner-check tests::leaves_a_process$' "$work/report" || fail "the leak not reported"
 grep -q '^  TIMEOUT runner-check tests::hangs$' "$work/report" || fail "the hang not reported"

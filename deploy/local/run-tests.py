@@ -293,9 +293,10 @@ class Run:
         print(f"run-tests: {len(self.done)} run in {wall:.0f} s — {counts}")
         for t in failed:
             print(f"  {t.status} {t.id}")
-        # The closing line, alone on its line as CI's reader of test output expects it (and in a
-        # file, for test.sh to repeat as its own last line).
-        closing = f"run-tests: {passed} passed, {len(failed)} failed"
+        # The closing line, alone on its line as CI's reader of test output expects it: the counts,
+        # with at most one plain word and a colon before them (no hyphen: "run-tests:" was not read
+        # as one). Also in a file, for test.sh to repeat as its own last line.
+        closing = f"tests: {passed} passed, {len(failed)} failed"
         if self.skipped:
             closing += f", {self.skipped} skipped"
         (self.out_dir / "result").write_text(closing + "\n", encoding="utf-8")

@@ -40,9 +40,15 @@ phase build
 # Every test in a process of its own, a few side by side (deploy/local/test-groups.toml: how many
 # at once, which may not overlap, when a hung one is killed); the simulation's seed sweeps a thread
 # each.
-# Documentation tests first (run-tests.py runs the test binaries only), so that the runner's
-# closing line ('N passed, N failed') is the last count printed.
-cargo test --locked --workspace --doc
+# Documentation tests first (run-tests.py runs the test binaries only), their report to a file:
+# the runner's closing line ('tests: N passed, N failed') must be the only count CI reads (cargo's
+# 'test result: ok. 0 passed' of crates without doc tests was read as a run of no test).
+if ! cargo test --locked --workspace --doc >target/testrun/doc-tests.log 2>&1; then
+  cat target/testrun/doc-tests.log
+  exit 1
+fi
+echo "test.sh: doc tests: $(grep -c '^test .* ok$' target/testrun/doc-tests.log || true) ok" \
+  "(target/testrun/doc-tests.log)"
 deploy/local/check-test-runner.sh
 DST_THREADS=1 deploy/local/run-tests.py target/testrun/artifacts.json "$@"
 phase run
