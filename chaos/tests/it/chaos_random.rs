@@ -1,8 +1,10 @@
-//! The randomized chaos suite, bounded for CI: a few seeds, each a fresh three-replica cluster
-//! (Envoy, simulated pods, cluster flow control) under a saturating streaming load for 40 s
-//! while the seed's schedule kills, pauses, partitions, delays and clock-skews replicas. Every
-//! invariant the checker knows must hold for every seed; the reports are printed. A longer soak:
-//! `deploy/local/chaos-soak.sh` (see docs/benchmarks.md).
+//! The randomized chaos suite, bounded for CI: one fixed seed, a fresh three-replica cluster
+//! (Envoy, simulated pods, cluster flow control) under a saturating streaming load for 40 s while
+//! the seed's schedule delays links, kills, pauses and cuts replicas one way (clock skew and full
+//! partitions have tests of their own; issue 48 cut seed 2, whose fault kinds are a subset of seed
+//! 1's, to shorten the suite's critical path). Every invariant the checker knows must hold; the
+//! report is printed. A longer soak over many seeds: `deploy/local/chaos-soak.sh` (see
+//! docs/benchmarks.md).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
@@ -42,9 +44,4 @@ async fn seed_keeps_every_invariant(seed: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_faults_under_load_keep_every_invariant_seed_1() {
     seed_keeps_every_invariant(1).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn random_faults_under_load_keep_every_invariant_seed_2() {
-    seed_keeps_every_invariant(2).await;
 }

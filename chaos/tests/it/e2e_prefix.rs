@@ -10,7 +10,7 @@
 //! TTFT p50 ~9–15 ms vs ~370 ms; printed against the targets; the EPP's enforced 0.01 looser,
 //! round robin's (the baseline's timing, not ours) only as a sanity bound. The project's
 //! default profile (the cost model) is held to the same on that workload, and must spread a burst
-//! that shares one prompt over every pod.
+//! that shares one prompt over every pod (a test of its own, on a fresh cluster).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
@@ -86,13 +86,11 @@ async fn conversations_stick_to_their_warm_pod() {
 
 /// The project's default profile (the cost model, what `epp serve` runs without a config file) on
 /// the same acceptance workload: conversations stay on their warm pod as with llm-d's affinity
-/// filter; and a burst of 32 requests sharing one system prompt, sent at once, is spread over all
-/// four pods instead of herding onto the pods that hold the prompt.
+/// filter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_default_profile_keeps_conversations_warm_and_spreads_a_burst() {
+async fn the_default_profile_keeps_conversations_warm() {
     let _serial = SERIAL.lock().await;
     let (c, epp, rr) = acceptance(Vec::new()).await;
-    let base = c.envoy.url();
     eprintln!(
         "default profile: cached {:.3} ttft p50 {:.1} p99 {:.1} ms pods {:?} | round robin: cached {:.3} ttft p50 {:.1} p99 {:.1} ms",
         epp.cached_ratio,
@@ -115,7 +113,22 @@ async fn the_default_profile_keeps_conversations_warm_and_spreads_a_burst() {
         epp.ttft_p50_ms,
         rr.ttft_p50_ms
     );
+    c.shutdown().await;
+}
 
+/// The default profile spreads a burst of 32 requests sharing one system prompt, sent at once,
+/// over all four pods instead of herding onto the pods that hold the prompt. (It measures how the
+/// EPP's picks interleave with the pods' progress: deploy/local/test-groups.toml runs it alone.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_profile_spreads_a_burst_sharing_one_prompt() {
+    let _serial = SERIAL.lock().await;
+    let c = LocalCluster::start(ClusterSpec {
+        sim: workloads::affinity_acceptance().0,
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
     // A burst: 32 one-turn requests with the same ~900-token system prompt, all at once.
     let burst = loadgen::LoadConfig {
         conversations: 32,
@@ -128,7 +141,7 @@ async fn the_default_profile_keeps_conversations_warm_and_spreads_a_burst() {
         seed: 7,
         ..loadgen::LoadConfig::default()
     };
-    let b = loadgen::run(&burst, &base).await.unwrap();
+    let b = loadgen::run(&burst, &c.envoy.url()).await.unwrap();
     eprintln!(
         "burst of 32: pods {:?} ttft p50 {:.1} p99 {:.1} ms",
         b.pods, b.ttft_p50_ms, b.ttft_p99_ms
