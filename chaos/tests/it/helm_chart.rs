@@ -328,6 +328,105 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // Standalone Envoy's trust boundary (issue 51): its admin interface on loopback (the kubelet
+    // reaches /ready through a listener of its own), the destination header removed from client
+    // requests before anything reads it, and no destination from the EPP → 503 when failing
+    // closed, round robin over the pool's pods (a headless Service on its labels) when failing
+    // open; Envoy accepts both bootstraps.
+    let standalone = |failure_mode: &str| {
+        let values = [
+            "pool.name=llm",
+            "replicas=1",
+            "standalone.enabled=true",
+            "pool.matchLabels.app=vllm",
+            "pool.targetPorts[0]=8200",
+            failure_mode,
+        ];
+        let (_, docs) = render(&helm, &values);
+        let cm = find(&docs, "ConfigMap", &format!("{FULL}-envoy")).unwrap();
+        let text = cm["data"]["envoy.yaml"].as_str().unwrap().to_string();
+        let path = dir.path().join("standalone-envoy.yaml");
+        std::fs::write(&path, &text).unwrap();
+        let out = std::process::Command::new(chaos::locate::envoy_binary().unwrap())
+            .args(["--mode", "validate", "-c"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{failure_mode}: Envoy refuses the bootstrap: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bootstrap: Value = serde_saphyr::from_str(&text).unwrap();
+        (docs, bootstrap)
+    };
+    for failure_mode in ["pool.failureMode=FailOpen", "pool.failureMode=FailClose"] {
+        let (docs, bootstrap) = standalone(failure_mode);
+        let open = failure_mode.ends_with("FailOpen");
+        assert_eq!(
+            bootstrap["admin"]["address"]["socket_address"]["address"], "127.0.0.1",
+            "{failure_mode}"
+        );
+        let listeners = bootstrap["static_resources"]["listeners"]
+            .as_array()
+            .unwrap();
+        let hcm = |name: &str| {
+            listeners.iter().find(|l| l["name"] == name).unwrap()["filter_chains"][0]["filters"][0]
+                ["typed_config"]
+                .clone()
+        };
+        let ready = hcm("ready");
+        let ready_routes = &ready["route_config"]["virtual_hosts"][0]["routes"];
+        assert_eq!(ready_routes.as_array().unwrap().len(), 1, "{failure_mode}");
+        assert_eq!(ready_routes[0]["match"]["path"], "/ready", "{failure_mode}");
+        let inference = hcm("inference_listener");
+        let removed: Vec<&str> =
+            inference["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|m| m["remove"].as_str())
+                .collect();
+        assert!(
+            removed.contains(&"x-gateway-destination-endpoint"),
+            "{failure_mode}: {removed:?}"
+        );
+        let routes = inference["route_config"]["virtual_hosts"][0]["routes"]
+            .as_array()
+            .unwrap();
+        for r in routes {
+            if r["route"]["cluster"] == "original_destination_cluster" {
+                assert!(
+                    r["match"]["headers"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|h| h["name"] == "x-gateway-destination-endpoint"),
+                    "{failure_mode}: the pod picked only from the EPP's destination: {r}"
+                );
+            }
+        }
+        let last = routes.last().unwrap();
+        if open {
+            assert_eq!(last["route"]["cluster"], "pool_pods", "{failure_mode}");
+            let pool = find(&docs, "Service", &format!("{FULL}-pool-pods")).unwrap();
+            assert_eq!(pool["spec"]["clusterIP"], "None");
+            assert_eq!(pool["spec"]["selector"], json!({"app": "vllm"}));
+            assert_eq!(pool["spec"]["ports"][0]["port"], 8200);
+        } else {
+            assert_eq!(last["direct_response"]["status"], 503, "{failure_mode}");
+            assert!(find(&docs, "Service", &format!("{FULL}-pool-pods")).is_none());
+        }
+        let sts = find(&docs, "StatefulSet", FULL).unwrap();
+        let envoy = sts["spec"]["template"]["spec"]["containers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "envoy")
+            .unwrap();
+        assert_eq!(envoy["readinessProbe"]["httpGet"]["port"], "envoy-ready");
+    }
+
     // The EndpointPickerConfig in the ConfigMap: `epp` accepts it.
     let cm = find(&all, "ConfigMap", &format!("{FULL}-config")).unwrap();
     let cfg = dir.path().join("epp-config.yaml");
@@ -350,6 +449,19 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
         (
             vec!["pool.name=llm", "replicas=1", "pool.create=true"],
             "pool.matchLabels",
+        ),
+        (
+            vec![
+                "pool.name=llm",
+                "replicas=1",
+                "standalone.enabled=true",
+                "pool.failureMode=FailOpen",
+            ],
+            "needs pool.matchLabels",
+        ),
+        (
+            vec!["pool.name=llm", "replicas=1", "pool.failureMode=Open"],
+            "FailOpen or FailClose",
         ),
         (
             vec!["pool.name=llm", "replicas=1", "drain.delaySeconds=40"],

@@ -8,6 +8,7 @@
 //! `deploy/local/test.sh '^chaos::it <module>::'`.
 
 mod admin_auth;
+mod attacks;
 mod chaos_random;
 mod clock_skew;
 mod cluster_inflight;

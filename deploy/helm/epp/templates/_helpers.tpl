@@ -63,6 +63,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if and .Values.pool.create (not .Values.pool.matchLabels) -}}
 {{- fail "pool.create needs pool.matchLabels (the model servers' pod labels)" -}}
 {{- end -}}
+{{- if and .Values.standalone.enabled (eq .Values.pool.failureMode "FailOpen") (not .Values.pool.matchLabels) -}}
+{{- fail "standalone.enabled with pool.failureMode FailOpen needs pool.matchLabels: when the EPP cannot be reached, Envoy balances over the pool's pods (the <fullname>-pool-pods headless Service), never over an address from the request" -}}
+{{- end -}}
+{{- if not (has .Values.pool.failureMode (list "FailOpen" "FailClose")) -}}
+{{- fail "pool.failureMode must be FailOpen or FailClose" -}}
+{{- end -}}
 {{- if and .Values.tenantsSecret .Values.watchTenants -}}
 {{- fail "tenantsSecret and watchTenants exclude each other (tenants from a file, or from TenantQuota objects)" -}}
 {{- end -}}
