@@ -161,3 +161,121 @@ async fn a_client_cannot_pick_the_upstream_whether_the_epp_is_up_fails_open_or_f
         c.shutdown().await;
     }
 }
+
+/// The headers a client may send to steer the EPP, each with a value that would change what
+/// happens if it counted: a profile no configuration has (refused when honoured), SLOs no pod
+/// meets, another tenant's objective and fairness id, a model rewrite.
+const CONTROL: [(&str, &str); 9] = [
+    ("x-profile", "nowhere"),
+    ("x-llm-d-slo-ttft-ms", "1"),
+    ("x-slo-ttft-ms", "1"),
+    ("x-llm-d-slo-tpot-ms", "1"),
+    ("x-slo-tpot-ms", "1"),
+    ("x-llm-d-inference-objective", "critical"),
+    ("x-llm-d-inference-fairness-id", "someone-else"),
+    ("x-gateway-inference-fairness-id", "someone-else"),
+    ("x-llm-d-model-name-rewrite", "sim-model"),
+];
+
+const PROFILES: &str = "\
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- {type: header-profile-handler, parameters: {headerName: X-Profile, defaultProfile: a}}
+- type: queue-scorer
+- type: prefix-cache-scorer
+schedulingProfiles:
+- {name: a, plugins: [{pluginRef: queue-scorer}, {pluginRef: prefix-cache-scorer}]}
+- {name: b, plugins: [{pluginRef: queue-scorer}]}
+";
+
+/// Tenant mode: the client's control headers count for nothing — not the scheduling profile, not
+/// the SLOs, not the objective or fairness id — and none of them reaches the pod. Without tenant
+/// mode the same profile header is honoured (a profile that does not exist is refused), which
+/// shows the request would have been steered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_mode_ignores_the_clients_control_headers_and_strips_them_before_the_pod() {
+    const KEY: &str = "key-of-the-tenant";
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("profiles.yaml");
+    std::fs::write(&config, PROFILES).unwrap();
+    let tenants = dir.path().join("tenants.yaml");
+    std::fs::write(
+        &tenants,
+        format!(
+            "apiVersion: epp.dev/v1alpha1\nkind: TenantQuota\nmetadata: {{name: team}}\n\
+             spec:\n  apiKeys: [{{sha256: {}}}]\n  limits: [{{model: '*', concurrency: 4}}]\n",
+            node::request::tenant::hash_key(KEY)
+        ),
+    )
+    .unwrap();
+    let config_args = vec!["--config-file".to_string(), config.display().to_string()];
+    let body = json!({"model": "sim-model", "prompt": "steer me", "max_tokens": 2});
+
+    // Without tenant mode the profile header counts: the unknown profile is refused.
+    let open = LocalCluster::start(ClusterSpec {
+        sim: SimConfig {
+            pods: 2,
+            ..SimConfig::default()
+        },
+        epp_args: config_args.clone(),
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    open.wait_for_pods().await.unwrap();
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/completions", open.envoy.url());
+    let r = client
+        .post(&url)
+        .header("x-profile", "nowhere")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    assert_eq!(status, 429, "{text}");
+    assert!(text.contains("no scheduling profile"), "{text}");
+    open.shutdown().await;
+
+    let mut args = config_args;
+    args.extend(["--tenants-file".to_string(), tenants.display().to_string()]);
+    let c = LocalCluster::start(ClusterSpec {
+        sim: SimConfig {
+            pods: 2,
+            ..SimConfig::default()
+        },
+        epp_args: args,
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
+    let url = format!("{}/v1/completions", c.envoy.url());
+    for _ in 0..4 {
+        let mut req = client.post(&url).bearer_auth(KEY).json(&body);
+        for (k, v) in CONTROL {
+            req = req.header(k, v);
+        }
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        let received = r
+            .headers()
+            .get(sim::server::RECEIVED_HEADERS_HEADER)
+            .map(|v| v.to_str().unwrap().to_string());
+        let text = r.text().await.unwrap();
+        assert_eq!(
+            status, 200,
+            "the tenant's request, served as granted: {text}"
+        );
+        let received = received.expect("the pod echoes the x- headers it received");
+        for (k, _) in CONTROL {
+            assert!(
+                !received.split(',').any(|h| h == k),
+                "{k} reached the pod: {received}"
+            );
+        }
+    }
+    c.shutdown().await;
+}

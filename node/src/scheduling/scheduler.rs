@@ -141,6 +141,20 @@ pub struct Decision {
 }
 
 impl Scheduler {
+    /// The request headers that steer scheduling: the SLO headers (latency-aware plugins) and the
+    /// header that names a profile (`header-profile-handler`). For the EPP only — removed before
+    /// the model server — and, in tenant mode, not the client's to set: nothing grants them.
+    pub fn control_headers(&self) -> impl Iterator<Item = &str> {
+        let profile = match &self.handler {
+            Handler::Header { header, .. } => Some(header.as_str()),
+            _ => None,
+        };
+        super::latency::TTFT_SLO_HEADERS
+            .into_iter()
+            .chain(super::latency::TPOT_SLO_HEADERS)
+            .chain(profile)
+    }
+
     /// The primary profile (the single one, the decode profile, or the header handler's default
     /// — its first profile when the default names none).
     pub fn primary(&self) -> &Profile {

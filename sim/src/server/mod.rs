@@ -240,11 +240,25 @@ pub const RECEIVED_PREFILLER_HEADER: &str = "x-sim-received-prefiller";
 /// belong to), so tests can follow a trace to the pod.
 pub const RECEIVED_TRACEPARENT_HEADER: &str = "x-sim-received-traceparent";
 
+/// The names of the `x-` headers the request arrived with (comma-separated, in arrival order), so
+/// tests can check from the pod's side which control headers reached it.
+pub const RECEIVED_HEADERS_HEADER: &str = "x-sim-received-headers";
+
 async fn echo_destination(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let names: Vec<&str> = req
+        .headers()
+        .keys()
+        .map(|k| k.as_str())
+        .filter(|k| k.starts_with("x-"))
+        .collect();
+    let received = axum::http::HeaderValue::from_str(&names.join(",")).ok();
     let dest = req.headers().get(DESTINATION_HEADER).cloned();
     let prefiller = req.headers().get(PREFILLER_HEADER).cloned();
     let traceparent = req.headers().get("traceparent").cloned();
     let mut res = next.run(req).await;
+    if let Some(v) = received {
+        res.headers_mut().insert(RECEIVED_HEADERS_HEADER, v);
+    }
     if let Some(v) = traceparent {
         res.headers_mut().insert(RECEIVED_TRACEPARENT_HEADER, v);
     }

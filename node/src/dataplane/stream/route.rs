@@ -143,6 +143,24 @@ impl StreamState {
             Some(r) => r.tokens(&req, &self.body, &self.key, &candidates).await,
             None => None,
         };
+        // Tenant mode: the client's scheduling controls (SLOs, profile) count for nothing — the
+        // tenant's grants hold none — so scheduling sees the headers without them.
+        let granted_headers;
+        let headers = if tenant.is_some()
+            && ctx
+                .scheduler
+                .control_headers()
+                .any(|h| self.headers.contains_key(h))
+        {
+            let mut h = self.headers.clone();
+            for name in ctx.scheduler.control_headers() {
+                h.remove(name);
+            }
+            granted_headers = h;
+            &granted_headers
+        } else {
+            &self.headers
+        };
         let sched = SchedRequest {
             request_id: &self.key,
             model: &req.model,
@@ -150,7 +168,7 @@ impl StreamState {
             prompt: req.prompt(),
             cache_salt: req.cache_salt(),
             priority: req.meta.priority,
-            headers: &self.headers,
+            headers,
             tokens: tokens.as_deref(),
             media: req.media(),
         };
@@ -477,12 +495,13 @@ impl StreamState {
         }
         // Client-supplied control headers are for the EPP, not the model server.
         let remove_headers = CONTROL_HEADERS
-            .iter()
-            .chain(prefiller.is_none().then_some(&PREFILLER_HEADER))
-            .chain(rank.is_none().then_some(&DATA_PARALLEL_HEADER))
-            .chain(response_work.is_empty().then_some(&RESPONSE_FILTER_HEADER))
-            .filter(|h| self.headers.contains_key(**h))
-            .map(|h| h.to_string())
+            .into_iter()
+            .chain(ctx.scheduler.control_headers())
+            .chain(prefiller.is_none().then_some(PREFILLER_HEADER))
+            .chain(rank.is_none().then_some(DATA_PARALLEL_HEADER))
+            .chain(response_work.is_empty().then_some(RESPONSE_FILTER_HEADER))
+            .filter(|h| self.headers.contains_key(*h))
+            .map(str::to_string)
             .collect();
         // Session tokens (session affinity, encoded strategy) ride in the same namespace; the
         // route writes them on the response (`response_headers_to_add` from this metadata).

@@ -220,6 +220,12 @@ fn the_header_profile_handler_runs_the_profile_the_request_names() {
         Err(SchedError::NoProfile("huge".into()))
     );
     assert_eq!(s.primary().name, "small");
+    // The header is a control header (removed before the pod; a tenant's is ignored), beside
+    // the SLO headers.
+    let control: Vec<&str> = s.control_headers().collect();
+    for h in ["x-profile", "x-llm-d-slo-ttft-ms", "x-slo-tpot-ms"] {
+        assert!(control.contains(&h), "{h}: {control:?}");
+    }
 
     // One profile: whatever the header says.
     let one = load(
