@@ -128,8 +128,25 @@ async fn a_client_cannot_pick_the_upstream_whether_the_epp_is_up_fails_open_or_f
         );
 
         // The EPP gone: Envoy's ext_proc calls fail (connection refused, then no healthy host).
+        // A request whose ext_proc stream breaks after its body went out cannot fail open (the
+        // body was handed over): Envoy answers it 503. Wait until Envoy knows the EPP is down.
         c.epps.clear();
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        let expect = if failure_mode_allow { 200 } else { 503 };
+        let client = reqwest::Client::new();
+        let url = format!("{}/v1/completions", c.envoy.url());
+        chaos::wait::until("Envoy to see the EPP gone", Duration::from_secs(10), || {
+            let (client, url) = (client.clone(), url.clone());
+            async move {
+                client
+                    .post(&url)
+                    .json(&json!({"model": "sim-model", "prompt": "probe", "max_tokens": 1}))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().as_u16() == expect)
+            }
+        })
+        .await
+        .unwrap();
         let before = served(&c);
         let statuses = steer(&c, &canary).await;
         assert_eq!(
@@ -277,5 +294,134 @@ async fn tenant_mode_ignores_the_clients_control_headers_and_strips_them_before_
             );
         }
     }
+    c.shutdown().await;
+}
+
+/// Resident memory of a process (kB), from /proc.
+fn rss_kb(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// The distinct values of `label` across an exposition, and its series count.
+fn label_values(text: &str, label: &str) -> (std::collections::HashSet<String>, usize) {
+    let key = format!("{label}=\"");
+    let mut values = std::collections::HashSet::new();
+    let mut series = 0;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        series += 1;
+        let mut rest = line;
+        while let Some(i) = rest.find(&key) {
+            rest = &rest[i + key.len()..];
+            let end = rest.find('"').unwrap_or(rest.len());
+            values.insert(rest[..end].to_string());
+        }
+    }
+    (values, series)
+}
+
+/// Client strings are bounded: a 1 MiB model name is refused (400, with the reason) before it
+/// becomes a label or a key; 10 000 distinct 200-byte model names (each under the bound) and as
+/// many rewrite targets leave at most 1000 values of each model label (+ `other`) in `/metrics`,
+/// at most 60 000 series, and the replica's resident memory within 64 MiB of where it started
+/// (measured: 1001 model values, ~9 200 series, RSS +2 MB; before observing streams ended with
+/// their response, +230 MB: Envoy holds each observability-mode stream open 5 s after its
+/// request). Every request is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_model_names_leave_metrics_and_memory_bounded() {
+    let c = LocalCluster::start(ClusterSpec {
+        sim: SimConfig {
+            pods: 2,
+            ..SimConfig::default()
+        },
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
+    let epp = c.epp(0).unwrap();
+    let pid = epp.pid_u32().unwrap();
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/completions", c.envoy.url());
+
+    let huge = "m".repeat(1 << 20);
+    let r = client
+        .post(&url)
+        .json(&json!({"model": huge, "prompt": "p", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    assert_eq!(status, 400, "{}", &text[..text.len().min(300)]);
+    assert!(text.contains("longer than 256 bytes"), "{text}");
+
+    let before = rss_kb(pid);
+    let sent = Arc::new(AtomicUsize::new(0));
+    let answered = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..32)
+        .map(|w| {
+            let (client, url) = (client.clone(), url.clone());
+            let (sent, answered) = (sent.clone(), answered.clone());
+            tokio::spawn(async move {
+                loop {
+                    let i = sent.fetch_add(1, Ordering::SeqCst);
+                    if i >= 10_000 {
+                        break;
+                    }
+                    let name = format!("{i:0>200}");
+                    let r = client
+                        .post(&url)
+                        .header("x-llm-d-model-name-rewrite", format!("{w}{name}"))
+                        .json(&json!({"model": name, "prompt": "p", "max_tokens": 1}))
+                        .send()
+                        .await;
+                    if r.is_ok_and(|r| r.status().as_u16() > 0) {
+                        answered.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.await.unwrap();
+    }
+    assert_eq!(
+        answered.load(Ordering::SeqCst),
+        10_000,
+        "every request answered"
+    );
+    // The observing streams end with their responses, not Envoy's deferred close 5 s later.
+    let open = |text: &str| chaos::epp::metric_sum(text, "llm_d_epp_extproc_streams_inflight");
+    chaos::wait::until(
+        "the ext_proc streams closed",
+        Duration::from_secs(2),
+        || async { open(&epp.metrics().await.unwrap()) == 0.0 },
+    )
+    .await
+    .unwrap();
+    let after = rss_kb(pid);
+    let text = epp.metrics().await.unwrap();
+    let (models, series) = label_values(&text, "model_name");
+    let (targets, _) = label_values(&text, "target_model_name");
+    eprintln!(
+        "model_name values {} target_model_name values {} series {series} exposition {} KiB \
+         rss {before} → {after} kB",
+        models.len(),
+        targets.len(),
+        text.len() / 1024
+    );
+    assert!(models.len() <= 1001, "{} model_name values", models.len());
+    assert!(targets.len() <= 1001, "{} target values", targets.len());
+    assert!(models.contains("other"), "past the cap, `other`");
+    assert!(series <= 60_000, "{series} series");
+    assert!(
+        after <= before + 64 * 1024,
+        "rss grew from {before} kB to {after} kB"
+    );
     c.shutdown().await;
 }

@@ -62,7 +62,7 @@ pub async fn dry_run(ctx: &PickerContext, run: DryRun) -> Result<Explanation, Re
         &ctx.agent,
         &ctx.rewrites.get(),
         tenant.as_deref(),
-    );
+    )?;
     let candidates = ctx.store.candidates(Instant::now());
     let key = new_request_key(ctx.node_id);
     let tokens = match &ctx.renderer {
@@ -76,7 +76,7 @@ pub async fn dry_run(ctx: &PickerContext, run: DryRun) -> Result<Explanation, Re
         prompt: req.prompt(),
         cache_salt: req.cache_salt(),
         priority: req.meta.priority,
-        headers: &headers,
+        headers: &ctx.scheduler.granted_headers(&headers, tenant.is_some()),
         tokens: tokens.as_deref(),
         media: req.media(),
     };

@@ -32,6 +32,10 @@ pub const PREFIX: &str = "llm_d_epp";
 const MAX_LABEL_VALUES: usize = 1000;
 /// Distinct label combinations per request-labelled family (queue duration, token histograms).
 const MAX_SERIES: usize = 5000;
+/// Distinct (model, target model) pairs of the request families (`request_total`, sizes,
+/// latencies, errors): each label alone is capped at [`MAX_LABEL_VALUES`], but a client's rewrite
+/// header could pair every model with every target.
+const MAX_REQUEST_SERIES: usize = 1000;
 const OTHER: &str = "other";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -180,12 +184,26 @@ impl LabelCap {
 
 /// Caps the number of distinct label combinations of one family: each label is capped on its
 /// own, but 1000 fairness ids × 1000 models would still be a million series.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct SeriesCap {
     seen: Mutex<HashSet<u64>>,
+    max: usize,
+}
+
+impl Default for SeriesCap {
+    fn default() -> Self {
+        SeriesCap::new(MAX_SERIES)
+    }
 }
 
 impl SeriesCap {
+    fn new(max: usize) -> Self {
+        SeriesCap {
+            seen: Mutex::default(),
+            max,
+        }
+    }
+
     /// Whether the combination `values` may have its own series.
     fn admit(&self, values: &[&str]) -> bool {
         let mut h = xxhash_rust::xxh3::Xxh3::new();
@@ -201,7 +219,7 @@ impl SeriesCap {
         if seen.contains(&key) {
             return true;
         }
-        if seen.len() >= MAX_SERIES {
+        if seen.len() >= self.max {
             return false;
         }
         seen.insert(key);
@@ -235,6 +253,7 @@ pub struct Metrics {
     priority_cap: LabelCap,
     queue_series: SeriesCap,
     token_series: SeriesCap,
+    request_series: SeriesCap,
     disagg_decisions: Family<DisaggLabels, Counter>,
     model_rewrites: Family<RequestLabels, Counter>,
     served_by_fallback: Counter,
@@ -540,6 +559,7 @@ impl Metrics {
             priority_cap: LabelCap::default(),
             queue_series: SeriesCap::default(),
             token_series: SeriesCap::default(),
+            request_series: SeriesCap::new(MAX_REQUEST_SERIES),
             cluster,
             gossip,
             discovery,
@@ -697,10 +717,23 @@ impl Metrics {
         &self.pool_name
     }
 
+    /// A request's (model, target) labels: each capped, and past the pair cap both `other`.
     pub fn request_labels(&self, model: &str, target: &str) -> RequestLabels {
-        RequestLabels {
-            model_name: self.model_cap.admit(model),
-            target_model_name: self.model_cap.admit(target),
+        let (model_name, target_model_name) =
+            (self.model_cap.admit(model), self.model_cap.admit(target));
+        if self
+            .request_series
+            .admit(&[&model_name, &target_model_name])
+        {
+            RequestLabels {
+                model_name,
+                target_model_name,
+            }
+        } else {
+            RequestLabels {
+                model_name: OTHER.into(),
+                target_model_name: OTHER.into(),
+            }
         }
     }
 
@@ -885,5 +918,27 @@ mod tests {
             let q = m.queue_labels("m", "m", "t", p);
             assert_eq!(q.priority == OTHER, p >= MAX_LABEL_VALUES as i32, "{p}");
         }
+        // (model, target) pairs: 100 models each rewritten to 100 targets — 10 000 pairs, each
+        // label under its cap — keep their own series only up to the pair cap.
+        let m = Metrics::new("pool");
+        let mut own = 0;
+        for model in 0..100 {
+            for target in 0..100 {
+                let l = m.request_labels(&format!("m{model}"), &format!("t{target}"));
+                m.request_received(&l, 1);
+                if l.model_name != OTHER {
+                    own += 1;
+                } else {
+                    assert_eq!(l.target_model_name, OTHER);
+                }
+            }
+        }
+        assert_eq!(own, MAX_REQUEST_SERIES);
+        let series = m
+            .encode()
+            .lines()
+            .filter(|l| l.starts_with("llm_d_epp_request_total{"))
+            .count();
+        assert_eq!(series, MAX_REQUEST_SERIES + 1);
     }
 }

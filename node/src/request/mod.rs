@@ -31,7 +31,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
 
 use meta::{Objectives, RequestMeta};
-use parse::{ParsedRequest, Prompt};
+use parse::{MAX_MODEL_NAME_BYTES, ParsedRequest, Prompt};
 use reject::Rejection;
 use rewrite::{ModelRewrites, REWRITE_ALIAS, REWRITE_HEADER};
 
@@ -86,6 +86,12 @@ pub fn parse_body(
         .map_err(|e| Rejection::bad_request(e.to_string()))
 }
 
+fn too_long(header: &str) -> Rejection {
+    Rejection::bad_request(format!(
+        "header {header}: longer than {MAX_MODEL_NAME_BYTES} bytes"
+    ))
+}
+
 /// A parsed request with its target model and metadata: what admission and scheduling see.
 #[derive(Debug)]
 pub struct Request {
@@ -101,7 +107,9 @@ pub struct Request {
 impl Request {
     /// Resolve the target model (a rule for the model, else the rewrite header, else unchanged)
     /// and the request's metadata. With a `tenant` (tenant mode) the client's control headers
-    /// count for nothing: the metadata is what the tenant is granted.
+    /// count for nothing: the metadata is what the tenant is granted. Refused (400): a rewrite
+    /// target, fairness id or objective from the client longer than [`MAX_MODEL_NAME_BYTES`]
+    /// (they become metric labels, flow keys, replicated state).
     pub fn resolve(
         parsed: Option<ParsedRequest>,
         headers: &HashMap<String, String>,
@@ -109,27 +117,43 @@ impl Request {
         agent: &meta::AgentIdentity,
         rewrites: &ModelRewrites,
         tenant: Option<&tenant::Tenant>,
-    ) -> Request {
+    ) -> Result<Request, Rejection> {
         let model = parsed.as_ref().map_or("", |p| p.model.as_str());
         let rewrite_header = headers
             .get(REWRITE_HEADER)
             .or_else(|| headers.get(REWRITE_ALIAS))
             .map(String::as_str)
             .filter(|_| tenant.is_none());
+        if rewrite_header.is_some_and(|v| v.len() > MAX_MODEL_NAME_BYTES) {
+            return Err(too_long(REWRITE_HEADER));
+        }
         let target = if parsed.is_some() && !model.is_empty() {
             rewrites.target(model, rewrite_header, &mut rand::rng())
         } else {
             model
         };
-        Request {
+        let meta = match tenant {
+            Some(t) => RequestMeta::granted(&t.fairness_id, t.objective.as_deref(), objectives),
+            None => RequestMeta::from_headers(headers, objectives, agent),
+        };
+        if meta.fairness_id.len() > MAX_MODEL_NAME_BYTES {
+            return Err(too_long(
+                "x-llm-d-inference-fairness-id (or the session header standing for it)",
+            ));
+        }
+        if meta
+            .objective
+            .as_ref()
+            .is_some_and(|o| o.len() > MAX_MODEL_NAME_BYTES)
+        {
+            return Err(too_long(meta::OBJECTIVE_HEADER));
+        }
+        Ok(Request {
             model: model.to_string(),
             target_model: target.to_string(),
-            meta: match tenant {
-                Some(t) => RequestMeta::granted(&t.fairness_id, t.objective.as_deref(), objectives),
-                None => RequestMeta::from_headers(headers, objectives, agent),
-            },
+            meta,
             parsed,
-        }
+        })
     }
 
     /// Whether the pods serve another model than the client named.
@@ -198,5 +222,53 @@ impl Request {
             body = edited;
         }
         body
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resolve(headers: &[(&str, String)]) -> Result<Request, Rejection> {
+        let headers: HashMap<String, String> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        let parsed = parse::parse(
+            parse::ApiKind::Completions,
+            br#"{"model":"m","prompt":"p"}"#,
+        );
+        Request::resolve(
+            Some(parsed.unwrap()),
+            &headers,
+            &Objectives::default(),
+            &meta::AgentIdentity::default(),
+            &ModelRewrites::default(),
+            None,
+        )
+    }
+
+    /// Client strings that become labels, flow keys or replicated state are bounded: a rewrite
+    /// target, fairness id (or the session header standing for it) or objective over 256 bytes is
+    /// a 400 that names the header.
+    #[test]
+    fn over_long_control_header_values_are_refused() {
+        let ok = "x".repeat(MAX_MODEL_NAME_BYTES);
+        let long = "x".repeat(MAX_MODEL_NAME_BYTES + 1);
+        for h in [
+            REWRITE_HEADER,
+            meta::FAIRNESS_ID_HEADER,
+            "x-session-affinity",
+            meta::OBJECTIVE_HEADER,
+        ] {
+            assert!(resolve(&[(h, ok.clone())]).is_ok(), "{h}");
+            let r = resolve(&[(h, long.clone())]).unwrap_err();
+            assert_eq!(r.status, 400, "{h}");
+            assert!(
+                r.message.contains("longer than 256 bytes"),
+                "{h}: {}",
+                r.message
+            );
+        }
     }
 }

@@ -315,6 +315,12 @@ pub enum ParseError {
     },
 }
 
+/// The longest model name a request may carry: it becomes a metric label, a rewrite rule's key,
+/// and in tenant mode a key in replicated quota state. Model ids (`org/name`, LoRA adapter
+/// names) are far shorter.
+pub const MAX_MODEL_NAME_BYTES: usize = 256;
+const MODEL_TOO_LONG: &str = "longer than 256 bytes";
+
 fn field_err(field: &'static str, message: &'static str) -> ParseError {
     ParseError::Field { field, message }
 }
@@ -327,6 +333,9 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
             .ok()
             .and_then(|v| v.get("model").and_then(Value::as_str).map(String::from))
             .unwrap_or_default();
+        if model.len() > MAX_MODEL_NAME_BYTES {
+            return Err(field_err("model", MODEL_TOO_LONG));
+        }
         return Ok(ParsedRequest {
             kind,
             model,
@@ -343,6 +352,9 @@ pub fn parse(kind: ApiKind, body: &[u8]) -> Result<ParsedRequest, ParseError> {
     let obj = v.as_object().ok_or(ParseError::NotObject)?;
     let model = match obj.get("model") {
         None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) if s.len() > MAX_MODEL_NAME_BYTES => {
+            return Err(field_err("model", MODEL_TOO_LONG));
+        }
         Some(Value::String(s)) => s.clone(),
         Some(_) => return Err(field_err("model", "must be a string")),
     };
@@ -733,6 +745,13 @@ mod tests {
         .unwrap();
         assert_eq!(c.prompt, Prompt::Text(b"systemsuserq".to_vec()));
         assert!(parse(ApiKind::AnthropicCountTokens, br#"{"model":"m"}"#).is_err());
+        // Model names are bounded (metric labels, rewrite keys, replicated quota keys).
+        for kind in [ApiKind::Completions, ApiKind::Passthrough] {
+            let body = |n: usize| format!(r#"{{"model":"{}","prompt":"p"}}"#, "m".repeat(n));
+            assert!(parse(kind, body(MAX_MODEL_NAME_BYTES).as_bytes()).is_ok());
+            let err = parse(kind, body(MAX_MODEL_NAME_BYTES + 1).as_bytes()).unwrap_err();
+            assert_eq!(err.to_string(), "field `model`: longer than 256 bytes");
+        }
     }
 
     #[test]

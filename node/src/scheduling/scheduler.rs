@@ -155,6 +155,23 @@ impl Scheduler {
             .chain(profile)
     }
 
+    /// The headers scheduling may read: all of them, or in tenant mode (`untrusted`) a copy
+    /// without the [control headers](Self::control_headers) when the client sent one.
+    pub fn granted_headers<'a>(
+        &self,
+        headers: &'a std::collections::HashMap<String, String>,
+        untrusted: bool,
+    ) -> std::borrow::Cow<'a, std::collections::HashMap<String, String>> {
+        if !untrusted || !self.control_headers().any(|h| headers.contains_key(h)) {
+            return std::borrow::Cow::Borrowed(headers);
+        }
+        let mut h = headers.clone();
+        for name in self.control_headers() {
+            h.remove(name);
+        }
+        std::borrow::Cow::Owned(h)
+    }
+
     /// The primary profile (the single one, the decode profile, or the header handler's default
     /// — its first profile when the default names none).
     pub fn primary(&self) -> &Profile {

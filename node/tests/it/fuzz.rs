@@ -91,14 +91,16 @@ fn request_stage(path: &str, body: &[u8], headers: &HashMap<String, String>) {
     let tenant = tenants.identify(headers).ok();
     for passthrough in [false, true] {
         if let Ok(parsed) = parse_body(path, Some(body), passthrough) {
-            let req = Request::resolve(
+            let Ok(req) = Request::resolve(
                 parsed,
                 headers,
                 &objectives,
                 &node::request::meta::AgentIdentity::default(),
                 &rewrites,
                 tenant.as_deref(),
-            );
+            ) else {
+                continue;
+            };
             let _ = req.prompt().estimated_tokens();
             let cap = tenant
                 .as_ref()

