@@ -127,6 +127,14 @@ struct ServeArgs {
     /// Largest request body buffered; larger requests get 413.
     #[arg(long, default_value_t = 64 << 20)]
     max_body_bytes: usize,
+    /// Request body bytes all streams together may buffer; a chunk over it ends its request
+    /// with a retryable 503 (`body-buffer-budget`). At least --max-body-bytes.
+    #[arg(long, default_value_t = 1 << 30)]
+    max_buffered_body_bytes: usize,
+    /// Concurrent ext_proc streams per gRPC connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS);
+    /// Envoy opens more connections past it.
+    #[arg(long, default_value_t = 1024)]
+    max_streams_per_connection: u32,
     /// Ignore the proxy's subset hint (`envoy.lb.subset_hint` request metadata).
     #[arg(long)]
     disable_endpoint_subset_filter: bool,
@@ -558,6 +566,8 @@ fn main() -> anyhow::Result<()> {
                 health_addr: SocketAddr::new(args.bind, args.grpc_health_port),
                 admin_addr: SocketAddr::new(args.bind, args.metrics_port),
                 max_body_bytes: args.max_body_bytes,
+                max_buffered_body_bytes: args.max_buffered_body_bytes,
+                max_streams_per_connection: args.max_streams_per_connection,
                 refresh_metrics_interval: args.refresh_metrics_interval,
                 metrics_staleness_threshold: args.metrics_staleness_threshold,
                 drain_timeout: args.drain_timeout,
@@ -629,6 +639,8 @@ fn options_for_validation(
         health_addr: any,
         admin_addr: any,
         max_body_bytes: 0,
+        max_buffered_body_bytes: 0,
+        max_streams_per_connection: 1,
         refresh_metrics_interval: Duration::from_millis(50),
         metrics_staleness_threshold: Duration::from_secs(2),
         drain_timeout: Duration::ZERO,

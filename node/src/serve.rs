@@ -80,6 +80,10 @@ pub struct ServeOptions {
     pub health_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub max_body_bytes: usize,
+    /// What all streams together may buffer of request bodies (at least `max_body_bytes`).
+    pub max_buffered_body_bytes: usize,
+    /// HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS of the ext_proc server.
+    pub max_streams_per_connection: u32,
     pub refresh_metrics_interval: Duration,
     pub metrics_staleness_threshold: Duration,
     pub drain_timeout: Duration,
@@ -163,6 +167,18 @@ pub async fn serve(
     on_bound: impl FnOnce(BoundAddrs),
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
+    if opts.max_buffered_body_bytes < opts.max_body_bytes {
+        return Err(ServeError::Config(ConfigError::invalid(format!(
+            "--max-buffered-body-bytes ({}) must be at least --max-body-bytes ({}): a body of the \
+             largest size allowed could never be buffered",
+            opts.max_buffered_body_bytes, opts.max_body_bytes
+        ))));
+    }
+    if opts.max_streams_per_connection == 0 {
+        return Err(ServeError::Config(ConfigError::invalid(
+            "--max-streams-per-connection must be at least 1",
+        )));
+    }
     let cfg = load_config(&opts)?;
     let built = scheduling::build(&cfg)?;
     tracing::info!(config = %built.summary, "effective configuration");
@@ -490,6 +506,10 @@ pub async fn serve(
         inflight: built.inflight.clone(),
         metrics: metrics.clone(),
         max_body_bytes: opts.max_body_bytes,
+        body_budget: Arc::new(crate::dataplane::BodyBudget::new(
+            opts.max_buffered_body_bytes,
+            metrics.clone(),
+        )),
         passthrough,
         draining: AtomicBool::new(false),
         gate,
@@ -524,9 +544,11 @@ pub async fn serve(
     {
         let svc = ExtProcService::new(ctx.clone());
         let health_svc = health_svc.clone();
+        let max_streams = opts.max_streams_per_connection;
         let stop = stop.clone();
         tasks.spawn(async move {
             tonic::transport::Server::builder()
+                .max_concurrent_streams(max_streams)
                 .add_service(health_svc)
                 .add_service(ExternalProcessorServer::new(svc))
                 .serve_with_incoming_shutdown(nodelay(grpc), stop.cancelled())

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use chaos::cluster::{ClusterSpec, LocalCluster};
+use futures::StreamExt;
 use serde_json::json;
 use sim::SimConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -206,8 +207,9 @@ schedulingProfiles:
 - {name: b, plugins: [{pluginRef: queue-scorer}]}
 ";
 
-/// Tenant mode: the client's control headers count for nothing — not the scheduling profile, not
-/// the SLOs, not the objective or fairness id — and none of them reaches the pod. Without tenant
+/// Tenant mode: a request without a key is refused at its headers (before its body is buffered);
+/// the client's control headers count for nothing — not the scheduling profile, not the SLOs,
+/// not the objective or fairness id — and none of them reaches the pod. Without tenant
 /// mode the same profile header is honoured (a profile that does not exist is refused), which
 /// shows the request would have been steered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -270,6 +272,21 @@ async fn tenant_mode_ignores_the_clients_control_headers_and_strips_them_before_
     .unwrap();
     c.wait_for_pods().await.unwrap();
     let url = format!("{}/v1/completions", c.envoy.url());
+    // Identity comes from the headers: a request without a key is refused before its body is
+    // buffered — here a body that never ends (one chunk, then nothing) still gets its 401.
+    let stalled = futures::stream::once(async {
+        Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"{\"model\":"))
+    })
+    .chain(futures::stream::pending());
+    let r = client
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(stalled))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .expect("answered although the body never ends");
+    assert_eq!(r.status().as_u16(), 401);
     for _ in 0..4 {
         let mut req = client.post(&url).bearer_auth(KEY).json(&body);
         for (k, v) in CONTROL {
@@ -422,6 +439,119 @@ async fn hostile_model_names_leave_metrics_and_memory_bounded() {
     assert!(
         after <= before + 64 * 1024,
         "rss grew from {before} kB to {after} kB"
+    );
+    c.shutdown().await;
+}
+
+/// Request bodies buffered across streams are bounded by one budget: 24 clients each stream a
+/// 6 MiB body slowly (64 KiB every 5 ms, so that all are mid-body at once) at a replica whose
+/// budget is 32 MiB — 144 MiB offered. Every stream is answered: served, or a retryable 503
+/// `body-buffer-budget`; the replica's resident memory stays within the budget's reach
+/// (baseline + 4 × budget: the budget bounds what waits; parsing a routed body and streaming it
+/// back take up to twice its size again, briefly). The same at production sizes (300 bodies of
+/// 60 MiB, a 1 GiB default budget) is what `--max-buffered-body-bytes` bounds the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_large_bodies_stay_within_the_body_budget() {
+    const BUDGET: usize = 32 << 20;
+    const BODY: usize = 6 << 20;
+    const CHUNK: usize = 64 << 10;
+    let c = LocalCluster::start(ClusterSpec {
+        sim: SimConfig {
+            pods: 2,
+            ..SimConfig::default()
+        },
+        epp_args: vec![
+            "--max-body-bytes".into(),
+            (8usize << 20).to_string(),
+            "--max-buffered-body-bytes".into(),
+            BUDGET.to_string(),
+        ],
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
+    let epp = c.epp(0).unwrap();
+    let pid = epp.pid_u32().unwrap();
+    let baseline = rss_kb(pid);
+    let peak = Arc::new(std::sync::atomic::AtomicU64::new(baseline));
+    let sampling = {
+        let peak = peak.clone();
+        tokio::spawn(async move {
+            loop {
+                peak.fetch_max(rss_kb(pid), Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+    };
+    let url = format!("{}/v1/completions", c.envoy.url());
+    let clients: Vec<_> = (0..24)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                // A valid completion whose size is a field the pods ignore.
+                let head = br#"{"model":"sim-model","prompt":"hi","max_tokens":1,"padding":""#;
+                let mut body = Vec::with_capacity(BODY);
+                body.extend_from_slice(head);
+                body.resize(BODY - 2, b'a');
+                body.extend_from_slice(b"\"}");
+                let chunks: Vec<bytes::Bytes> = body
+                    .chunks(CHUNK)
+                    .map(bytes::Bytes::copy_from_slice)
+                    .collect();
+                let stream = futures::stream::iter(chunks).then(|c| async move {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    Ok::<_, std::io::Error>(c)
+                });
+                let r = reqwest::Client::new()
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(reqwest::Body::wrap_stream(stream))
+                    .timeout(Duration::from_secs(60))
+                    .send()
+                    .await;
+                match r {
+                    Ok(r) => {
+                        let reason = r
+                            .headers()
+                            .get("x-llm-d-request-dropped-reason")
+                            .map(|v| v.to_str().unwrap().to_string());
+                        (Some(r.status().as_u16()), reason)
+                    }
+                    // Envoy may answer the refusal and reset the upload before it is all sent.
+                    Err(e) => {
+                        eprintln!("client: {e:#}");
+                        (None, None)
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for cl in clients {
+        outcomes.push(cl.await.unwrap());
+    }
+    sampling.abort();
+    let peak = peak.load(Ordering::SeqCst);
+    let served = outcomes.iter().filter(|o| o.0 == Some(200)).count();
+    let refused = outcomes
+        .iter()
+        .filter(|o| o.0 == Some(503) && o.1.as_deref() == Some("body-buffer-budget"))
+        .count();
+    eprintln!(
+        "served {served} refused {refused} of 24; rss baseline {baseline} kB peak {peak} kB; {outcomes:?}"
+    );
+    assert_eq!(served + refused, 24, "every stream answered: {outcomes:?}");
+    assert!(served >= 1 && refused >= 1, "{outcomes:?}");
+    assert!(
+        peak <= baseline + 4 * (BUDGET as u64 >> 10),
+        "rss peaked at {peak} kB from {baseline} kB"
+    );
+    let metrics = epp.metrics().await.unwrap();
+    assert_eq!(
+        chaos::epp::metric_sum(&metrics, "llm_d_epp_buffered_body_bytes"),
+        0.0,
+        "every reservation returned"
     );
     c.shutdown().await;
 }

@@ -20,6 +20,8 @@ pub struct PickerContext {
     pub inflight: Option<Arc<InflightTracker>>,
     pub metrics: Arc<Metrics>,
     pub max_body_bytes: usize,
+    /// What all streams together may buffer of request bodies (`--max-buffered-body-bytes`).
+    pub body_budget: Arc<super::budget::BodyBudget>,
     /// `passthrough-parser` configured: unknown paths are routed instead of refused.
     pub passthrough: bool,
     pub draining: std::sync::atomic::AtomicBool,

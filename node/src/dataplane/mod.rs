@@ -17,6 +17,7 @@
 //! only observed when Envoy runs the filter in `observability_mode` (the split data plane of
 //! `deploy/local/envoy.yaml`, which keeps responses alive when a replica dies).
 
+mod budget;
 mod context;
 pub mod explain;
 pub mod reply;
@@ -35,6 +36,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 pub use reply::{DESTINATION_HEADER, ENVOY_LB_NAMESPACE};
 
+pub use budget::BodyBudget;
 pub use context::PickerContext;
 
 #[derive(Debug, Clone)]

@@ -248,6 +248,7 @@ pub struct Metrics {
     ready_endpoints: Family<PoolLabels, Gauge>,
     streams_inflight: Gauge,
     streams_inflight_count: AtomicI64,
+    buffered_body_bytes: Gauge,
     model_cap: LabelCap,
     fairness_cap: LabelCap,
     priority_cap: LabelCap,
@@ -415,6 +416,12 @@ impl Metrics {
             "Open ext_proc streams",
             streams_inflight.clone(),
         );
+        let buffered_body_bytes = Gauge::default();
+        registry.register(
+            "buffered_body_bytes",
+            "Request body bytes buffered across streams (bounded by --max-buffered-body-bytes)",
+            buffered_body_bytes.clone(),
+        );
         let flow = FlowMetrics {
             queue_duration: Family::new_with_constructor(queue_histogram as fn() -> Histogram),
             requests: Family::default(),
@@ -554,6 +561,7 @@ impl Metrics {
             ready_endpoints,
             streams_inflight,
             streams_inflight_count: AtomicI64::new(0),
+            buffered_body_bytes,
             model_cap: LabelCap::default(),
             fairness_cap: LabelCap::default(),
             priority_cap: LabelCap::default(),
@@ -828,6 +836,11 @@ impl Metrics {
     pub fn stream_closed(&self) {
         self.streams_inflight_count.fetch_sub(1, Ordering::Relaxed);
         self.streams_inflight.dec();
+    }
+
+    pub fn set_buffered_body_bytes(&self, n: usize) {
+        self.buffered_body_bytes
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     pub fn streams_inflight(&self) -> i64 {

@@ -45,6 +45,19 @@ impl Rejection {
         }
     }
 
+    /// 503: the replica's budget for buffered request bodies is spent (retryable).
+    pub fn body_budget(limit: usize) -> Self {
+        Rejection {
+            status: 503,
+            code: "ServiceUnavailable",
+            reason: Some("body-buffer-budget"),
+            message: format!(
+                "the replica is buffering {limit} bytes of request bodies already; retry"
+            ),
+            headers: vec![("retry-after".into(), "1".into())],
+        }
+    }
+
     pub fn saturated(message: impl Into<String>) -> Self {
         Rejection {
             status: 429,

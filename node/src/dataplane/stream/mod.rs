@@ -76,6 +76,10 @@ struct StreamState {
     response_bound: bool,
     /// The response ended (its last body chunk, trailers, or headers that ended it).
     response_ended: bool,
+    /// What this stream holds of the replica's budget for buffered request bodies.
+    reservation: super::budget::Reservation,
+    /// Tenant mode: the tenant the request headers identified (before any body is buffered).
+    tenant: Option<Arc<crate::request::tenant::Tenant>>,
     /// The proxy's subset hint (allowed endpoint IPs), from any request-phase message's metadata.
     subset: Option<Vec<std::net::IpAddr>>,
     /// The pod this stream routed the request to (`ip:port`), when it routed it.
@@ -120,6 +124,8 @@ pub async fn run(
         usage: None,
         response_bound: false,
         response_ended: false,
+        reservation: super::budget::Reservation::new(ctx.body_budget.clone()),
+        tenant: None,
         subset: None,
         primary: None,
         trace_parent,
@@ -231,6 +237,14 @@ impl StreamState {
             self.phase = Phase::Routed;
             return Ok(());
         }
+        // Tenant mode: who is asking is known from the headers — a request without a valid
+        // key is refused before a byte of its body is buffered.
+        if let Some(q) = &self.ctx.quotas {
+            match q.identify(&self.headers) {
+                Ok(t) => self.tenant = Some(t),
+                Err(r) => return self.reject(r).await,
+            }
+        }
         if h.end_of_stream {
             // No body (e.g. GET /v1/models): route now, on scores alone.
             return self.route().await;
@@ -255,10 +269,32 @@ impl StreamState {
                 .reject(Rejection::too_large(self.ctx.max_body_bytes))
                 .await;
         }
+        // The budget counts what the buffer holds (its capacity), grown by doubling up to the
+        // body limit.
+        let need = self.body.len() + b.body.len();
+        let whole = self.body.is_empty() && b.end_of_stream;
+        let capacity = if whole {
+            b.body.capacity()
+        } else if need > self.body.capacity() {
+            need.max(self.body.capacity() * 2)
+                .min(self.ctx.max_body_bytes)
+        } else {
+            self.body.capacity()
+        };
+        if !self
+            .reservation
+            .grow(capacity.saturating_sub(self.body.capacity()))
+        {
+            self.body = Vec::new();
+            return self
+                .reject(Rejection::body_budget(self.ctx.body_budget.limit()))
+                .await;
+        }
         self.body_started = true;
-        if self.body.is_empty() && b.end_of_stream {
+        if whole {
             self.body = b.body;
         } else {
+            self.body.reserve_exact(capacity - self.body.len());
             self.body.extend_from_slice(&b.body);
         }
         if b.end_of_stream {
@@ -297,6 +333,8 @@ impl StreamState {
         self.span_refused(&r);
         tracing::debug!(request_id = %self.request_id, status = r.status, message = %r.message, "request refused");
         self.phase = Phase::Done;
+        self.body = Vec::new();
+        self.reservation.release();
         self.send(Resp::ImmediateResponse(reply::immediate(&r)))
             .await
     }

@@ -66,13 +66,8 @@ impl StreamState {
             Ok(p) => p,
             Err(r) => return self.reject(r).await,
         };
-        let tenant = match &ctx.quotas {
-            Some(q) => match q.identify(&self.headers) {
-                Ok(t) => Some(t),
-                Err(r) => return self.reject(r).await,
-            },
-            None => None,
-        };
+        // Tenant mode: identified at the request headers.
+        let tenant = self.tenant.clone();
         let req = match Request::resolve(
             parsed,
             &self.headers,
@@ -189,6 +184,7 @@ impl StreamState {
         if sent.is_ok() && answer.on_headers && self.body_started {
             sent = self.stream_body_back(body).await;
         }
+        self.reservation.release();
         if sent.is_err() {
             // Envoy is gone: the request reaches no pod, its charge goes back.
             if let Some(t) = &ctx.inflight {
