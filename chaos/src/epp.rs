@@ -29,6 +29,8 @@ pub struct EppAddrs {
 pub struct EppProcess {
     child: Child,
     pub addrs: EppAddrs,
+    /// The admin token (`--admin-token-file`'s), sent with every `/debug` call.
+    admin_token: Option<String>,
 }
 
 impl EppProcess {
@@ -98,7 +100,22 @@ impl EppProcess {
             serde_json::from_str(&line).with_context(|| format!("bad epp ready line: {line}"))?;
         // Keep draining stdout so the child never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Ok(EppProcess { child, addrs })
+        let token_file = extra
+            .iter()
+            .enumerate()
+            .find_map(|(i, a)| match a.split_once('=') {
+                Some(("--admin-token-file", path)) => Some(path),
+                _ if *a == "--admin-token-file" => extra.get(i + 1).copied(),
+                _ => None,
+            });
+        let admin_token = token_file
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .and_then(|t| t.lines().next().map(|l| l.trim().to_string()));
+        Ok(EppProcess {
+            child,
+            addrs,
+            admin_token,
+        })
     }
 
     /// The OS process id, while the process runs.
@@ -168,11 +185,13 @@ impl EppProcess {
 
     /// `GET` one of the admin port's JSON views.
     pub async fn admin_json(&self, path: &str) -> anyhow::Result<serde_json::Value> {
-        let resp = reqwest::Client::new()
+        let mut req = reqwest::Client::new()
             .get(format!("http://{}{path}", self.addrs.admin))
-            .timeout(Duration::from_secs(2))
-            .send()
-            .await?;
+            .timeout(Duration::from_secs(2));
+        if let Some(t) = &self.admin_token {
+            req = req.bearer_auth(t);
+        }
+        let resp = req.send().await?;
         if !resp.status().is_success() {
             bail!("{path}: {}", resp.status());
         }

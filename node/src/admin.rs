@@ -4,10 +4,10 @@
 //! Authorization: a caller is authorized when it presents `Authorization: Bearer <token>` with the
 //! token of `--admin-token-file` (re-read on every check, so it can be rotated in place), or —
 //! when no token file is configured — when it connects from a loopback address. Mutating calls
-//! (`POST /debug/cluster/...`: membership changes, probes) need authorization (401/403 otherwise);
-//! the `/debug` views show tenant (fairness) ids and request keys only to authorized callers,
-//! `redacted` to others. `/metrics`, `/healthz` and `/readyz` are open, as probes and Prometheus
-//! need them.
+//! (`POST /debug/cluster/...`: membership changes, probes) need authorization (401/403 otherwise).
+//! With a token file every `/debug` view needs it too (401); without one the views are open and
+//! show tenant (fairness) ids and request keys only to authorized callers, `redacted` to others.
+//! `/metrics`, `/healthz` and `/readyz` are open, as probes and Prometheus need them.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -135,10 +135,7 @@ pub async fn run(
     admin: Arc<Admin>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    let app = Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
+    let debug = Router::new()
         .route("/debug/cluster", get(cluster_view))
         .route("/debug/cluster/probes", get(cluster_probes))
         .route("/debug/cluster/{op}", post(cluster_op))
@@ -156,6 +153,15 @@ pub async fn run(
                 admin.ctx.max_body_bytes.saturating_mul(2) + 65_536,
             )),
         )
+        .route_layer(axum::middleware::from_fn_with_state(
+            admin.clone(),
+            debug_guard,
+        ));
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .merge(debug)
         .with_state(admin);
     axum::serve(
         listener,
@@ -163,6 +169,22 @@ pub async fn run(
     )
     .with_graceful_shutdown(async move { shutdown.cancelled().await })
     .await
+}
+
+/// With an admin token configured, every `/debug` view and call needs it: the views show the
+/// pool's topology, the cluster's members, pods' state. (Without one, views are open with tenant
+/// ids and request keys redacted, and calls are accepted from localhost.)
+async fn debug_guard(
+    State(admin): State<Arc<Admin>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if admin.token_file.is_some() && !admin.authorizes(&headers, peer) {
+        return admin.refuse();
+    }
+    next.run(req).await
 }
 
 async fn metrics(State(admin): State<Arc<Admin>>) -> impl IntoResponse {

@@ -52,6 +52,16 @@ async fn mutating_admin_calls_need_the_token() {
         ),
         "refusals are counted"
     );
+    // With a token configured the views need it too: they show the pool and the cluster.
+    for view in [
+        "/debug/cluster",
+        "/debug/cluster/probes",
+        "/debug/inflight",
+        "/debug/scrape",
+    ] {
+        let r = reqwest::get(format!("http://{admin}{view}")).await.unwrap();
+        assert_eq!(r.status(), 401, "{view} without the token");
+    }
 
     // The scheduling dry run shows every pod's state: it needs the token too.
     let dry_run = |token: Option<&'static str>| {
