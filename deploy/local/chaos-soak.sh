@@ -8,7 +8,8 @@
 # Reproduce one seed: target/release/epp-chaos --seeds N --run SECONDS
 set -euo pipefail
 source "$(dirname "$0")/prepare.sh"
-cargo build --release --locked --bins -p node -p chaos
+# The soak skews replicas' clocks: `epp`'s test-only flags (the `test-hooks` feature).
+cargo build --release --locked --bins -p node -p chaos --features node/test-hooks
 rm -f target/chaos-soak.jsonl
 exec target/release/epp-chaos \
   --first-seed 1000 --for 1850 --run 120 --json target/chaos-soak.jsonl "$@"

@@ -184,7 +184,9 @@ struct ServeArgs {
     /// unredacted `/debug` views; re-read on every call. Without it only localhost is trusted.
     #[arg(long)]
     admin_token_file: Option<PathBuf>,
-    /// Tests only: shift this replica's wall clock by this many milliseconds (clock skew).
+    /// Tests only (the `test-hooks` feature): shift this replica's wall clock by this many
+    /// milliseconds (clock skew).
+    #[cfg(feature = "test-hooks")]
     #[arg(long, hide = true, default_value_t = 0, allow_negative_numbers = true)]
     clock_offset_ms: i64,
     #[command(flatten)]
@@ -209,8 +211,10 @@ struct ClusterArgs {
     /// this long (a StatefulSet scaled down). Off by default.
     #[arg(long, value_parser = duration)]
     remove_departed_after: Option<Duration>,
-    /// Tests only: the cluster features this replica advertises (a bit set; default all this
-    /// build speaks) — fewer stand in for an older build in a rolling upgrade.
+    /// Tests only (the `test-hooks` feature): the cluster features this replica advertises (a
+    /// bit set; default all this build speaks) — fewer stand in for an older build in a rolling
+    /// upgrade.
+    #[cfg(feature = "test-hooks")]
     #[arg(long, hide = true, default_value_t = flowctl::cluster::FEATURE_HELD)]
     cluster_features: u32,
     /// This replica's Raft node id (stable across restarts).
@@ -389,7 +393,10 @@ impl ClusterArgs {
             flow_degraded_wait: self.flow_degraded_wait,
             auto_join: self.auto_join,
             remove_departed_after: self.remove_departed_after,
+            #[cfg(feature = "test-hooks")]
             features: self.cluster_features,
+            #[cfg(not(feature = "test-hooks"))]
+            features: flowctl::cluster::FEATURE_HELD,
         }))
     }
 }
@@ -538,6 +545,7 @@ fn main() -> anyhow::Result<()> {
                     args.drain_timeout
                 );
             }
+            #[cfg(feature = "test-hooks")]
             if args.clock_offset_ms != 0 {
                 tracing::warn!(
                     offset_ms = args.clock_offset_ms,

@@ -2,7 +2,8 @@
 //!
 //! Starts simulated vLLM pods, EPP replicas and Envoy on loopback, runs the same multi-turn workload
 //! through the EPP route (`/`) and the round-robin route (`/rr/`), prints them side by side and stops
-//! everything. Exits non-zero if any step fails or any request errs.
+//! everything. Exits non-zero if any step fails, any request errs, or (cluster mode) the replicas'
+//! prefix indexes still differ or requests are still in flight after the traffic.
 
 use std::time::Duration;
 
@@ -124,6 +125,9 @@ async fn main() -> anyhow::Result<()> {
         ..LoadConfig::default()
     };
     let mut reports = Vec::new();
+    // What went wrong besides a request failing (replicas that disagree, requests left in
+    // flight): printed where it is seen, and the exit status at the end.
+    let mut problems = Vec::new();
     for (name, prefix) in [("epp", ""), ("round-robin", "/rr")] {
         println!(
             "running {} conversations x {} turns through {name} ...",
@@ -137,9 +141,9 @@ async fn main() -> anyhow::Result<()> {
             .with_context(|| format!("load against {name}"))?;
         reports.push((name.to_string(), report));
         if name == "epp" && args.replicas > 1 {
-            print_prefix_replication(&cluster, args.replicas).await?;
+            problems.extend(print_prefix_replication(&cluster, args.replicas).await?);
             if args.flow_control {
-                print_cluster_flow(&cluster, args.replicas).await?;
+                problems.extend(print_cluster_flow(&cluster, args.replicas).await?);
             }
         }
     }
@@ -157,15 +161,36 @@ async fn main() -> anyhow::Result<()> {
     let expected = (args.conversations * args.turns) as u64;
     for (name, r) in &reports {
         if r.errors > 0 || r.requests != expected {
-            bail!(
+            problems.push(format!(
                 "{name}: {} of {expected} requests, {} errors",
-                r.requests,
-                r.errors
-            );
+                r.requests, r.errors
+            ));
         }
     }
+    verdict(&problems)?;
     println!("\nok: every request succeeded on both routes");
     Ok(())
+}
+
+/// The demo's exit status: an error naming every problem seen, if any.
+fn verdict(problems: &[String]) -> anyhow::Result<()> {
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        bail!("{}", problems.join("; "))
+    }
+}
+
+/// A problem when the replicated ledger still held requests after the traffic.
+fn drain_problem(still_inflight: Option<&serde_json::Value>) -> Option<String> {
+    still_inflight
+        .map(|n| format!("cluster flow control: still {n} in flight 5 s after the traffic"))
+}
+
+/// A problem when the replicas' prefix indexes still differed after the traffic.
+fn divergence_problem(converged: bool) -> Option<String> {
+    (!converged)
+        .then(|| "prefix index: the replicas still differ 3 s after the traffic".to_string())
 }
 
 /// The replicas' config flags: the config file, or its text with the flow-control gate added.
@@ -191,8 +216,11 @@ fn epp_config_args(args: &Args) -> anyhow::Result<Vec<String>> {
 }
 
 /// Cluster mode with flow control: how the replicas admitted the requests, and how soon the
-/// replicated ledger was empty again after the traffic.
-async fn print_cluster_flow(cluster: &LocalCluster, replicas: usize) -> anyhow::Result<()> {
+/// replicated ledger was empty again after the traffic (a problem if it was not within 5 s).
+async fn print_cluster_flow(
+    cluster: &LocalCluster,
+    replicas: usize,
+) -> anyhow::Result<Option<String>> {
     let t0 = std::time::Instant::now();
     let drained = loop {
         let v = cluster.epp(0)?.flow_view().await?;
@@ -229,12 +257,19 @@ async fn print_cluster_flow(cluster: &LocalCluster, replicas: usize) -> anyhow::
             ),
         }
     );
-    Ok(())
+    Ok(drain_problem(
+        drained
+            .is_none()
+            .then_some(&global["totals"]["inflight_requests"]),
+    ))
 }
 
 /// Cluster mode: whether the replicas' prefix indexes converged (they should within one gossip
-/// round of the traffic stopping) and what replicating them cost.
-async fn print_prefix_replication(cluster: &LocalCluster, replicas: usize) -> anyhow::Result<()> {
+/// round of the traffic stopping; a problem if not within 3 s) and what replicating them cost.
+async fn print_prefix_replication(
+    cluster: &LocalCluster,
+    replicas: usize,
+) -> anyhow::Result<Option<String>> {
     let t0 = std::time::Instant::now();
     let (views, took) = loop {
         let mut views = Vec::new();
@@ -268,5 +303,32 @@ async fn print_prefix_replication(cluster: &LocalCluster, replicas: usize) -> an
             serde_json::to_string(&views)?
         ),
     }
-    Ok(())
+    Ok(divergence_problem(took.is_some()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Replicas that disagree or requests left in flight make the demo fail, like a failed
+    /// request does.
+    #[test]
+    fn the_demo_fails_on_divergence_or_requests_left_in_flight() {
+        assert!(verdict(&[]).is_ok());
+        let diverged = divergence_problem(false);
+        let stuck = drain_problem(Some(&serde_json::json!(3)));
+        assert_eq!(divergence_problem(true), None);
+        assert_eq!(drain_problem(None), None);
+        for p in [diverged, stuck] {
+            let p = p.expect("a problem");
+            let err = verdict(std::slice::from_ref(&p)).unwrap_err().to_string();
+            assert_eq!(err, p);
+        }
+        assert!(
+            verdict(&["a".into(), "b".into()])
+                .unwrap_err()
+                .to_string()
+                .contains("a; b")
+        );
+    }
 }
