@@ -462,3 +462,54 @@ fn centralized_mode_forwards_what_other_replicas_own() {
     assert!(!pb.pods().contains(&stray.pod));
     drop(publisher);
 }
+
+/// Centralized mode's bound socket takes connections from anyone who can reach it: a message over
+/// the size bound (here 9 MiB from a rogue publisher) is refused by ZMQ before it is buffered —
+/// nothing of it reaches the subscriber, which goes on taking the others' messages.
+#[test]
+fn the_central_socket_refuses_oversize_messages() {
+    let (_producer, sub, metrics) = subscriber(Some("tcp://127.0.0.1:*"));
+    let central = sub.central_endpoint().unwrap().to_string();
+    let ctx = zmq::Context::new();
+    let publisher = |topic: &'static str| {
+        let s = ctx.socket(zmq::PUB).unwrap();
+        s.connect(&central).unwrap();
+        move |payload: &[u8]| {
+            s.send_multipart([topic.as_bytes(), &1u64.to_be_bytes(), payload], 0)
+                .unwrap()
+        }
+    };
+    let (rogue, small) = (
+        publisher("kv@10.9.9.1:8000@m"),
+        publisher("kv@10.9.9.2:8000@m"),
+    );
+    let unknown = || {
+        metrics
+            .encode()
+            .lines()
+            .find(|l| {
+                l.starts_with("llm_d_epp_kv_events_messages_total{pod=\"\",outcome=\"unknown\"}")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // Both connected: messages of a pod outside the targets are counted as `unknown`.
+    wait("the small publisher's messages", || {
+        small(b"x");
+        std::thread::sleep(Duration::from_millis(20));
+        unknown() > 0
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let before = unknown();
+    let huge = vec![0u8; 9 << 20];
+    for _ in 0..3 {
+        rogue(&huge);
+    }
+    small(b"x");
+    wait("the small message after the huge ones", || {
+        unknown() > before
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(unknown(), before + 1, "the oversize messages were taken");
+    const { assert!(node::datalayer::kvevents::MAX_MESSAGE_BYTES < 9 << 20) };
+}

@@ -66,6 +66,7 @@ impl Central {
         let socket = ctx.socket(zmq::SUB).map_err(|e| zerr("socket for", e))?;
         socket
             .set_rcvhwm(hwm)
+            .and_then(|()| socket.set_maxmsgsize(super::MAX_MESSAGE_BYTES))
             .and_then(|()| socket.set_linger(0))
             .and_then(|()| socket.set_subscribe(topic_filter.as_bytes()))
             .map_err(|e| zerr("configuring", e))?;

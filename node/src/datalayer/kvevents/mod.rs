@@ -67,6 +67,10 @@ const REPLAY_DEADLINE: Duration = Duration::from_secs(2);
 const REPLAY_COOLDOWN: Duration = Duration::from_secs(5);
 /// SUB receive high-water mark (messages).
 const RCVHWM: i32 = 10_000;
+/// The largest KV-event message taken from a publisher (ZMQ_MAXMSGSIZE, per frame): ZMQ
+/// disconnects a peer that sends more, before the message is buffered (the publisher reconnects;
+/// the stream's sequence gap is then resynced like any other). An engine's batches are kilobytes.
+pub const MAX_MESSAGE_BYTES: i64 = 8 << 20;
 /// Batches remembered per stream (sequence and payload digest) to tell a late duplicate from a
 /// restarted publisher's new batch.
 const RECENT: usize = 64;
@@ -532,6 +536,7 @@ impl Thread {
         } else {
             let sub = self.ctx.socket(zmq::SUB)?;
             sub.set_rcvhwm(RCVHWM)?;
+            sub.set_maxmsgsize(MAX_MESSAGE_BYTES)?;
             sub.set_linger(0)?;
             sub.set_subscribe(self.topic_filter.as_bytes())?;
             sub.connect(&t.endpoint)?;
@@ -541,6 +546,7 @@ impl Thread {
             Some(r) => {
                 let d = self.ctx.socket(zmq::DEALER)?;
                 d.set_linger(0)?;
+                d.set_maxmsgsize(MAX_MESSAGE_BYTES)?;
                 d.set_sndhwm(16)?;
                 d.connect(r)?;
                 Some(d)
