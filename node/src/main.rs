@@ -145,6 +145,10 @@ struct ServeArgs {
     /// The most response bindings kept per pod (the newest; each ~130 bytes on every replica).
     #[arg(long, default_value_t = node::datalayer::responses::DEFAULT_PER_POD)]
     response_affinity_per_pod: usize,
+    /// How long a pod that left the pool keeps its prefix-index entries and response bindings
+    /// (one back within it is still warm); then they are dropped.
+    #[arg(long, default_value = "60s", value_parser = duration)]
+    forget_departed_after: Duration,
     /// Model-server metrics scrape tick.
     #[arg(long, default_value = "50ms", value_parser = duration)]
     refresh_metrics_interval: Duration,
@@ -586,6 +590,7 @@ fn main() -> anyhow::Result<()> {
                 disable_subset_filter: args.disable_endpoint_subset_filter,
                 response_affinity_ttl: args.response_affinity_ttl,
                 response_affinity_per_pod: args.response_affinity_per_pod,
+                forget_departed_after: args.forget_departed_after,
                 admin_token_file: args.admin_token_file,
                 tenants_file: args.tenants_file,
                 watch_tenants: args.watch_tenants,
@@ -659,6 +664,7 @@ fn options_for_validation(
         disable_subset_filter: false,
         response_affinity_ttl: node::datalayer::responses::DEFAULT_TTL,
         response_affinity_per_pod: node::datalayer::responses::DEFAULT_PER_POD,
+        forget_departed_after: Duration::from_secs(60),
         admin_token_file: None,
         tenants_file: None,
         watch_tenants: false,

@@ -102,6 +102,8 @@ pub struct ServeOptions {
     pub response_affinity_ttl: Duration,
     /// The most response bindings kept per pod, newest first (`--response-affinity-per-pod`).
     pub response_affinity_per_pod: usize,
+    /// How long a departed pod keeps its prefix-index entries and response bindings.
+    pub forget_departed_after: Duration,
     /// Bearer token for mutating admin calls and unredacted `/debug` views; `None`: only
     /// callers on localhost are authorized (see `admin`).
     pub admin_token_file: Option<PathBuf>,
@@ -541,6 +543,18 @@ pub async fn serve(
     let stop = CancellationToken::new();
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(discovery.run(stop.clone()).then_ok());
+    tasks.spawn(
+        crate::datalayer::departed::run(
+            ctx.store.clone(),
+            ctx.scheduler.prefix_index.clone(),
+            ctx.responses.clone(),
+            opts.forget_departed_after,
+            (opts.forget_departed_after / 4)
+                .clamp(Duration::from_millis(100), Duration::from_secs(5)),
+            stop.clone(),
+        )
+        .then_ok(),
+    );
     {
         let svc = ExtProcService::new(ctx.clone());
         let health_svc = health_svc.clone();

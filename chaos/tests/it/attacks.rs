@@ -555,3 +555,86 @@ async fn concurrent_large_bodies_stay_within_the_body_budget() {
     );
     c.shutdown().await;
 }
+
+/// Pod churn does not grow the replica's memory: a pod that leaves the pool has its prefix-index
+/// entries dropped once it has been gone for `--forget-departed-after` (1 s here; 60 s by
+/// default, so a pod back within a minute is still warm) — within 3 s of leaving here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_departed_pods_prefix_entries_are_forgotten() {
+    let c = LocalCluster::start(ClusterSpec {
+        sim: SimConfig {
+            pods: 2,
+            ..SimConfig::default()
+        },
+        epp_args: vec!["--forget-departed-after".into(), "1s".into()],
+        ..ClusterSpec::default()
+    })
+    .await
+    .unwrap();
+    c.wait_for_pods().await.unwrap();
+    let epp = c.epp(0).unwrap();
+    let url = format!("{}/v1/completions", c.envoy.url());
+    let client = reqwest::Client::new();
+    let pods_held = || async {
+        let v = epp.prefix_index().await.unwrap();
+        v["pods"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|p| p["entries"].as_u64() > Some(0))
+            .map(|p| p["pod"].as_str().unwrap().to_string())
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    // Concurrent requests with distinct prompts until both pods hold entries.
+    let mut n = 0;
+    chaos::wait::until("entries for both pods", Duration::from_secs(20), || {
+        n += 8;
+        let (client, url) = (client.clone(), url.clone());
+        let first = n;
+        async move {
+            let sends = (first..first + 8).map(|i| {
+                client
+                    .post(&url)
+                    .json(&json!({"model": "sim-model", "prompt": format!("{i} {}", "w ".repeat(300)), "max_tokens": 1}))
+                    .send()
+            });
+            futures::future::join_all(sends).await;
+            true
+        }
+    })
+    .await
+    .unwrap();
+    chaos::wait::until("entries for both pods", Duration::from_secs(20), || async {
+        pods_held().await.len() == 2
+    })
+    .await
+    .unwrap();
+
+    // Pod 1 leaves the pool.
+    let gone = c.sim.pods()[1].addr.to_string();
+    let gone_port = format!("port: {}\n", c.sim.pods()[1].addr.port());
+    let yaml = c.sim.pods_yaml();
+    let mut out = String::from("pods:\n");
+    for entry in yaml.split("  - name: ").skip(1) {
+        if !entry.contains(&gone_port) {
+            out.push_str("  - name: ");
+            out.push_str(entry);
+        }
+    }
+    std::fs::write(&c.endpoints_file, out).unwrap();
+    let left = std::time::Instant::now();
+    chaos::wait::until(
+        "the departed pod forgotten",
+        Duration::from_secs(3),
+        || async { !pods_held().await.contains(&gone) },
+    )
+    .await
+    .unwrap();
+    eprintln!("forgotten {:?} after it left", left.elapsed());
+    assert_eq!(
+        pods_held().await.len(),
+        1,
+        "the other pod keeps its entries"
+    );
+    c.shutdown().await;
+}

@@ -153,6 +153,19 @@ impl ResponseBindings {
         }
     }
 
+    /// The pods holding bindings.
+    pub fn pods(&self) -> Vec<String> {
+        self.read().index.pod_names()
+    }
+
+    /// Drop every binding to `pods` (they left the pool).
+    pub fn forget(&self, pods: &[String]) {
+        let mut st = self.write();
+        for p in pods {
+            st.index.remove_pod(p);
+        }
+    }
+
     /// Bindings held over all pods (`epp_response_bindings`).
     pub fn len(&self) -> usize {
         self.read().index.len()

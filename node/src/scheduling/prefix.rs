@@ -150,6 +150,19 @@ impl ApproxPrefixProducer {
     pub fn index_len(&self) -> usize {
         self.read().index.len()
     }
+
+    /// The pods the index holds entries for.
+    pub fn pods(&self) -> Vec<String> {
+        self.read().index.pod_names()
+    }
+
+    /// Drop every entry of `pods` (they left the pool).
+    pub fn forget(&self, pods: &[String]) {
+        let mut st = self.write();
+        for p in pods {
+            st.index.remove_pod(p);
+        }
+    }
 }
 
 /// The index replicates in the cluster room's gossip (its "prefix" space).
