@@ -9,6 +9,12 @@ use serde::Serialize;
 
 use crate::types::NodeId;
 
+/// What an AppendEntries of one entry carries besides it (vote, log ids, framing), bounded
+/// generously.
+pub(crate) const APPEND_ENVELOPE_BYTES: usize = 64 * 1024;
+/// The smallest entry bound a configuration may leave.
+const MIN_ENTRY_BYTES: usize = 1024;
+
 /// Configuration of one consensus node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -279,6 +285,12 @@ impl ConsensusConfig {
         if self.max_payload_entries == 0 {
             return Err(invalid("max_payload_entries", "must be >= 1"));
         }
+        if self.max_entry_bytes() < MIN_ENTRY_BYTES {
+            return Err(invalid(
+                "max_message_bytes",
+                "must leave room for log entries of 1 KiB beside an append's envelope (64 KiB)",
+            ));
+        }
         if self.snapshot.logs_since_last == 0 {
             return Err(invalid("snapshot.logs_since_last", "must be >= 1"));
         }
@@ -291,6 +303,14 @@ impl ConsensusConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The largest log entry (a batch of commands, encoded) a proposal may make: one entry with
+    /// an append's envelope fits `max_message_bytes`. Appends of several entries are split by
+    /// size to fit it too (the network layer sends the prefix that fits and reports a partial
+    /// success), so no entry can stall replication by being too large to send.
+    pub fn max_entry_bytes(&self) -> usize {
+        self.max_message_bytes.saturating_sub(APPEND_ENVELOPE_BYTES)
     }
 
     /// The openraft configuration derived from this one.

@@ -104,6 +104,15 @@ pub enum ConsensusError {
         /// What happened.
         reason: String,
     },
+    /// The proposal is larger than a log entry may be ([`crate::ConsensusConfig::max_entry_bytes`]).
+    /// Nothing was proposed.
+    #[error("proposal of {bytes} bytes exceeds the {limit}-byte log entry limit")]
+    TooLarge {
+        /// The proposal's encoded size.
+        bytes: usize,
+        /// The limit.
+        limit: usize,
+    },
     /// A message could not be encoded or decoded.
     #[error(transparent)]
     Codec(#[from] CodecError),

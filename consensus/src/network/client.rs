@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use openraft::BasicNode;
+use openraft::LogId;
 use openraft::RPCTypes;
 use openraft::RaftNetwork;
 use openraft::RaftNetworkFactory;
@@ -267,6 +268,38 @@ impl<S: StateMachine> PeerNetwork<S> {
     }
 }
 
+impl<S: StateMachine> PeerNetwork<S> {
+    /// The append as one message within the peer message limit: all of it, or the longest
+    /// prefix of its entries that fits (at least one: proposals are bounded so that one entry
+    /// always fits) with the last log id sent.
+    fn fitting_append(
+        &self,
+        mut rpc: AppendEntriesRequest<TypeConfig<S>>,
+    ) -> RpcResult<(Frame, Option<LogId<NodeId>>), RaftError<NodeId>> {
+        let limit = self.pool.max_message_bytes;
+        let frame = Self::frame(&rpc)?;
+        if frame.data.len() <= limit || rpc.entries.len() <= 1 {
+            return Ok((frame, None));
+        }
+        // Shrink in proportion to the overshoot until the prefix fits.
+        let mut n = rpc.entries.len();
+        let mut size = frame.data.len();
+        while size > limit && n > 1 {
+            n = (n * limit / size).clamp(1, n - 1);
+            let prefix = AppendEntriesRequest::<TypeConfig<S>> {
+                vote: rpc.vote,
+                prev_log_id: rpc.prev_log_id,
+                entries: rpc.entries[..n].to_vec(),
+                leader_commit: rpc.leader_commit,
+            };
+            size = Self::frame(&prefix)?.data.len();
+        }
+        rpc.entries.truncate(n);
+        let last = rpc.entries.last().map(|e| e.log_id);
+        Ok((Self::frame(&rpc)?, last))
+    }
+}
+
 impl<S: StateMachine> RaftNetwork<TypeConfig<S>> for PeerNetwork<S> {
     async fn append_entries(
         &mut self,
@@ -274,7 +307,7 @@ impl<S: StateMachine> RaftNetwork<TypeConfig<S>> for PeerNetwork<S> {
         option: RPCOption,
     ) -> RpcResult<AppendEntriesResponse<NodeId>, RaftError<NodeId>> {
         let ttl = option.hard_ttl();
-        let frame = Self::frame(&rpc)?;
+        let (frame, sent_up_to) = self.fitting_append(rpc)?;
         let mut client = self
             .pool
             .client(&self.node.addr, Some(self.target))
@@ -286,7 +319,14 @@ impl<S: StateMachine> RaftNetwork<TypeConfig<S>> for PeerNetwork<S> {
                 client.append_entries(Self::request(ttl, frame)),
             )
             .await?;
-        self.decode_reply(&bytes)
+        let reply = self.decode_reply(&bytes)?;
+        Ok(match (reply, sent_up_to) {
+            // Only a prefix went: openraft sends the rest next.
+            (AppendEntriesResponse::Success, Some(last)) => {
+                AppendEntriesResponse::PartialSuccess(Some(last))
+            }
+            (reply, _) => reply,
+        })
     }
 
     async fn install_snapshot(

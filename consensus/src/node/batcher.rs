@@ -20,6 +20,8 @@ use crate::types::TypeConfig;
 
 pub(super) struct Proposal<S: StateMachine> {
     pub(super) commands: Vec<S::Command>,
+    /// The commands' encoded size.
+    pub(super) bytes: usize,
     pub(super) reply: oneshot::Sender<Result<Vec<S::Output>, ConsensusError>>,
 }
 
@@ -84,26 +86,40 @@ pub(super) async fn run_batcher<S: StateMachine>(
     mut rx: mpsc::Receiver<Proposal<S>>,
 ) {
     let permits = Arc::new(Semaphore::new(inner.config.max_in_flight_batches));
+    let max_bytes = inner.config.max_entry_bytes();
     let mut in_flight = JoinSet::new();
+    // A proposal that did not fit the previous batch: the next one starts with it.
+    let mut carried: Option<Proposal<S>> = None;
     loop {
-        let first = tokio::select! {
-            p = rx.recv() => match p {
-                Some(p) => p,
-                None => break,
+        let first = match carried.take() {
+            Some(p) => p,
+            None => tokio::select! {
+                p = rx.recv() => match p {
+                    Some(p) => p,
+                    None => break,
+                },
+                Some(_) = in_flight.join_next(), if !in_flight.is_empty() => continue,
             },
-            Some(_) = in_flight.join_next(), if !in_flight.is_empty() => continue,
         };
         // Waiting for a permit lets the next batch grow while earlier ones are in flight.
         let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
             break;
         };
         while in_flight.try_join_next().is_some() {}
+        let mut count = first.commands.len();
+        let mut bytes = first.bytes;
         let mut proposals = vec![first];
-        let mut count = proposals[0].commands.len();
+        // Up to max_batch commands and max_entry_bytes per entry (each proposal alone fits:
+        // propose_many refused it otherwise).
         while count < inner.config.max_batch {
             match rx.try_recv() {
+                Ok(p) if bytes + p.bytes > max_bytes => {
+                    carried = Some(p);
+                    break;
+                }
                 Ok(p) => {
                     count += p.commands.len();
+                    bytes += p.bytes;
                     proposals.push(p);
                 }
                 Err(_) => break,

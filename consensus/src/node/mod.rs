@@ -614,6 +614,12 @@ impl<S: StateMachine> ConsensusNode<S> {
         &self.inner.raft
     }
 
+    /// The largest proposal (encoded commands) a log entry may hold: see
+    /// [`ConsensusConfig::max_entry_bytes`].
+    pub fn max_entry_bytes(&self) -> usize {
+        self.inner.config.max_entry_bytes()
+    }
+
     /// Proposes one command and returns its output once committed and applied on the leader.
     ///
     /// Concurrent proposals are coalesced into one log entry. On a follower the batch is
@@ -635,9 +641,21 @@ impl<S: StateMachine> ConsensusNode<S> {
         if commands.is_empty() {
             return Ok(Vec::new());
         }
+        // Bounded before it is queued: the batcher keeps every entry under the bound, so one
+        // oversize proposal is refused here, cleanly, rather than making an append that cannot
+        // be sent.
+        let bytes = crate::codec::encode(&commands)?.len();
+        let limit = self.inner.config.max_entry_bytes();
+        if bytes > limit {
+            return Err(ConsensusError::TooLarge { bytes, limit });
+        }
         let (reply, rx) = oneshot::channel();
         self.proposals
-            .send(Proposal { commands, reply })
+            .send(Proposal {
+                commands,
+                bytes,
+                reply,
+            })
             .await
             .map_err(|_| ConsensusError::Shutdown)?;
         rx.await.map_err(|_| ConsensusError::Shutdown)?

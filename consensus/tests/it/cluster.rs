@@ -393,3 +393,56 @@ async fn new_node_joins_as_learner_via_snapshot_after_compaction_and_is_promoted
     assert!(m.learners.is_empty());
     cluster.shutdown().await;
 }
+
+/// Log entries are bounded by the peer message limit and appends are split by size: one
+/// proposal over the entry bound is refused (`TooLarge`, nothing proposed, from the leader or a
+/// follower), and entries that together exceed the limit reach the followers over several
+/// appends — every one commits on every node, replication goes on. (Here a 1 MiB message
+/// limit, 20 concurrent values of 200 KiB: entries of up to 4 values, each append split.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversize_proposal_is_refused_and_appends_are_split_by_size() {
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start_with(3, |c| c.max_message_bytes = 1 << 20).await;
+    let leader = cluster.wait_leader(WAIT).await;
+    let limit = cluster.node(leader).max_entry_bytes();
+    assert_eq!(limit, (1 << 20) - (64 << 10));
+    for node in [leader, cluster.follower(leader)] {
+        let err = cluster
+            .node(node)
+            .propose(LogCommand::append("x".repeat(limit + 1)))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, consensus::ConsensusError::TooLarge { limit: l, .. } if l == limit),
+            "{err}"
+        );
+    }
+    let values: Vec<String> = (0..20)
+        .map(|i| format!("{i:0>2}{}", "v".repeat(204_798)))
+        .collect();
+    let outputs = within(
+        WAIT,
+        "20 proposals of 200 KiB",
+        propose_all(&cluster, &[1, 2, 3], values.clone()),
+    )
+    .await;
+    assert_eq!(outputs.len(), 20);
+    let index = leader_applied(&cluster, leader).await;
+    cluster.wait_all_applied(index, WAIT).await;
+    let logs = cluster.logs().await;
+    for (id, log) in &logs {
+        assert_eq!(log.len(), 20, "node {id}");
+        assert!(log.iter().all(|v| v.len() == 204_800), "node {id}");
+    }
+    // After all that, small proposals still commit everywhere.
+    let outputs = within(
+        WAIT,
+        "small proposals",
+        propose_all(&cluster, &[1, 2, 3], vec!["a".into(), "b".into()]),
+    )
+    .await;
+    assert_eq!(outputs.len(), 2);
+    let index = leader_applied(&cluster, leader).await;
+    cluster.wait_all_applied(index, WAIT).await;
+    cluster.shutdown().await;
+}
