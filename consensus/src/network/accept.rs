@@ -16,6 +16,10 @@ use super::tls::PeerTls;
 
 /// A handshake not done by then is dropped (and counted as failed).
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes in progress at once; a connection past it is closed at once (and counted as a
+/// failed handshake): anyone who reaches the peer port could otherwise hold a task and a TLS
+/// state each with connections that never finish (a member's few connections are long-lived).
+pub(crate) const MAX_HANDSHAKES: usize = 256;
 
 /// Accepted, handshaken connections for tonic's `serve_with_incoming`. The loop ends when the
 /// server drops the stream.
@@ -24,6 +28,7 @@ pub(crate) fn tls_incoming(
     tls: Arc<PeerTls>,
 ) -> ReceiverStream<std::io::Result<TlsStream<TcpStream>>> {
     let (tx, rx) = mpsc::channel(64);
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     tokio::spawn(async move {
         loop {
             let (tcp, from) = tokio::select! {
@@ -38,10 +43,15 @@ pub(crate) fn tls_incoming(
                     }
                 },
             };
+            let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else {
+                tls.handshake_failed(from, "too many handshakes in progress");
+                continue;
+            };
             let _ = tcp.set_nodelay(true);
             let acceptor = TlsAcceptor::from(tls.material().server());
             let (tx, tls) = (tx.clone(), Arc::clone(&tls));
             tokio::spawn(async move {
+                let _permit = permit;
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
                         let _ = tx.send(Ok(stream)).await;

@@ -392,3 +392,44 @@ async fn changed_certificate_files_apply_to_new_connections() {
     assert!(works(b.path()).await, "still serving after a bad file");
     cluster.shutdown().await;
 }
+
+/// The peer port holds at most 256 TLS handshakes in progress: connections that never speak
+/// (each would hold a task and a TLS state for the 10 s handshake timeout) past that are closed
+/// at once and counted as failed handshakes; the cluster keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_connections_past_the_handshake_limit_are_closed_at_once() {
+    use tokio::io::AsyncReadExt;
+    let _serial = SERIAL.lock().await;
+    let cluster = Cluster::start_with(1, with_identities).await;
+    let addr = cluster.addrs[&1].clone();
+    let mut silent = Vec::new();
+    for _ in 0..300 {
+        silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    // Those past the limit see their connection closed well before the handshake timeout.
+    let mut closed = 0;
+    for s in &mut silent {
+        let mut b = [0u8; 1];
+        if let Ok(Ok(0) | Err(_)) =
+            tokio::time::timeout(Duration::from_millis(20), s.read(&mut b)).await
+        {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 300 - 256, "{closed} of 300 closed");
+    assert!(
+        closed < 300,
+        "the first 256 wait for their handshake: {closed} closed"
+    );
+    let tls = cluster.node(1).metrics().await.peer_tls.unwrap();
+    assert!(tls.handshake_failures >= 44, "{tls:?}");
+    drop(silent);
+    // The silent ones gone, the node still commits.
+    let out = cluster
+        .node(1)
+        .propose(LogCommand::append("after"))
+        .await
+        .unwrap();
+    assert_eq!(out, 1);
+    cluster.shutdown().await;
+}

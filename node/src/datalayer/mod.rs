@@ -12,7 +12,6 @@
 //! - [`responses`]: which pod holds each stored Responses-API response (`previous_response_id`
 //!   affinity), replicated like the prefix index.
 
-pub mod departed;
 pub mod discovery;
 pub mod endpoint;
 pub mod extract;

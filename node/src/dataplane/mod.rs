@@ -52,7 +52,10 @@ impl ExtProcService {
 
 #[tonic::async_trait]
 impl ExternalProcessor for ExtProcService {
-    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+    type ProcessStream = futures::stream::Map<
+        ReceiverStream<Box<ProcessingResponse>>,
+        fn(Box<ProcessingResponse>) -> Result<ProcessingResponse, Status>,
+    >;
 
     async fn process(
         &self,
@@ -70,6 +73,9 @@ impl ExternalProcessor for ExtProcService {
         } else {
             tokio::spawn(stream::run(ctx, inbound, tx, trace_parent));
         }
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(futures::StreamExt::map(
+            ReceiverStream::new(rx),
+            reply::unbox as fn(_) -> _,
+        )))
     }
 }

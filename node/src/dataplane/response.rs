@@ -30,8 +30,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ProcessingRequest,
     ProcessingResponse, body_mutation,
 };
-use tokio::sync::{mpsc, oneshot};
-use tonic::{Status, Streaming};
+use tokio::sync::oneshot;
+use tonic::Streaming;
 
 use super::context::PickerContext;
 use super::reply::{header_value, immediate};
@@ -47,7 +47,7 @@ pub const ROLE_METADATA: &str = "x-llm-d-ext-proc-role";
 pub const EVICT: &str = "evict";
 pub const RESTORE_MODEL: &str = "restore-model";
 
-type Tx = mpsc::Sender<Result<ProcessingResponse, Status>>;
+use crate::dataplane::reply::Tx;
 
 /// `target` (what the model server answers with) back to `incoming` (what the client asked).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -227,7 +227,7 @@ async fn evict(ctx: &PickerContext, tx: &Tx, key: &str) {
 }
 
 async fn send(tx: &Tx, resp: Resp) -> Result<(), ()> {
-    tx.send(Ok(ProcessingResponse {
+    tx.send(Box::new(ProcessingResponse {
         response: Some(resp),
         ..Default::default()
     }))

@@ -11,6 +11,7 @@
 
 pub mod admitter;
 pub mod cost_model;
+pub mod departed;
 pub mod explain;
 pub mod filters;
 pub mod inflight;

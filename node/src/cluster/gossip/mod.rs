@@ -122,9 +122,38 @@ pub struct Gossip {
     /// messages for each peer (node id) that forwards them.
     kv_inbox: OnceLock<Arc<crate::datalayer::kvevents::Subscriber>>,
     kv_routes: Mutex<HashMap<u64, mpsc::Sender<pb::KvFrame>>>,
+    /// The other members' node ids (the Raft membership, refreshed with the peers): only they
+    /// may gossip to this replica, whatever certificate the CA signed for anyone else.
+    members: Mutex<std::collections::HashSet<u64>>,
 }
 
 impl Gossip {
+    /// The members to accept gossip from until the membership is known (the initial voters).
+    pub fn expect_members(&self, ids: impl IntoIterator<Item = u64>) {
+        let mut m = self.members.lock().unwrap_or_else(|e| e.into_inner());
+        m.extend(ids.into_iter().filter(|id| *id != self.node_id));
+    }
+
+    /// Whether node `id` is another member of the cluster (as of the last membership refresh).
+    pub(crate) fn is_member(&self, id: u64) -> bool {
+        self.members
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&id)
+    }
+
+    /// Refuses a message from a node that is not a member (counted with the peer refusals).
+    pub(crate) fn check_member(&self, from: u64, what: &'static str) -> Result<(), Status> {
+        if self.is_member(from) {
+            return Ok(());
+        }
+        self.metrics.cluster.peer_refused(what);
+        tracing::debug!(from, what, "peer message from a non-member refused");
+        Err(Status::permission_denied(format!(
+            "{what} from node {from}: not a member of this cluster"
+        )))
+    }
+
     /// Connects the inserts of `producer` (if replicating) and of `responses` to new outboxes.
     pub fn new(
         node_id: u64,
@@ -173,6 +202,7 @@ impl Gossip {
             precise: OnceLock::new(),
             kv_inbox: OnceLock::new(),
             kv_routes: Mutex::new(HashMap::new()),
+            members: Mutex::default(),
         })
     }
 
@@ -310,6 +340,12 @@ impl Gossip {
         stop: &CancellationToken,
     ) {
         let wanted = members.peers().await;
+        // Before this replica knows the membership (it has not joined or applied it yet) the
+        // set stays as it was: the initial voters (`expect_members`).
+        if !wanted.is_empty() {
+            *self.members.lock().unwrap_or_else(|e| e.into_inner()) =
+                wanted.iter().map(|(_, id)| *id).collect();
+        }
         peers.retain(|addr, p| {
             let keep = wanted.iter().any(|(a, _)| a == addr);
             if !keep {
@@ -669,7 +705,8 @@ pub struct GossipService(Arc<Gossip>, Option<PeerIdentity>);
 
 impl GossipService {
     fn authorize<T>(&self, req: &Request<T>, from: u64, what: &'static str) -> Result<(), Status> {
-        crate::cluster::authorize_peer(self.1.as_ref(), req, from, &self.0.metrics, what)
+        crate::cluster::authorize_peer(self.1.as_ref(), req, from, &self.0.metrics, what)?;
+        self.0.check_member(from, what)
     }
 }
 

@@ -451,7 +451,8 @@ pub struct PreciseGossipService(Arc<Gossip>, Option<PeerIdentity>);
 
 impl PreciseGossipService {
     fn authorize<T>(&self, req: &Request<T>, from: u64) -> Result<(), Status> {
-        crate::cluster::authorize_peer(self.1.as_ref(), req, from, &self.0.metrics, "gossip")
+        crate::cluster::authorize_peer(self.1.as_ref(), req, from, &self.0.metrics, "gossip")?;
+        self.0.check_member(from, "gossip")
     }
 }
 

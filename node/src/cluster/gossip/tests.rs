@@ -215,3 +215,41 @@ fn chunks_respect_the_entry_bound() {
     assert_eq!(names, vec![vec!["a"], vec!["b"], vec!["c"]]);
     assert!(chunk(Vec::new(), 3).is_empty());
 }
+
+/// Only members gossip: a message from a node id outside the membership is refused (counted),
+/// whatever its certificate — the CA may have signed one for a node that left, or for a test
+/// cluster — and accepted once that node is a member.
+#[tokio::test]
+async fn gossip_from_a_non_member_is_refused() {
+    let store = Arc::new(Datastore::new(Duration::from_secs(1)));
+    let metrics = Arc::new(Metrics::new("pool"));
+    let responses = Arc::new(crate::datalayer::responses::ResponseBindings::new(
+        Duration::from_secs(60),
+        16,
+    ));
+    let g = Gossip::new(
+        1,
+        None,
+        Some(responses),
+        store,
+        GossipOptions::default(),
+        metrics.clone(),
+    );
+    let svc = GossipService(g.clone(), None);
+    let push = |from: u64| {
+        tonic::Request::new(pb::Deltas {
+            from,
+            space: RESPONSES_SPACE.into(),
+            ..Default::default()
+        })
+    };
+    let err = svc.push(push(9)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    assert!(
+        metrics.encode().contains("gossip"),
+        "the refusal is counted: {}",
+        metrics.encode()
+    );
+    g.expect_members([9]);
+    svc.push(push(9)).await.unwrap();
+}

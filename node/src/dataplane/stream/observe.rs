@@ -165,7 +165,6 @@ impl StreamState {
 
     /// The response has ended: record its duration once.
     pub(super) fn complete(&mut self) {
-        self.response_ended = true;
         if let Some(l) = &self.labels
             && self.running
         {

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::Datastore;
-use super::responses::ResponseBindings;
-use crate::scheduling::prefix::ApproxPrefixProducer;
+use super::prefix::ApproxPrefixProducer;
+use crate::datalayer::Datastore;
+use crate::datalayer::responses::ResponseBindings;
 
 /// When each pod that some index still holds was first seen missing from the pool.
 #[derive(Debug, Default)]
