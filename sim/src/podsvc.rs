@@ -123,6 +123,10 @@ impl PodService {
             res.headers_mut()
                 .insert(RECEIVED_DESTINATION_HEADER, dest.clone());
         }
+        if let Some(names) = server::received_headers(req.headers()) {
+            res.headers_mut()
+                .insert(server::RECEIVED_HEADERS_HEADER, names);
+        }
         Some(res)
     }
 }

@@ -244,14 +244,22 @@ pub const RECEIVED_TRACEPARENT_HEADER: &str = "x-sim-received-traceparent";
 /// tests can check from the pod's side which control headers reached it.
 pub const RECEIVED_HEADERS_HEADER: &str = "x-sim-received-headers";
 
-async fn echo_destination(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
-    let names: Vec<&str> = req
-        .headers()
+/// The value of [`RECEIVED_HEADERS_HEADER`] for a request with `headers` (none without an `x-`
+/// header). Both the router and the `/metrics` fast path echo it.
+pub(crate) fn received_headers(headers: &axum::http::HeaderMap) -> Option<axum::http::HeaderValue> {
+    let names: Vec<&str> = headers
         .keys()
         .map(|k| k.as_str())
         .filter(|k| k.starts_with("x-"))
         .collect();
-    let received = axum::http::HeaderValue::from_str(&names.join(",")).ok();
+    if names.is_empty() {
+        return None;
+    }
+    axum::http::HeaderValue::from_str(&names.join(",")).ok()
+}
+
+async fn echo_destination(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let received = received_headers(req.headers());
     let dest = req.headers().get(DESTINATION_HEADER).cloned();
     let prefiller = req.headers().get(PREFILLER_HEADER).cloned();
     let traceparent = req.headers().get("traceparent").cloned();
