@@ -169,18 +169,7 @@ pub async fn serve(
     on_bound: impl FnOnce(BoundAddrs),
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
-    if opts.max_buffered_body_bytes < opts.max_body_bytes {
-        return Err(ServeError::Config(ConfigError::invalid(format!(
-            "--max-buffered-body-bytes ({}) must be at least --max-body-bytes ({}): a body of the \
-             largest size allowed could never be buffered",
-            opts.max_buffered_body_bytes, opts.max_body_bytes
-        ))));
-    }
-    if opts.max_streams_per_connection == 0 {
-        return Err(ServeError::Config(ConfigError::invalid(
-            "--max-streams-per-connection must be at least 1",
-        )));
-    }
+    check_stream_limits(&opts)?;
     let cfg = load_config(&opts)?;
     let built = scheduling::build(&cfg)?;
     tracing::info!(config = %built.summary, "effective configuration");
@@ -550,8 +539,6 @@ pub async fn serve(
             ctx.scheduler.prefix_index.clone(),
             ctx.responses.clone(),
             opts.forget_departed_after,
-            (opts.forget_departed_after / 4)
-                .clamp(Duration::from_millis(100), Duration::from_secs(5)),
             stop.clone(),
         )
         .then_ok(),
@@ -799,6 +786,23 @@ fn nodelay(
         }
         conn
     })
+}
+
+/// The request-body and stream bounds must leave room for the largest request allowed.
+fn check_stream_limits(opts: &ServeOptions) -> Result<(), ServeError> {
+    if opts.max_buffered_body_bytes < opts.max_body_bytes {
+        return Err(ServeError::Config(ConfigError::invalid(format!(
+            "--max-buffered-body-bytes ({}) must be at least --max-body-bytes ({}): a body of the \
+             largest size allowed could never be buffered",
+            opts.max_buffered_body_bytes, opts.max_body_bytes
+        ))));
+    }
+    if opts.max_streams_per_connection == 0 {
+        return Err(ServeError::Config(ConfigError::invalid(
+            "--max-streams-per-connection must be at least 1",
+        )));
+    }
+    Ok(())
 }
 
 /// Adapts a `()` future to the servers' `Result<(), String>` shape.

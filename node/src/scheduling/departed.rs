@@ -46,16 +46,16 @@ impl Departures {
     }
 }
 
-/// Every `tick`, drop from the prefix index and the response bindings the pods that have been
-/// out of the pool for `grace`, until `stop`.
+/// Drop from the prefix index and the response bindings the pods that have been out of the pool
+/// for `grace` (checked every quarter of it, 100 ms to 5 s), until `stop`.
 pub async fn run(
     store: Arc<Datastore>,
     prefix: Option<Arc<ApproxPrefixProducer>>,
     responses: Arc<ResponseBindings>,
     grace: Duration,
-    tick: Duration,
     stop: CancellationToken,
 ) {
+    let tick = (grace / 4).clamp(Duration::from_millis(100), Duration::from_secs(5));
     let mut departures = Departures::default();
     let mut interval = tokio::time::interval(tick);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

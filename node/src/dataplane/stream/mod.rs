@@ -274,7 +274,6 @@ impl StreamState {
             .reservation
             .grow(capacity.saturating_sub(self.body.capacity()))
         {
-            self.body = Vec::new();
             return self
                 .reject(Rejection::body_budget(self.ctx.body_budget.limit()))
                 .await;
