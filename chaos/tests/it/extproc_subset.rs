@@ -34,6 +34,22 @@ fn hint(entries: &[&str]) -> Metadata {
     md
 }
 
+/// The endpoints file is read after the ports are bound: wait until it is loaded (`/readyz`).
+async fn ready(epp: &EppProcess) {
+    let admin = epp.addrs.admin;
+    chaos::wait::until(
+        "the replica ready",
+        std::time::Duration::from_secs(10),
+        || async move {
+            reqwest::get(format!("http://{admin}/readyz"))
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        },
+    )
+    .await
+    .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_subset_hint_restricts_candidates_by_ip() {
     let sim = Sim::start(SimConfig {
@@ -49,6 +65,19 @@ async fn the_subset_hint_restricts_candidates_by_ip() {
 
     let epp = EppProcess::start(&endpoints, &[]).await.unwrap();
     let addr = epp.addrs.ext_proc;
+    // The endpoints file is read after the ports are bound: ready once it is loaded.
+    let admin = epp.addrs.admin;
+    chaos::wait::until(
+        "the replica ready",
+        std::time::Duration::from_secs(10),
+        || async move {
+            reqwest::get(format!("http://{admin}/readyz"))
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        },
+    )
+    .await
+    .unwrap();
     let routed = route(addr, None).await.unwrap();
     assert!(pods.contains(&routed), "{routed} not in {pods:?}");
     // A hint naming the pods' IP (any port: matched by IP) allows them.
@@ -66,6 +95,7 @@ async fn the_subset_hint_restricts_candidates_by_ip() {
     let epp = EppProcess::start(&endpoints, &["--disable-endpoint-subset-filter"])
         .await
         .unwrap();
+    ready(&epp).await;
     let routed = route(epp.addrs.ext_proc, Some(hint(&["10.9.9.9:8000"])))
         .await
         .unwrap();
