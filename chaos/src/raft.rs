@@ -369,11 +369,31 @@ pub fn failover_hard_limit() -> Duration {
 /// A throwaway CA and a certificate per node id 1..=`n` in `dir` (`ca.pem`, `node-ID.pem`,
 /// `node-ID.key`, each carrying `epp-node-ID`), by `deploy/local/make-test-certs.sh`.
 pub fn make_test_certs(dir: &std::path::Path, n: u64) -> anyhow::Result<()> {
+    cert_script(&[dir.as_os_str(), std::ffi::OsStr::new(&n.to_string())])
+}
+
+/// One key pair signed by the CA [`make_test_certs`] made in `ca_dir`, valid for `dns_names`
+/// only, written to `out` as cert-manager's csi-driver mounts it in a pod (`tls.crt`,
+/// `tls.key`, `ca.crt`).
+pub fn issue_pod_cert(
+    ca_dir: &std::path::Path,
+    out: &std::path::Path,
+    dns_names: &[&str],
+) -> anyhow::Result<()> {
+    let mut args = vec![
+        std::ffi::OsStr::new("--issue"),
+        ca_dir.as_os_str(),
+        out.as_os_str(),
+    ];
+    args.extend(dns_names.iter().map(std::ffi::OsStr::new));
+    cert_script(&args)
+}
+
+fn cert_script(args: &[&std::ffi::OsStr]) -> anyhow::Result<()> {
     let script = crate::locate::workspace_root().join("deploy/local/make-test-certs.sh");
     let out = std::process::Command::new("bash")
         .arg(&script)
-        .arg(dir)
-        .arg(n.to_string())
+        .args(args)
         .output()
         .with_context(|| format!("running {}", script.display()))?;
     if !out.status.success() {

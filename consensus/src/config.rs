@@ -109,7 +109,8 @@ pub struct TlsConfig {
     /// address.
     pub server_name: Option<String>,
     /// Node identity bound to certificates: a DNS-name template with `{id}` (e.g.
-    /// `epp-node-{id}`). Set (needs `ca_file`), a peer's certificate must carry the name of
+    /// `epp-node-{id}`) or `{ordinal}` (the id minus one: a StatefulSet pod's ordinal, for
+    /// certificates named after pods, e.g. `epp-{ordinal}`). Set (needs `ca_file`), a peer's certificate must carry the name of
     /// the node id it acts as — the leader or candidate in Raft RPCs, a current member in
     /// forwarded writes and membership changes, the joining node in its own `add_learner` —
     /// and a node dialing peer `N` expects `N`'s name in the server certificate. `None`: any
@@ -143,10 +144,10 @@ impl TlsConfig {
         let Some(template) = &self.identity else {
             return Ok(());
         };
-        if template.matches("{id}").count() != 1 {
+        if template.matches("{id}").count() + template.matches("{ordinal}").count() != 1 {
             return Err(invalid(
                 "tls.identity",
-                format!("`{template}` must contain `{{id}}` exactly once"),
+                format!("`{template}` must contain `{{id}}` or `{{ordinal}}` exactly once"),
             ));
         }
         if self.ca_file.is_none() {
@@ -155,7 +156,7 @@ impl TlsConfig {
                 "binding node ids to certificates needs `ca_file` (mutual TLS)",
             ));
         }
-        let name = template.replace("{id}", "1");
+        let name = identity_name(template, 1);
         if crate::network::tls::dns_name(&name).is_none() {
             return Err(invalid(
                 "tls.identity",
@@ -167,10 +168,18 @@ impl TlsConfig {
 
     /// The name `identity` gives node `id`, if identities are bound.
     pub fn identity_of(&self, id: NodeId) -> Option<String> {
-        self.identity
-            .as_ref()
-            .map(|t| t.replace("{id}", &id.to_string()))
+        self.identity.as_deref().map(|t| identity_name(t, id))
     }
+}
+
+/// Node `id`'s name under an identity `template`: `{id}` is the id, `{ordinal}` the id minus
+/// one (node ids from StatefulSet pod names are the ordinal plus one; a configuration with
+/// `{ordinal}` and node 0 is refused).
+pub fn identity_name(template: &str, id: NodeId) -> String {
+    let ordinal = i128::from(id) - 1;
+    template
+        .replace("{id}", &id.to_string())
+        .replace("{ordinal}", &ordinal.to_string())
 }
 
 impl Default for SnapshotConfig {
@@ -275,6 +284,16 @@ impl ConsensusConfig {
         }
         if let Some(tls) = &self.tls {
             tls.validate()?;
+            let ordinals = tls
+                .identity
+                .as_ref()
+                .is_some_and(|t| t.contains("{ordinal}"));
+            if ordinals && (self.node_id == 0 || self.initial_members.contains_key(&0)) {
+                return Err(invalid(
+                    "tls.identity",
+                    "`{ordinal}` is the node id minus one: node ids start at 1",
+                ));
+            }
         }
         if self.max_batch == 0 {
             return Err(invalid("max_batch", "must be >= 1"));
@@ -396,5 +415,33 @@ mod tests {
             serde_json::from_str(r#"{"node_id": 3, "heartbeat_interval": 50}"#).unwrap();
         assert_eq!(c.heartbeat_interval, Duration::from_millis(50));
         assert_eq!(c.max_batch, 1024);
+    }
+
+    #[test]
+    fn identity_templates_name_nodes_by_id_or_ordinal() {
+        let tls = |identity: &str| TlsConfig {
+            identity: Some(identity.into()),
+            ..TlsConfig::new("c".into(), "k".into(), Some("ca".into()))
+        };
+        assert_eq!(tls("epp-node-{id}").identity_of(3).unwrap(), "epp-node-3");
+        assert_eq!(
+            tls("epp-{ordinal}.peers").identity_of(3).unwrap(),
+            "epp-2.peers"
+        );
+        tls("epp-{ordinal}").validate().unwrap();
+        let mut c = valid();
+        c.tls = Some(tls("epp-{ordinal}"));
+        c.validate().unwrap();
+        // Node 0 has no ordinal.
+        c.node_id = 0;
+        c.initial_members = BTreeMap::from([(0, "127.0.0.1:1".to_string())]);
+        assert_eq!(c.validate().unwrap_err().field, "tls.identity");
+        for bad in ["epp", "epp-{id}-{ordinal}", "{id}{id}", "bad name {id}"] {
+            assert_eq!(
+                tls(bad).validate().unwrap_err().field,
+                "tls.identity",
+                "{bad}"
+            );
+        }
     }
 }

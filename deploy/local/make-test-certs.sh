@@ -8,7 +8,30 @@
 #   node.pem, node.key          a certificate for localhost/127.0.0.1 only: valid TLS, bound to
 #                               no node id (refused by peers that bind identities)
 # usage: make-test-certs.sh DIR [N]
+#
+# With --issue, signs one more key pair with DIR's CA, laid out as cert-manager's csi-driver
+# mounts it in a pod (tls.crt, tls.key, ca.crt in OUT), valid for the given DNS names only:
+#   make-test-certs.sh --issue DIR OUT DNS_NAME...
 set -euo pipefail
+if [ "${1:-}" = "--issue" ]; then
+  ca="${2:?usage: make-test-certs.sh --issue DIR OUT DNS_NAME...}"
+  out="${3:?usage: make-test-certs.sh --issue DIR OUT DNS_NAME...}"
+  shift 3
+  [ "$#" -gt 0 ] || { echo "make-test-certs.sh --issue: no DNS name" >&2; exit 2; }
+  ca="$(cd "$ca" && pwd)"
+  mkdir -p "$out"
+  cd "$out"
+  sans="$(printf 'DNS:%s,' "$@")"
+  printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n' \
+    "${sans%,}" > tls.cnf
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+    -keyout tls.key -out tls.csr -subj "/CN=$1" 2>/dev/null
+  openssl x509 -req -in tls.csr -CA "$ca/ca.pem" -CAkey "$ca/ca.key" -CAcreateserial \
+    -CAserial tls.srl -out tls.crt -days 1 -extfile tls.cnf 2>/dev/null
+  cp "$ca/ca.pem" ca.crt
+  rm -f tls.csr tls.cnf tls.srl
+  exit 0
+fi
 dir="${1:?usage: make-test-certs.sh DIR [N]}"
 count="${2:-5}"
 mkdir -p "$dir"

@@ -267,7 +267,8 @@ struct ClusterArgs {
     #[arg(long, requires = "peer_tls_cert")]
     peer_tls_server_name: Option<String>,
     /// Peer TLS: the node identity each replica's certificate must carry, a DNS name with
-    /// `{id}` for the node id. A peer acting as node N (leader, candidate, member) must present
+    /// `{id}` for the node id or `{ordinal}` for the id minus one (certificates named after
+    /// StatefulSet pods, e.g. `epp-{ordinal}`). A peer acting as node N (leader, candidate, member) must present
     /// N's certificate; a replica dialing N expects N's name. `none`: any certificate the CA
     /// signed may act as any node (logged as a warning).
     #[arg(long, default_value = "epp-node-{id}", requires = "peer_tls_cert")]

@@ -3,18 +3,24 @@
 //! Kubernetes' schemas, the InferencePool against our CRD, Standalone mode's Envoy bootstrap by
 //! Envoy itself, the EndpointPickerConfig by `epp`), values that cannot work refused at render
 //! time — and the StatefulSet's replicas, started with exactly the arguments it renders
-//! (ordinal identity, DNS peer names routed to loopback, the peer TLS Secret's files), form a
-//! cluster with no admin call, serve, and re-form from their data directories.
+//! (ordinal identity, DNS peer names routed to loopback, each pod's own key pair as
+//! cert-manager's csi-driver would issue it for the names the volume asks for — or the shared
+//! peer TLS Secret's files), form a cluster with no admin call, serve, and re-form from their
+//! data directories; a replica holding only its own key cannot speak as another.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use chaos::chart::{Helm, container_args, documents, find, validate};
 use chaos::epp::EppProcess;
+use node::cluster::gossip::pb;
+use node::cluster::gossip::pb::prefix_gossip_client::PrefixGossipClient;
 use serde_json::{Value, json};
 use sim::kubeapi::FakeKube;
 use sim::{Sim, SimConfig};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 const NS: &str = "serving";
 const RELEASE: &str = "t";
@@ -33,9 +39,12 @@ fn render(helm: &Helm, values: &[&str]) -> (String, Vec<Value>) {
     (out.stdout, docs)
 }
 
+fn pod_spec(docs: &[Value]) -> &Value {
+    &find(docs, "StatefulSet", FULL).expect("the StatefulSet")["spec"]["template"]["spec"]
+}
+
 fn epp_container(docs: &[Value]) -> &Value {
-    let sts = find(docs, "StatefulSet", FULL).expect("the StatefulSet");
-    sts["spec"]["template"]["spec"]["containers"]
+    pod_spec(docs)["containers"]
         .as_array()
         .unwrap()
         .iter()
@@ -53,7 +62,7 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
     let cases: [(&str, Vec<&str>); 5] = [
         (
             "three replicas",
-            vec!["pool.name=llm", "cluster.tls.secretName=epp-peer-tls"],
+            vec!["pool.name=llm", "cluster.tls.issuer.name=epp-ca"],
         ),
         ("one replica", vec!["pool.name=llm", "replicas=1"]),
         (
@@ -61,7 +70,9 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
             vec![
                 "pool.name=llm",
                 "replicas=5",
-                "cluster.tls.secretName=epp-peer-tls",
+                "cluster.tls.issuer.name=epp-ca",
+                "cluster.tls.issuer.kind=ClusterIssuer",
+                "cluster.tls.caConfigMap=epp-trust",
                 "pool.create=true",
                 "pool.matchLabels.app=vllm",
                 "serviceMonitor.enabled=true",
@@ -95,6 +106,20 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
     ];
     for (what, values) in &cases {
         let (text, docs) = render(&helm, values);
+        // Peer TLS from an issuer: each pod's own key from the csi-driver, no Secret of keys.
+        if values
+            .iter()
+            .any(|v| v.starts_with("cluster.tls.issuer.name="))
+        {
+            let volumes = pod_spec(&docs)["volumes"].as_array().unwrap();
+            let tls = volumes.iter().find(|v| v["name"] == "peer-tls").unwrap();
+            assert_eq!(tls["csi"]["driver"], "csi.cert-manager.io", "{what}: {tls}");
+            assert!(tls.get("secret").is_none(), "{what}: {tls}");
+            assert!(
+                !text.contains("node-{id}"),
+                "{what}: a path into a Secret of every node's key"
+            );
+        }
         // Centralized KV events: the port the model servers publish to, on the pod and the
         // Service; no such port otherwise.
         let central = values.contains(&"kvEvents.centralPort=5557");
@@ -445,7 +470,23 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
     // Values that cannot work are refused with a reason, at render time.
     for (values, reason) in [
         (vec!["replicas=1"], "pool.name is required"),
-        (vec!["pool.name=llm"], "cluster.tls.secretName"),
+        (vec!["pool.name=llm"], "cluster.tls.issuer.name"),
+        (
+            vec![
+                "pool.name=llm",
+                "cluster.tls.issuer.name=ca",
+                "cluster.tls.secretName=keys",
+            ],
+            "exclude each other",
+        ),
+        (
+            vec![
+                "pool.name=llm",
+                "cluster.tls.issuer.name=ca",
+                "cluster.tls.issuer.kind=Certificate",
+            ],
+            "Issuer or ClusterIssuer",
+        ),
         (
             vec!["pool.name=llm", "replicas=1", "pool.create=true"],
             "pool.matchLabels",
@@ -498,8 +539,8 @@ fn the_chart_renders_valid_manifests_for_every_mode() {
 const MAX_ORDINALS: usize = 5;
 
 /// What the StatefulSet's replicas need around them: the pool (one simulated pod listed by the
-/// fake API server), the peer TLS Secret's files, a volume directory per pod, a loopback port per
-/// ordinal for its peer port.
+/// fake API server), a CA (and the shared peer TLS Secret's files), a volume directory per pod,
+/// a loopback port per ordinal for its peer port.
 struct Site {
     _sim: Sim,
     _kube: FakeKube,
@@ -555,11 +596,10 @@ impl Site {
     /// container's arguments with Kubernetes' `$(VAR)`s, minus the fixed ports `EppProcess`
     /// chooses itself, the Secret's and the PVC's mount paths pointed at local directories, its
     /// own peer port, and the peers' DNS names routed to their loopback ports.
-    fn args(&self, container: &Value, ordinal: usize) -> Vec<String> {
+    fn args(&self, container: &Value, ordinal: usize, certs: &Path) -> Vec<String> {
         let pod = format!("{FULL}-{ordinal}");
         let args = container_args(container, &[("POD_NAME", &pod), ("POD_NAMESPACE", NS)]);
         assert_eq!(args[0], "serve");
-        let certs = self.dir.path().join("peer-tls");
         let mut out: Vec<String> = args[1..]
             .iter()
             .filter(|a| {
@@ -590,9 +630,56 @@ impl Site {
         out
     }
 
+    /// What replica `ordinal` finds in its `peer-tls` volume as rendered in `docs`: the shared
+    /// Secret's files (every node's key), or — the csi-driver's — a key pair of its own, issued
+    /// afresh by the CA for exactly the DNS names the volume's attributes ask for (with the
+    /// pod's name and namespace put in, as the driver does), and nothing else.
+    fn peer_tls(&self, docs: &[Value], ordinal: usize) -> PathBuf {
+        let volumes = pod_spec(docs)["volumes"].as_array().unwrap();
+        let volume = volumes.iter().find(|v| v["name"] == "peer-tls").unwrap();
+        let shared = self.dir.path().join("peer-tls");
+        if volume["secret"].is_object() {
+            return shared;
+        }
+        let csi = &volume["csi"];
+        assert_eq!(csi["driver"], "csi.cert-manager.io", "{volume}");
+        let pod = format!("{FULL}-{ordinal}");
+        let names = csi["volumeAttributes"]["csi.cert-manager.io/dns-names"]
+            .as_str()
+            .unwrap()
+            .replace("${POD_NAME}", &pod)
+            .replace("${POD_NAMESPACE}", NS);
+        let names: Vec<&str> = names.split(',').collect();
+        let out = self.dir.path().join("csi").join(&pod);
+        let _ = std::fs::remove_dir_all(&out);
+        chaos::raft::issue_pod_cert(&shared, &out, &names).unwrap();
+        out
+    }
+
+    /// A gossip client to pod `to`'s peer port holding pod `with`'s key pair (its `peer-tls`
+    /// volume as last issued), expecting `to`'s name in the server's certificate.
+    async fn gossip_as(&self, with: usize, to: usize) -> PrefixGossipClient<Channel> {
+        let dir = self.dir.path().join("csi").join(format!("{FULL}-{with}"));
+        let read = |f: &str| std::fs::read(dir.join(f)).unwrap();
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read("ca.crt")))
+            .identity(Identity::from_pem(read("tls.crt"), read("tls.key")))
+            .domain_name(format!("{FULL}-{to}.{FULL}-peers.{NS}.svc"));
+        let target = format!("https://127.0.0.1:{}", self.peer_ports[to]);
+        let channel = Endpoint::from_shared(target)
+            .unwrap()
+            .tls_config(tls)
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        PrefixGossipClient::new(channel)
+    }
+
     /// Starts replica `ordinal` as rendered in `docs`.
     async fn start(&self, docs: &[Value], ordinal: usize) -> EppProcess {
-        let args = self.args(epp_container(docs), ordinal);
+        let tls = self.peer_tls(docs, ordinal);
+        let args = self.args(epp_container(docs), ordinal, &tls);
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
         EppProcess::start_kube(&self.kubeconfig, &a).await.unwrap()
     }
@@ -691,13 +778,11 @@ async fn formed(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
     let helm = Helm::new().unwrap();
-    let (_, docs) = render(
-        &helm,
-        &["pool.name=llm", "cluster.tls.secretName=epp-peer-tls"],
-    );
+    let (_, docs) = render(&helm, &["pool.name=llm", "cluster.tls.issuer.name=epp-ca"]);
     let site = Site::new().await;
 
-    // All three at once (podManagementPolicy: Parallel), no admin call.
+    // All three at once (podManagementPolicy: Parallel), no admin call, each with only its own
+    // key (the csi-driver's volume).
     let mut replicas = vec![
         site.start(&docs, 0).await,
         site.start(&docs, 1).await,
@@ -708,6 +793,16 @@ async fn the_statefulset_replicas_form_a_cluster_as_rendered() {
     for r in &replicas {
         site.routes(r, "routes").await;
     }
+    // Pod 1's key speaks for node 2 (itself) and for no other: gossip sent to pod 0 naming
+    // node 3 is refused.
+    let gossip = site.gossip_as(1, 0).await;
+    let from = |from: u64| pb::Deltas {
+        from,
+        ..pb::Deltas::default()
+    };
+    let refused = gossip.clone().push(from(3)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    gossip.clone().push(from(2)).await.unwrap();
 
     // All three restarted from their volumes: the same cluster, its log kept (pod 0 does not
     // bootstrap a new one over it).

@@ -189,7 +189,7 @@ impl PeerIdentity {
 
     /// Node `id`'s certificate name.
     pub fn name(&self, id: NodeId) -> String {
-        self.template.replace("{id}", &id.to_string())
+        crate::config::identity_name(&self.template, id)
     }
 
     /// `Ok` when `certs` (the peer's chain, as `tonic::Request::peer_certs` returns it) is valid

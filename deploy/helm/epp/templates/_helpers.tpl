@@ -39,6 +39,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- join "," $peers -}}
 {{- end -}}
 
+{{/* The name each replica's peer certificate carries ({id} / {ordinal} filled by the EPP). */}}
+{{- define "epp.peerIdentity" -}}
+{{- if .Values.cluster.tls.identity -}}
+{{- .Values.cluster.tls.identity -}}
+{{- else if .Values.cluster.tls.secretName -}}
+epp-node-{id}
+{{- else -}}
+{{- printf "%s-{ordinal}.%s.%s.svc" (include "epp.fullname" .) (include "epp.peerService" .) .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "epp.clustered" -}}
 {{- if gt (int .Values.replicas) 1 -}}true{{- end -}}
 {{- end -}}
@@ -48,11 +59,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if not .Values.pool.name -}}
 {{- fail "pool.name is required: the InferencePool whose pods the EPP serves" -}}
 {{- end -}}
-{{- if and (include "epp.clustered" .) (not .Values.cluster.tls.secretName) (not .Values.cluster.insecure) -}}
-{{- fail "more than one replica needs cluster.tls.secretName (peer mutual TLS), or cluster.insecure=true for a throwaway test cluster" -}}
+{{- $tls := .Values.cluster.tls -}}
+{{- if and (include "epp.clustered" .) (not $tls.issuer.name) (not $tls.secretName) (not .Values.cluster.insecure) -}}
+{{- fail "more than one replica needs peer mutual TLS: cluster.tls.issuer.name (a cert-manager issuer; each replica gets its own key from the csi-driver) or cluster.tls.secretName; or cluster.insecure=true for a throwaway test cluster" -}}
 {{- end -}}
-{{- if and .Values.cluster.tls.secretName .Values.cluster.insecure -}}
-{{- fail "cluster.tls.secretName and cluster.insecure exclude each other" -}}
+{{- if and $tls.issuer.name $tls.secretName -}}
+{{- fail "cluster.tls.issuer.name and cluster.tls.secretName exclude each other (each replica's own key from the csi-driver, or every key in one Secret)" -}}
+{{- end -}}
+{{- if and (or $tls.issuer.name $tls.secretName) .Values.cluster.insecure -}}
+{{- fail "cluster.tls and cluster.insecure exclude each other" -}}
+{{- end -}}
+{{- if not (has $tls.issuer.kind (list "Issuer" "ClusterIssuer")) -}}
+{{- fail "cluster.tls.issuer.kind must be Issuer or ClusterIssuer" -}}
 {{- end -}}
 {{- if gt (int .Values.drain.delaySeconds) (int .Values.drain.timeoutSeconds) -}}
 {{- fail "drain.delaySeconds must not exceed drain.timeoutSeconds" -}}
