@@ -440,12 +440,17 @@ async fn hostile_model_names_leave_metrics_and_memory_bounded() {
 /// budget is 32 MiB — 144 MiB offered. Every stream is answered: served, or a retryable 503
 /// `body-buffer-budget`; the replica's resident memory stays within the budget's reach
 /// (baseline + 4 × budget: the budget bounds what waits; parsing a routed body and streaming it
-/// back take up to twice its size again, briefly). The same at production sizes (300 bodies of
-/// 60 MiB, a 1 GiB default budget) is what `--max-buffered-body-bytes` bounds the same way.
+/// back take up to twice its size again, briefly). `deploy/local/attack-soak.sh` runs it at
+/// production sizes through the same knobs (`EPP_ATTACK_CLIENTS=300`, `EPP_ATTACK_BODY_MIB=60`,
+/// `EPP_ATTACK_BUDGET_MIB=1024`: the default budget).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_large_bodies_stay_within_the_body_budget() {
-    const BUDGET: usize = 32 << 20;
-    const BODY: usize = 6 << 20;
+    let knob = |name: &str, default: usize| {
+        std::env::var(name).map_or(default, |v| v.parse().expect(name))
+    };
+    let clients = knob("EPP_ATTACK_CLIENTS", 24);
+    let body_bytes = knob("EPP_ATTACK_BODY_MIB", 6) << 20;
+    let budget = knob("EPP_ATTACK_BUDGET_MIB", 32) << 20;
     const CHUNK: usize = 64 << 10;
     let c = LocalCluster::start(ClusterSpec {
         sim: SimConfig {
@@ -454,9 +459,9 @@ async fn concurrent_large_bodies_stay_within_the_body_budget() {
         },
         epp_args: vec![
             "--max-body-bytes".into(),
-            (8usize << 20).to_string(),
+            (body_bytes + (2 << 20)).to_string(),
             "--max-buffered-body-bytes".into(),
-            BUDGET.to_string(),
+            budget.to_string(),
         ],
         ..ClusterSpec::default()
     })
@@ -477,20 +482,22 @@ async fn concurrent_large_bodies_stay_within_the_body_budget() {
         })
     };
     let url = format!("{}/v1/completions", c.envoy.url());
-    let clients: Vec<_> = (0..24)
+    // A valid completion whose size is a field the pods ignore, made as it is sent (300
+    // clients' 60 MiB each are not held in memory at once).
+    let head = bytes::Bytes::from_static(
+        br#"{"model":"sim-model","prompt":"hi","max_tokens":1,"padding":""#,
+    );
+    let tail = bytes::Bytes::from_static(b"\"}");
+    let filler = bytes::Bytes::from(vec![b'a'; CHUNK]);
+    let fill = body_bytes - head.len() - tail.len();
+    let tasks: Vec<_> = (0..clients)
         .map(|_| {
             let url = url.clone();
+            let mut chunks = vec![head.clone()];
+            chunks.extend((0..fill / CHUNK).map(|_| filler.clone()));
+            chunks.push(filler.slice(..fill % CHUNK));
+            chunks.push(tail.clone());
             tokio::spawn(async move {
-                // A valid completion whose size is a field the pods ignore.
-                let head = br#"{"model":"sim-model","prompt":"hi","max_tokens":1,"padding":""#;
-                let mut body = Vec::with_capacity(BODY);
-                body.extend_from_slice(head);
-                body.resize(BODY - 2, b'a');
-                body.extend_from_slice(b"\"}");
-                let chunks: Vec<bytes::Bytes> = body
-                    .chunks(CHUNK)
-                    .map(bytes::Bytes::copy_from_slice)
-                    .collect();
                 let stream = futures::stream::iter(chunks).then(|c| async move {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                     Ok::<_, std::io::Error>(c)
@@ -499,7 +506,7 @@ async fn concurrent_large_bodies_stay_within_the_body_budget() {
                     .post(&url)
                     .header("content-type", "application/json")
                     .body(reqwest::Body::wrap_stream(stream))
-                    .timeout(Duration::from_secs(60))
+                    .timeout(Duration::from_secs(120))
                     .send()
                     .await;
                 match r {
@@ -520,8 +527,8 @@ async fn concurrent_large_bodies_stay_within_the_body_budget() {
         })
         .collect();
     let mut outcomes = Vec::new();
-    for cl in clients {
-        outcomes.push(cl.await.unwrap());
+    for t in tasks {
+        outcomes.push(t.await.unwrap());
     }
     sampling.abort();
     let peak = peak.load(Ordering::SeqCst);
@@ -531,12 +538,17 @@ async fn concurrent_large_bodies_stay_within_the_body_budget() {
         .filter(|o| o.0 == Some(503) && o.1.as_deref() == Some("body-buffer-budget"))
         .count();
     eprintln!(
-        "served {served} refused {refused} of 24; rss baseline {baseline} kB peak {peak} kB; {outcomes:?}"
+        "served {served} refused {refused} of {clients}; rss baseline {baseline} kB peak {peak} kB; \
+         {outcomes:?}"
     );
-    assert_eq!(served + refused, 24, "every stream answered: {outcomes:?}");
+    assert_eq!(
+        served + refused,
+        clients,
+        "every stream answered: {outcomes:?}"
+    );
     assert!(served >= 1 && refused >= 1, "{outcomes:?}");
     assert!(
-        peak <= baseline + 4 * (BUDGET as u64 >> 10),
+        peak <= baseline + 4 * (budget as u64 >> 10),
         "rss peaked at {peak} kB from {baseline} kB"
     );
     let metrics = epp.metrics().await.unwrap();
