@@ -177,7 +177,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<Vec<Measurement>> {
 /// The project's default profile with the precise prefix producer instead of the approximate
 /// one (the cost model reads either).
 pub const PRECISE_PROFILE: &str = "\
-apiVersion: llm-d.ai/v1alpha1
+apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
 plugins:
 - type: precise-prefix-cache-producer

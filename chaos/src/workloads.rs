@@ -115,7 +115,7 @@ pub fn objectives_yaml(objectives: &[(&str, i32)]) -> String {
 pub fn flow_control_config(max_concurrency: u32) -> String {
     format!(
         "\
-apiVersion: llm-d.ai/v1alpha1
+apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
 featureGates: [flowControl]
 plugins:
@@ -154,7 +154,7 @@ pub fn kv_event_pods(pods: usize) -> SimConfig {
 pub fn llmd_prefix_config(producer: &str) -> String {
     format!(
         "\
-apiVersion: llm-d.ai/v1alpha1
+apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
 plugins:
 - type: {producer}

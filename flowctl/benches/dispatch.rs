@@ -40,6 +40,7 @@ impl Bench {
                     max_bytes: 1 << 50,
                     fairness,
                     ordering,
+                    request_ttl: None,
                 },
             }],
             detector: SaturationDetector::Concurrency(ConcurrencyDetector {

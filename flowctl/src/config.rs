@@ -118,6 +118,10 @@ pub struct FlowControlConfig {
     pub saturation_detector: Option<PluginRefSpec>,
     #[serde(default)]
     pub enable_eviction: Option<bool>,
+    /// The order bands are offered capacity in each dispatch cycle: `strict-band-selection-policy`
+    /// (highest priority first; llm-d v1.0's only one, and what the machine does).
+    #[serde(default)]
+    pub band_selection_policy_plugin_ref: Option<String>,
     /// Our extension: the demand reserve ([`DemandReserve`]); unset = on with its default factor.
     #[serde(default)]
     pub demand_reserve: Option<DemandReserveSpec>,
@@ -149,6 +153,9 @@ pub struct PluginRefSpec {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct PriorityBandSpec {
     pub priority: i32,
+    /// The band's own queue-wait budget (unset or 0: `flowControl.defaultRequestTTL`).
+    #[serde(default, rename = "defaultRequestTTL")]
+    pub default_request_ttl: Option<GoDuration>,
     #[serde(default)]
     pub max_bytes: Option<Quantity>,
     #[serde(default)]
@@ -163,6 +170,9 @@ pub struct PriorityBandSpec {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct BandTemplateSpec {
+    /// As [`PriorityBandSpec::default_request_ttl`], for the bands made from the template.
+    #[serde(default, rename = "defaultRequestTTL")]
+    pub default_request_ttl: Option<GoDuration>,
     #[serde(default)]
     pub max_bytes: Option<Quantity>,
     #[serde(default)]
@@ -189,6 +199,12 @@ pub struct BandSettings {
     pub max_bytes: u64,
     pub fairness: FairnessPolicy,
     pub ordering: OrderingPolicy,
+    /// The band's own queue-wait budget; `None`: [`ControllerConfig::default_request_ttl`].
+    /// (Absent from the serialized state when unset: the replicated form is what older builds
+    /// wrote. Cluster members state a band's budget on each request, so no member depends on
+    /// another reading this field.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_ttl: Option<Nanos>,
 }
 
 impl Default for BandSettings {
@@ -198,6 +214,7 @@ impl Default for BandSettings {
             max_bytes: DEFAULT_BAND_MAX_BYTES,
             fairness: FairnessPolicy::GlobalStrict,
             ordering: OrderingPolicy::Fcfs,
+            request_ttl: None,
         }
     }
 }
@@ -351,6 +368,27 @@ impl ControllerConfig {
             None => &self.default_band,
         }
     }
+
+    /// How long a request of `priority` may wait: its band's budget, else the default.
+    pub fn request_ttl(&self, priority: i32) -> Nanos {
+        self.band_settings(priority)
+            .request_ttl
+            .unwrap_or(self.default_request_ttl)
+    }
+}
+
+/// llm-d v1.0's band selection policy: bands offered capacity strictly by priority, highest
+/// first — the machine's order, and the only policy there is.
+pub const STRICT_BAND_SELECTION: &str = "strict-band-selection-policy";
+
+/// `strict-band-selection-policy` takes no parameters.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoBandSelectionParams {}
+
+/// A band's own TTL: unset and 0 both mean the default (llm-d: "0" = unset for band fields).
+fn band_ttl(ttl: Option<GoDuration>) -> Option<Nanos> {
+    ttl.map(|g| g.0).filter(|t| *t > 0)
 }
 
 fn nonzero_or(q: Option<Quantity>, default: u64) -> u64 {
@@ -434,6 +472,7 @@ fn resolve_band(
         max_bytes: nonzero_or(max_bytes, base.max_bytes),
         fairness,
         ordering,
+        request_ttl: None,
     })
 }
 
@@ -456,27 +495,33 @@ impl FlowControlConfig {
         let builtin = BandSettings::default();
         let default_band = match &self.default_priority_band {
             None => builtin.clone(),
-            Some(t) => resolve_band(
-                plugins,
-                t.max_bytes,
-                t.max_requests,
-                t.fairness_policy_ref.as_deref(),
-                t.ordering_policy_ref.as_deref(),
-                "flowControl.defaultPriorityBand",
-                &builtin,
-            )?,
+            Some(t) => BandSettings {
+                request_ttl: band_ttl(t.default_request_ttl),
+                ..resolve_band(
+                    plugins,
+                    t.max_bytes,
+                    t.max_requests,
+                    t.fairness_policy_ref.as_deref(),
+                    t.ordering_policy_ref.as_deref(),
+                    "flowControl.defaultPriorityBand",
+                    &builtin,
+                )?
+            },
         };
         let default_negative_band = match &self.default_negative_priority_band {
             None => default_band.clone(),
-            Some(t) => resolve_band(
-                plugins,
-                t.max_bytes,
-                t.max_requests,
-                t.fairness_policy_ref.as_deref(),
-                t.ordering_policy_ref.as_deref(),
-                "flowControl.defaultNegativePriorityBand",
-                &builtin,
-            )?,
+            Some(t) => BandSettings {
+                request_ttl: band_ttl(t.default_request_ttl),
+                ..resolve_band(
+                    plugins,
+                    t.max_bytes,
+                    t.max_requests,
+                    t.fairness_policy_ref.as_deref(),
+                    t.ordering_policy_ref.as_deref(),
+                    "flowControl.defaultNegativePriorityBand",
+                    &builtin,
+                )?
+            },
         };
         let mut bands = Vec::with_capacity(self.priority_bands.len());
         for (i, b) in self.priority_bands.iter().enumerate() {
@@ -491,7 +536,10 @@ impl FlowControlConfig {
             )?;
             bands.push(BandConfig {
                 priority: b.priority,
-                settings,
+                settings: BandSettings {
+                    request_ttl: band_ttl(b.default_request_ttl),
+                    ..settings
+                },
             });
         }
         let usage_limit = match &self.usage_limit_policy_plugin_ref {
@@ -510,6 +558,19 @@ impl FlowControlConfig {
                 UsageLimit::from_plugin(ty, params, &ppath)?
             }
         };
+        if let Some(name) = &self.band_selection_policy_plugin_ref {
+            let path = "flowControl.bandSelectionPolicyPluginRef";
+            let (ty, params, ppath) = lookup(plugins, name, path, &[STRICT_BAND_SELECTION])?;
+            if ty != STRICT_BAND_SELECTION {
+                return Err(ConfigError::invalid(
+                    path,
+                    format!(
+                        "`{name}` is a `{ty}`, not a band selection policy ({STRICT_BAND_SELECTION})"
+                    ),
+                ));
+            }
+            decode_params::<NoBandSelectionParams>(params, &ppath)?;
+        }
         let detector = match &self.saturation_detector {
             None => SaturationDetector::default(),
             Some(r) => {

@@ -57,7 +57,7 @@ pub mod units;
 
 pub use config::{
     BandConfig, BandSettings, ConfigError, ControllerConfig, DEFAULT_DEMAND_RESERVE, DemandReserve,
-    EvictionConfig, FlowControlConfig, PluginDecl,
+    EvictionConfig, FlowControlConfig, PluginDecl, STRICT_BAND_SELECTION,
 };
 pub use machine::{
     BandStats, Command, EnqueueRequest, FlowController, FlowKey, FlowStats, IgnoredReason,

@@ -17,7 +17,7 @@ use node::request::parse::Prompt;
 use node::scheduling::SchedRequest;
 
 const CONFIG: &str = r#"
-apiVersion: llm-d.ai/v1alpha1
+apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
 plugins:
 - type: queue-scorer

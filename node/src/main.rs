@@ -80,7 +80,8 @@ enum Cmd {
     },
     /// Print the CustomResourceDefinitions the EPP reads (YAML; `deploy/crds/crds.yaml`).
     Crds,
-    /// Load and validate an EndpointPickerConfig, print the effective configuration and exit.
+    /// Load and validate an EndpointPickerConfig (any accepted apiVersion), print it as
+    /// `llm-d.ai/v1` and what it makes the EPP do, and exit.
     ValidateConfig {
         #[arg(long)]
         config_file: Option<PathBuf>,
@@ -473,7 +474,16 @@ fn main() -> anyhow::Result<()> {
             let opts = options_for_validation(config_file, config_text);
             let cfg = load_config(&opts)?;
             let built = node::scheduling::build(&cfg)?;
-            println!("{}", built.summary);
+            // The file as llm-d.ai/v1 (whatever version it was written in), then what runs.
+            print!("{}", cfg.to_v1_yaml());
+            println!("# effective: {}", built.summary);
+            if let Some(c) = cfg
+                .data_layer
+                .as_ref()
+                .and_then(|d| d.cross_replica.as_ref())
+            {
+                println!("# {}", c.explain());
+            }
             Ok(())
         }
         Cmd::HashKey { key } => {

@@ -173,6 +173,13 @@ pub async fn serve(
     let cfg = load_config(&opts)?;
     let built = scheduling::build(&cfg)?;
     tracing::info!(config = %built.summary, "effective configuration");
+    if let Some(c) = cfg
+        .data_layer
+        .as_ref()
+        .and_then(|d| d.cross_replica.as_ref())
+    {
+        tracing::info!(cluster_mode = opts.cluster.is_some(), "{}", c.explain());
+    }
     let interval = match &built.metrics_source.interval {
         Some(i) => parse_duration(i)
             .map_err(ConfigError::invalid)?
@@ -503,6 +510,10 @@ pub async fn serve(
             metrics.clone(),
         )),
         passthrough,
+        propagate_priority: cfg
+            .request_handler
+            .as_ref()
+            .is_some_and(|rh| rh.propagate_priority),
         draining: AtomicBool::new(false),
         gate,
         objectives,

@@ -637,7 +637,7 @@ async fn decisions_once(
 
 fn flow_config(max_concurrency: u64) -> String {
     format!(
-        "apiVersion: llm-d.ai/v1alpha1
+        "apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
 featureGates: [flowControl]
 plugins:

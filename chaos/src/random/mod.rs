@@ -41,7 +41,7 @@ const SLOTS: u64 = 4;
 const SLACK: u64 = 8;
 
 const CONFIG: &str = "\
-apiVersion: llm-d.ai/v1alpha1
+apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
 featureGates: [flowControl]
 plugins:

@@ -21,6 +21,7 @@ mod e2e_data_parallel;
 mod e2e_envoy;
 mod e2e_flowctl;
 mod e2e_global_flow;
+mod e2e_llmd_v1;
 mod e2e_pd;
 mod e2e_precise;
 mod e2e_precise_cluster;

@@ -150,8 +150,10 @@ impl FlowController {
         }
         let band_idx = self.band_index(req.flow.priority);
         self.note_arrivals(band_idx, 1);
+        let ttl = req
+            .ttl
+            .unwrap_or_else(|| self.config.request_ttl(req.flow.priority));
         let fi = self.flow_for(req.flow, band_idx);
-        let ttl = req.ttl.unwrap_or(self.config.default_request_ttl);
         let deadline = if ttl == 0 {
             NO_DEADLINE
         } else {

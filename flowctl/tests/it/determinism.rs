@@ -19,6 +19,7 @@ fn config(detector_slots: u64) -> ControllerConfig {
             max_bytes: 20_000,
             fairness,
             ordering,
+            request_ttl: None,
         },
     };
     ControllerConfig {

@@ -106,14 +106,22 @@ fn ordering_policy() -> impl Strategy<Value = OrderingPolicy> {
 }
 
 fn band_settings() -> impl Strategy<Value = BandSettings> {
-    (1..7u64, 300..2000u64, fairness_policy(), ordering_policy()).prop_map(
-        |(max_requests, max_bytes, fairness, ordering)| BandSettings {
-            max_requests,
-            max_bytes,
-            fairness,
-            ordering,
-        },
+    (
+        1..7u64,
+        300..2000u64,
+        fairness_policy(),
+        ordering_policy(),
+        prop_oneof![Just(None), (5..60u64).prop_map(|ms| Some(ms * MS))],
     )
+        .prop_map(
+            |(max_requests, max_bytes, fairness, ordering, request_ttl)| BandSettings {
+                max_requests,
+                max_bytes,
+                fairness,
+                ordering,
+                request_ttl,
+            },
+        )
 }
 
 fn config() -> impl Strategy<Value = ControllerConfig> {
@@ -467,7 +475,11 @@ fn run(cfg: ControllerConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
                         reason: DropReason::RejectedSaturated,
                     });
                 } else {
-                    let ttl = r.ttl.unwrap_or(m.cfg.default_request_ttl);
+                    // The request's own, else its band's (or its template's), else the default.
+                    let ttl = r
+                        .ttl
+                        .or(m.cfg.band_settings(r.flow.priority).request_ttl)
+                        .unwrap_or(m.cfg.default_request_ttl);
                     m.queued.insert(
                         id,
                         MReq {

@@ -5,13 +5,25 @@
 //! (`plugins[1].parameters.foo`). Plugin `parameters` are decoded by each plugin the same way, with
 //! the path prefixed. Defaults are injected in one place ([`crate::scheduling::build`]), mirroring llm-d.
 
-use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-/// The current apiVersion, and the deprecated one llm-d still accepts.
-pub const API_VERSION: &str = "llm-d.ai/v1alpha1";
-pub const DEPRECATED_API_VERSION: &str = "inference.networking.x-k8s.io/v1alpha1";
+mod v1;
+mod v1alpha1;
+
+pub use v1::{
+    CrossReplicaSpec, DataLayerSpec, DataSourceSpec, DiscoverySpec, EndpointPickerConfig,
+    PluginRefSpec, PluginSpec, ProfilePluginRef, ProfileSpec, RequestHandlerSpec,
+};
+
+/// The current apiVersion (llm-d v1.0).
+pub const API_VERSION: &str = "llm-d.ai/v1";
+/// The versions still read, converted to [`API_VERSION`] at load with one deprecation line:
+/// llm-d v0.x's, and the Gateway API Inference Extension's before it.
+pub const DEPRECATED_API_VERSIONS: [&str; 2] = [
+    "llm-d.ai/v1alpha1",
+    "inference.networking.x-k8s.io/v1alpha1",
+];
 pub const KIND: &str = "EndpointPickerConfig";
 
 /// What `epp serve` runs without a config file: the cost model (`cost-model-scorer`, with its
@@ -19,7 +31,7 @@ pub const KIND: &str = "EndpointPickerConfig";
 /// behind the max-score picker. Our own default — see `docs/configuration.md` for the reasoning
 /// and the measurements; [`LLMD_DEFAULT`] is llm-d's.
 pub const BUILTIN_DEFAULT: &str = r#"
-apiVersion: llm-d.ai/v1alpha1
+apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
 plugins:
 - type: cost-model-scorer
@@ -33,7 +45,7 @@ schedulingProfiles:
 
 /// llm-d's built-in default configuration (and its Helm chart's `default-plugins.yaml`).
 pub const LLMD_DEFAULT: &str = r#"
-apiVersion: llm-d.ai/v1alpha1
+apiVersion: llm-d.ai/v1
 kind: EndpointPickerConfig
 plugins:
 - type: queue-scorer
@@ -76,103 +88,6 @@ impl ConfigError {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct EndpointPickerConfig {
-    pub api_version: String,
-    pub kind: String,
-    #[serde(default)]
-    pub feature_gates: Vec<String>,
-    #[serde(default)]
-    pub plugins: Vec<PluginSpec>,
-    #[serde(default)]
-    pub scheduling_profiles: Vec<ProfileSpec>,
-    #[serde(default)]
-    pub data_layer: Option<DataLayerSpec>,
-    #[serde(default)]
-    pub flow_control: Option<Value>,
-    #[serde(default)]
-    pub request_handler: Option<RequestHandlerSpec>,
-    /// Deprecated top-level location of `flowControl.saturationDetector`.
-    #[serde(default)]
-    pub saturation_detector: Option<Value>,
-    /// Deprecated top-level location of `requestHandler.parsers`.
-    #[serde(default)]
-    pub parser: Option<Value>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct PluginSpec {
-    #[serde(default)]
-    pub name: Option<String>,
-    #[serde(rename = "type")]
-    pub type_name: String,
-    #[serde(default)]
-    pub parameters: Option<Value>,
-}
-
-impl PluginSpec {
-    /// The instance name: `name`, or the type name when absent (as llm-d does).
-    pub fn instance_name(&self) -> &str {
-        self.name.as_deref().unwrap_or(&self.type_name)
-    }
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct ProfileSpec {
-    pub name: String,
-    #[serde(default)]
-    pub plugins: Vec<ProfilePluginRef>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct ProfilePluginRef {
-    pub plugin_ref: String,
-    #[serde(default)]
-    pub weight: Option<f64>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct DataLayerSpec {
-    #[serde(default)]
-    pub inject_defaults: Option<bool>,
-    #[serde(default)]
-    pub sources: Vec<DataSourceSpec>,
-    #[serde(default)]
-    pub discovery: Option<PluginRefSpec>,
-    #[serde(default)]
-    pub peer_discovery: Option<PluginRefSpec>,
-    #[serde(default)]
-    pub cross_replica_syncer_plugin_ref: Option<String>,
-    #[serde(default)]
-    pub cross_replica_sync_interval: Option<String>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct DataSourceSpec {
-    pub plugin_ref: String,
-    #[serde(default)]
-    pub extractors: Vec<PluginRefSpec>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct PluginRefSpec {
-    pub plugin_ref: String,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct RequestHandlerSpec {
-    #[serde(default)]
-    pub parsers: Vec<PluginRefSpec>,
-}
-
 /// Calls `f` with each non-empty document of a multi-document YAML `text`, named `what[i]`.
 pub fn each_doc(
     text: &str,
@@ -196,25 +111,43 @@ pub fn decode_at<T: DeserializeOwned>(value: &Value, prefix: &str) -> Result<T, 
 }
 
 impl EndpointPickerConfig {
-    /// Parse and strictly decode a YAML document.
+    /// Parse and strictly decode a YAML document: `llm-d.ai/v1` as it is, an older version
+    /// ([`DEPRECATED_API_VERSIONS`]) converted to it with one deprecation line.
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
         let value: Value =
             serde_saphyr::from_str(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
-        let cfg: EndpointPickerConfig = decode_at(&value, "")?;
-        if cfg.api_version != API_VERSION && cfg.api_version != DEPRECATED_API_VERSION {
-            return Err(ConfigError::Field {
-                path: "apiVersion".into(),
-                message: format!(
-                    "unsupported apiVersion `{}` (expected `{API_VERSION}`)",
-                    cfg.api_version
-                ),
-            });
-        }
-        if cfg.api_version == DEPRECATED_API_VERSION {
-            tracing::warn!(
-                "DEPRECATION: apiVersion `{DEPRECATED_API_VERSION}` is deprecated, use `{API_VERSION}`"
-            );
-        }
+        let version = value.get("apiVersion").and_then(Value::as_str);
+        let cfg = match version {
+            Some(API_VERSION) => {
+                if let Some((path, instead)) = v1alpha1::moved_key(&value) {
+                    return Err(ConfigError::Field {
+                        path,
+                        message: format!(
+                            "not a key of {API_VERSION} (it was in v1alpha1): write {instead}"
+                        ),
+                    });
+                }
+                decode_at::<EndpointPickerConfig>(&value, "")?
+            }
+            Some(v) if DEPRECATED_API_VERSIONS.contains(&v) => {
+                let old: v1alpha1::EndpointPickerConfig = decode_at(&value, "")?;
+                tracing::warn!(
+                    "DEPRECATION: EndpointPickerConfig apiVersion `{v}` is deprecated and read as \
+                     `{API_VERSION}` (`epp validate-config` prints the file in that form)"
+                );
+                old.into_v1(API_VERSION)
+            }
+            _ => {
+                return Err(ConfigError::Field {
+                    path: "apiVersion".into(),
+                    message: format!(
+                        "unsupported apiVersion {} (expected `{API_VERSION}`; `{}` is still read)",
+                        version.map_or("(none)".into(), |v| format!("`{v}`")),
+                        DEPRECATED_API_VERSIONS.join("`, `")
+                    ),
+                });
+            }
+        };
         if cfg.kind != KIND {
             return Err(ConfigError::Field {
                 path: "kind".into(),
@@ -222,6 +155,11 @@ impl EndpointPickerConfig {
             });
         }
         Ok(cfg)
+    }
+
+    /// The configuration as a `llm-d.ai/v1` YAML document.
+    pub fn to_v1_yaml(&self) -> String {
+        serde_saphyr::to_string(self).unwrap_or_else(|e| format!("# not printable: {e}\n"))
     }
 
     pub fn from_file(path: &str) -> Result<Self, ConfigError> {

@@ -24,6 +24,8 @@ pub struct PickerContext {
     pub body_budget: Arc<super::budget::BodyBudget>,
     /// `passthrough-parser` configured: unknown paths are routed instead of refused.
     pub passthrough: bool,
+    /// `requestHandler.propagatePriority`: the forwarded body carries the request's priority.
+    pub propagate_priority: bool,
     pub draining: std::sync::atomic::AtomicBool,
     /// Legacy admission, flow control on this replica, or cluster-wide flow control.
     pub gate: Arc<dyn Gate>,

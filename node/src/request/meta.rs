@@ -94,14 +94,46 @@ struct ObjectiveMeta {
     namespace: Option<String>,
 }
 
+/// The spec of either version: `llm-d.ai/v1alpha2` binds the objective to one pool by
+/// `poolRef`; `llm-d.ai/v1` (llm-d v1.0) to pools by `poolRefs` (1–16) or `poolSelector`, one of
+/// them required. A standalone replica serves one pool: the binding is checked for shape only.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct ObjectiveSpec {
     #[serde(default)]
     priority: Option<i32>,
     #[serde(default)]
-    #[allow(dead_code)]
     pool_ref: Option<serde_json::Value>,
+    #[serde(default)]
+    pool_refs: Option<Vec<serde_json::Value>>,
+    #[serde(default)]
+    pool_selector: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl ObjectiveSpec {
+    /// The pool binding's keys are the ones of `api_version`.
+    fn check(&self, api_version: &str, at: &str) -> Result<(), ConfigError> {
+        let bad = |msg: &str| Err(ConfigError::invalid(format!("{at}.spec: {msg}")));
+        if api_version == "llm-d.ai/v1" {
+            if self.pool_ref.is_some() {
+                return bad(
+                    "`poolRef` is v1alpha2's; llm-d.ai/v1 has `poolRefs` (a list) or `poolSelector`",
+                );
+            }
+            match (&self.pool_refs, &self.pool_selector) {
+                (Some(r), None) if (1..=16).contains(&r.len()) => Ok(()),
+                (Some(_), None) => bad("`poolRefs` must name 1 to 16 pools"),
+                (None, Some(s)) if !s.is_empty() => Ok(()),
+                (None, Some(_)) => bad("`poolSelector` must not be empty"),
+                (Some(_), Some(_)) => bad("`poolRefs` and `poolSelector` exclude each other"),
+                (None, None) => bad("llm-d.ai/v1 needs `poolRefs` or `poolSelector`"),
+            }
+        } else if self.pool_refs.is_some() || self.pool_selector.is_some() {
+            bad("`poolRefs` / `poolSelector` are llm-d.ai/v1's; this version has `poolRef`")
+        } else {
+            Ok(())
+        }
+    }
 }
 
 impl Objectives {
@@ -126,9 +158,13 @@ impl Objectives {
                 d.kind
             )));
         }
-        if !d.api_version.ends_with("/v1alpha2") && !d.api_version.ends_with("/v1alpha1") {
+        if !["/v1alpha2", "/v1alpha1", "llm-d.ai/v1"]
+            .iter()
+            .any(|v| d.api_version.ends_with(v))
+        {
             tracing::warn!(api_version = %d.api_version, "unexpected InferenceObjective apiVersion");
         }
+        d.spec.check(&d.api_version, at)?;
         if self.0.contains_key(&d.metadata.name) {
             return Err(ConfigError::invalid(format!(
                 "{at}: InferenceObjective `{}` defined twice",
@@ -312,6 +348,50 @@ mod tests {
         let dup = format!("{yaml}---\n{}", yaml.split("---\n").next().unwrap());
         let e = Objectives::from_yaml(&dup).unwrap_err().to_string();
         assert!(e.contains("twice"), "{e}");
+    }
+
+    /// llm-d v1.0's `InferenceObjective` (`llm-d.ai/v1`): bound by `poolRefs` or
+    /// `poolSelector`, loaded beside v1alpha2's; each version's binding keys only.
+    #[test]
+    fn v1_objectives_load_beside_v1alpha2() {
+        let v1 = |spec: &str| {
+            format!(
+                "apiVersion: llm-d.ai/v1\nkind: InferenceObjective\nmetadata: {{name: o}}\nspec: {spec}\n"
+            )
+        };
+        let o = Objectives::from_yaml(&format!(
+            "{}---\napiVersion: llm-d.ai/v1alpha2\nkind: InferenceObjective\nmetadata: {{name: old}}\nspec: {{priority: -3, poolRef: {{name: p}}}}\n",
+            v1("{priority: 7, poolRefs: [{name: p}, {name: q}]}")
+        ))
+        .unwrap();
+        assert_eq!((o.priority("o"), o.priority("old")), (Some(7), Some(-3)));
+        let o = Objectives::from_yaml(&v1(
+            "{priority: 2, poolSelector: {matchLabels: {app: vllm}}}",
+        ))
+        .unwrap();
+        assert_eq!(o.priority("o"), Some(2));
+        for (spec, says) in [
+            ("{priority: 1}", "needs `poolRefs` or `poolSelector`"),
+            (
+                "{priority: 1, poolRef: {name: p}}",
+                "`poolRef` is v1alpha2's",
+            ),
+            ("{poolRefs: []}", "1 to 16"),
+            ("{poolSelector: {}}", "must not be empty"),
+            (
+                "{poolRefs: [{name: p}], poolSelector: {matchLabels: {a: b}}}",
+                "exclude each other",
+            ),
+        ] {
+            let e = Objectives::from_yaml(&v1(spec)).unwrap_err().to_string();
+            assert!(e.contains(says), "{spec}: {e}");
+        }
+        let e = Objectives::from_yaml(
+            "apiVersion: llm-d.ai/v1alpha2\nkind: InferenceObjective\nmetadata: {name: x}\nspec: {poolRefs: [{name: p}]}\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("llm-d.ai/v1's"), "{e}");
     }
 
     #[test]

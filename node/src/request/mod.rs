@@ -199,9 +199,16 @@ impl Request {
         editable_usage: bool,
         continuous_usage: bool,
         max_output: Option<u64>,
+        propagate_priority: bool,
     ) -> Vec<u8> {
         if self.rewritten()
             && let Some(edited) = parse::with_model(&body, &self.target_model)
+        {
+            body = edited;
+        }
+        if propagate_priority
+            && editable_usage
+            && let Some(edited) = parse::with_priority(&body, self.meta.priority)
         {
             body = edited;
         }

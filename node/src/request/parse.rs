@@ -150,6 +150,16 @@ pub fn with_model(body: &[u8], model: &str) -> Option<Vec<u8>> {
     serde_json::to_vec(&v).ok()
 }
 
+/// The body with a top-level `priority` that vLLM's priority scheduling orders the way flow
+/// control does: vLLM serves lower values first, llm-d's priorities are higher-first, so the
+/// field is the request's priority negated (`None` if the body is not a JSON object).
+pub fn with_priority(body: &[u8], priority: i32) -> Option<Vec<u8>> {
+    let mut v: Value = serde_json::from_slice(body).ok()?;
+    v.as_object_mut()?
+        .insert("priority".into(), Value::from(-i64::from(priority)));
+    serde_json::to_vec(&v).ok()
+}
+
 /// The body with its output maximum set to `n` (the Responses API's `max_output_tokens`, else
 /// the field the client used, else `max_tokens`); `None` if it is not a JSON object.
 pub fn with_max_output(kind: ApiKind, body: &[u8], n: u64) -> Option<Vec<u8>> {

@@ -270,3 +270,32 @@ fn node_id_from_a_pod_name() {
     let (ok, out) = serve(&["--node-id-from-pod-name", "epp-0", "--node-id", "2"]);
     assert!(!ok && out.contains("cannot be used with"), "{out}");
 }
+
+/// `validate-config` prints any accepted version as `llm-d.ai/v1` (which loads back) and what it
+/// makes the EPP do; a v1alpha1 file gets one deprecation line, a v1 file none.
+#[test]
+fn validate_config_prints_v1_and_deprecates_v1alpha1_once() {
+    let old = "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n\
+               - {name: sync, type: local-syncer}\n- type: queue-scorer\n\
+               dataLayer: {crossReplicaSyncerPluginRef: sync, crossReplicaSyncInterval: 200ms}\n";
+    let (ok, out) = epp(&["validate-config", "--config-text", old]);
+    assert!(ok, "{out}");
+    assert_eq!(out.matches("DEPRECATION").count(), 1, "{out}");
+    assert!(
+        out.contains("apiVersion: llm-d.ai/v1\n")
+            && out.contains("crossReplica:")
+            && out.contains("syncerPluginRef: sync")
+            && out.contains("# effective: ")
+            && out.contains("cluster mode (--peers"),
+        "{out}"
+    );
+    let printed: String = out
+        .lines()
+        .take_while(|l| !l.starts_with("# effective"))
+        .filter(|l| !l.contains("DEPRECATION"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let (ok, again) = epp(&["validate-config", "--config-text", &printed]);
+    assert!(ok, "{again}");
+    assert!(!again.contains("DEPRECATION"), "{again}");
+}

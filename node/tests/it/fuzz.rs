@@ -105,7 +105,7 @@ fn request_stage(path: &str, body: &[u8], headers: &HashMap<String, String>) {
             let cap = tenant
                 .as_ref()
                 .and_then(|t| t.limits_for(&req.model)?.1.output_budget(req.max_output()));
-            let _ = req.upstream_body(body.to_vec(), true, tenant.is_some(), cap);
+            let _ = req.upstream_body(body.to_vec(), true, tenant.is_some(), cap, true);
         }
     }
 }

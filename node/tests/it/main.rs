@@ -7,4 +7,5 @@
 
 mod cli;
 mod fuzz;
+mod llmd_v1_corpus;
 mod rooms;

@@ -140,7 +140,8 @@ pub(super) async fn generate(pod: Arc<Pod>, kind: Kind, body: Bytes) -> Response
         pd,
         responses: None,
     };
-    if stream {
+    let priority = req.priority;
+    let mut res = if stream {
         let (include_usage, continuous) = req.stream_options.map_or((false, false), |o| {
             (
                 o.include_usage.unwrap_or(true),
@@ -150,7 +151,12 @@ pub(super) async fn generate(pod: Arc<Pod>, kind: Kind, body: Bytes) -> Response
         stream_response(job, include_usage, continuous)
     } else {
         full_response(job).await
+    };
+    if let Some(p) = priority {
+        res.headers_mut()
+            .insert(super::RECEIVED_PRIORITY_HEADER, p.into());
     }
+    res
 }
 
 pub(super) async fn full_response(job: Job) -> Response {

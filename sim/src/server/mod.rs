@@ -240,6 +240,10 @@ pub const RECEIVED_PREFILLER_HEADER: &str = "x-sim-received-prefiller";
 /// belong to), so tests can follow a trace to the pod.
 pub const RECEIVED_TRACEPARENT_HEADER: &str = "x-sim-received-traceparent";
 
+/// The body's top-level `priority` (vLLM's priority scheduling field), when the request had one:
+/// what the router wrote there, seen from the pod.
+pub const RECEIVED_PRIORITY_HEADER: &str = "x-sim-received-priority";
+
 /// The names of the `x-` headers the request arrived with (comma-separated, in arrival order), so
 /// tests can check from the pod's side which control headers reached it.
 pub const RECEIVED_HEADERS_HEADER: &str = "x-sim-received-headers";

@@ -478,7 +478,9 @@ impl GlobalGate {
             flow: FlowKey::new(req.meta.fairness_id.clone(), priority),
             bytes: req.bytes,
             tokens: req.tokens,
-            ttl: None,
+            // A band's own budget travels with the request (members need not read it from the
+            // replicated configuration); the default stays implicit.
+            ttl: self.config.band_settings(priority).request_ttl,
             slo_ttft: req.meta.slo_ttft_ms.map(|ms| ms.saturating_mul(1_000_000)),
         };
         let mut st = self.lock();
@@ -569,7 +571,7 @@ impl GlobalGate {
         degraded: bool,
     ) -> oneshot::Receiver<Verdict> {
         let (tx, rx) = oneshot::channel();
-        let ttl: Nanos = self.config.default_request_ttl;
+        let ttl: Nanos = self.config.request_ttl(req.meta.priority);
         let deadline = (ttl > 0).then(|| {
             Instant::now()
                 + Duration::from_nanos(ttl)

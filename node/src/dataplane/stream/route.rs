@@ -179,7 +179,13 @@ impl StreamState {
         // reports usage on every chunk.
         let continuous = quota.is_some() && answer.continuous_usage;
         let max_output = quota.and_then(|q| q.output_budget).filter(|_| editable);
-        let body = req.upstream_body(body, editable, continuous, max_output);
+        let body = req.upstream_body(
+            body,
+            editable,
+            continuous,
+            max_output,
+            ctx.propagate_priority,
+        );
         let mut sent = self.send_full(answer.response).await;
         if sent.is_ok() && answer.on_headers && self.body_started {
             sent = self.stream_body_back(body).await;

@@ -53,7 +53,10 @@ impl AdmissionConfig {
                     "admission=flow-control(bands=[{}] detector={} maxRequests={} ttl={}s{reserve})",
                     c.bands
                         .iter()
-                        .map(|b| b.priority.to_string())
+                        .map(|b| match b.settings.request_ttl {
+                            Some(t) => format!("{}(ttl={}ms)", b.priority, t / 1_000_000),
+                            None => b.priority.to_string(),
+                        })
                         .collect::<Vec<_>>()
                         .join(","),
                     c.detector.type_name(),
@@ -65,14 +68,14 @@ impl AdmissionConfig {
     }
 }
 
-/// Resolve the configured saturation detector (`flowControl.saturationDetector`, or the deprecated
-/// top-level `saturationDetector`; default `utilization-detector`) for the legacy controller.
+/// Resolve the configured saturation detector (`flowControl.saturationDetector`, where a
+/// v1alpha1 file's top-level `saturationDetector` lands; default `utilization-detector`) for the
+/// legacy controller.
 pub fn legacy_detector(cfg: &EndpointPickerConfig) -> Result<SaturationDetector, ConfigError> {
     let reference = cfg
         .flow_control
         .as_ref()
-        .and_then(|fc| fc.get("saturationDetector"))
-        .or(cfg.saturation_detector.as_ref());
+        .and_then(|fc| fc.get("saturationDetector"));
     let Some(r) = reference else {
         return Ok(SaturationDetector::default());
     };
@@ -112,11 +115,7 @@ pub fn plugin_decls(cfg: &EndpointPickerConfig) -> Vec<flowctl::PluginDecl<'_>> 
 /// The flow controller's configuration from the `flowControl` section (absent = all defaults).
 pub fn controller_config(cfg: &EndpointPickerConfig) -> Result<ControllerConfig, ConfigError> {
     let empty = serde_json::Value::Object(Default::default());
-    let mut section = cfg.flow_control.clone().unwrap_or(empty);
-    // The deprecated top-level location; the new field wins.
-    if let (Some(obj), Some(old)) = (section.as_object_mut(), &cfg.saturation_detector) {
-        obj.entry("saturationDetector").or_insert(old.clone());
-    }
+    let section = cfg.flow_control.clone().unwrap_or(empty);
     let fc = flowctl::FlowControlConfig::from_value(&section)?;
     Ok(fc.resolve(&plugin_decls(cfg))?)
 }

@@ -432,10 +432,34 @@ pub fn build(cfg: &EndpointPickerConfig) -> Result<Built, ConfigError> {
                 }
             }
         }
-        if dl.discovery.is_some() || dl.peer_discovery.is_some() {
-            return Err(ConfigError::invalid(
-                "dataLayer.discovery / peerDiscovery plugins are not implemented yet; use --endpoints-file",
-            ));
+        if let Some(d) = &dl.discovery {
+            let key = if d.endpoints.is_some() {
+                "endpoints"
+            } else {
+                "peers"
+            };
+            return Err(ConfigError::Field {
+                path: format!("dataLayer.discovery.{key}"),
+                message: "discovery plugins are not supported: the pool's pods come from the \
+                          InferencePool (Kubernetes) or --endpoints-file, the peer replicas from \
+                          --peers"
+                    .into(),
+            });
+        }
+        if let Some(r) = dl
+            .cross_replica
+            .as_ref()
+            .and_then(|c| c.syncer_plugin_ref.as_ref())
+        {
+            let ok = by_name
+                .get(r)
+                .is_some_and(|i| instances[*i].1 == super::LOCAL_SYNCER);
+            if !ok {
+                return Err(ConfigError::Field {
+                    path: "dataLayer.crossReplica.syncerPluginRef".into(),
+                    message: format!("`{r}` is not a `{}` plugin", super::LOCAL_SYNCER),
+                });
+            }
         }
     }
     if metrics_source.is_none() {

@@ -55,6 +55,9 @@ pub const PD_PROFILE_HANDLER: &str = "pd-profile-handler";
 /// the P/D handler does it now.
 pub const DEPRECATED_HEADER_HANDLERS: [&str; 2] =
     ["prefill-header-handler", "disagg-headers-handler"];
+/// llm-d's cross-replica state syncer (`dataLayer.crossReplica.syncerPluginRef`): cluster mode
+/// does that work here (`config::CrossReplicaSpec::explain`).
+pub const LOCAL_SYNCER: &str = "local-syncer";
 pub const METRICS_DATA_SOURCE: &str = "metrics-data-source";
 pub const CORE_METRICS_EXTRACTOR: &str = "core-metrics-extractor";
 pub const PARSERS: [&str; 4] = [
@@ -100,7 +103,8 @@ pub enum Plugin {
     /// A flow-control policy or saturation detector: used through `flowControl` references, not by
     /// the scheduler. Its parameters are validated at construction.
     FlowControl,
-    /// A deprecated plugin whose work another one does now (validated, warned about, inert).
+    /// A plugin whose work something else does here: a deprecated header handler (the P/D
+    /// handler does it; warned about), `local-syncer` (cluster mode). Validated, inert.
     Superseded,
     /// `agent-identity`: where agents' session ids are read.
     AgentIdentity(AgentIdentity),
@@ -411,6 +415,10 @@ pub fn construct(
             }
             Plugin::AgentIdentity(AgentIdentity::new(&p.additional_session_headers))
         }
+        LOCAL_SYNCER => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Superseded
+        }
         t if DEPRECATED_HEADER_HANDLERS.contains(&t) => {
             let _: HeaderHandlerParams = params(parameters, path)?;
             tracing::warn!(
@@ -484,7 +492,9 @@ pub fn construct(
             flowctl::UsageLimit::from_plugin(type_name, parameters, path)?;
             Plugin::FlowControl
         }
-        flowctl::SHEDDABLE_EVICTION_FILTER | flowctl::PRIORITY_THEN_TIME_EVICTION_ORDER => {
+        flowctl::SHEDDABLE_EVICTION_FILTER
+        | flowctl::PRIORITY_THEN_TIME_EVICTION_ORDER
+        | flowctl::STRICT_BAND_SELECTION => {
             let _: NoParams = params(parameters, path)?;
             Plugin::FlowControl
         }
