@@ -42,6 +42,14 @@ pub struct Member {
 /// could not decode the log).
 pub const FEATURE_HELD: u32 = 1;
 
+/// A member's build runs `program-aware-fairness` with `strategy: turn-priority`: a replica
+/// proposes a flow configuration that uses it only once every live member does (an older build
+/// would run least attained service in its place, and the members' states would part).
+pub const FEATURE_TURN_PRIORITY: u32 = 2;
+
+/// Everything this build speaks, as its heartbeats say.
+pub const FEATURES: u32 = FEATURE_HELD | FEATURE_TURN_PRIORITY;
+
 /// Commands of the cluster state machine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ClusterCommand {
@@ -229,8 +237,18 @@ impl ClusterState {
         let Some(lease) = self.flow.as_ref().map(|f| f.params().lease_ms) else {
             return false;
         };
-        self.live(self.now_ms, lease)
-            .all(|(_, m)| m.features & feature == feature)
+        self.members_speak(feature, lease, &[])
+    }
+
+    /// Whether every member heard from within `lease_ms` speaks `feature` (with or without
+    /// cluster flow control configured), and so do the `required` ones (e.g. the voters: a
+    /// member that has not heartbeated yet has not said what it speaks).
+    pub fn members_speak(&self, feature: u32, lease_ms: u64, required: &[MemberId]) -> bool {
+        let speaks = |m: &Member| m.features & feature == feature;
+        self.live(self.now_ms, lease_ms).all(|(_, m)| speaks(m))
+            && required
+                .iter()
+                .all(|id| self.members.get(id).is_some_and(speaks))
     }
 
     /// The global flow state, when cluster flow control is configured.

@@ -369,6 +369,22 @@ impl ControllerConfig {
         }
     }
 
+    /// The cluster features ([`crate::cluster::FEATURE_TURN_PRIORITY`]…) every member must
+    /// speak to run this configuration the same way.
+    pub fn features(&self) -> u32 {
+        let turns = self
+            .bands
+            .iter()
+            .map(|b| &b.settings)
+            .chain([&self.default_band, &self.default_negative_band])
+            .any(|s| matches!(&s.fairness, FairnessPolicy::ProgramAware(p) if p.turn_priority()));
+        if turns {
+            crate::cluster::FEATURE_TURN_PRIORITY
+        } else {
+            0
+        }
+    }
+
     /// How long a request of `priority` may wait: its band's budget, else the default.
     pub fn request_ttl(&self, priority: i32) -> Nanos {
         self.band_settings(priority)

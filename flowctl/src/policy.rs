@@ -86,9 +86,9 @@ impl FairnessPolicy {
     }
 }
 
-/// `program-aware-fairness` parameters (llm-d's names and defaults; `strategy` `las` only).
+/// `program-aware-fairness` parameters (llm-d's names and defaults).
 ///
-/// Mechanism (least attained service): each fairness id — a *program* — accumulates the tokens
+/// `strategy: las` (the default), least attained service: each fairness id — a *program* — accumulates the tokens
 /// its completed requests took (prompt + completion, as the ledger settles them; llm-d counts
 /// completion tokens twice). Among the band's waiting flows the one with the highest
 /// `lasWeightService · (1 − norm(service)) + lasWeightHeadWait · norm(head wait)` is served, each
@@ -96,6 +96,13 @@ impl FairnessPolicy {
 /// or in flight loses service: by `lasDecayFactor` per pick, or with the half-life
 /// `lasHalfLifeSeconds` when that is set; one idle with no completion for `evictionTtlSeconds`
 /// is forgotten (checked at every pick; `evictionSweepSeconds` is accepted).
+///
+/// `strategy: turn-priority` (llm-d v1.0), for agent loops: a program's *turn* is the number of
+/// its requests dispatched so far plus one, and among the band's waiting flows the one with the
+/// highest `turn + turnPriorityTimeWeight · head wait (s)` is served — a loop on its 7th turn
+/// goes before a program's first, and a long wait still wins in the end. A program with nothing
+/// in flight whose last completion is older than `turnPriorityInactivitySeconds` (0: never)
+/// starts again at turn 1. Ties go to the lowest flow index.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct ProgramAwareParams {
@@ -106,6 +113,25 @@ pub struct ProgramAwareParams {
     pub las_half_life_seconds: f64,
     pub eviction_ttl_seconds: f64,
     pub eviction_sweep_seconds: f64,
+    /// (Left out of the serialized state at their defaults: the replicated form of a `las`
+    /// configuration is what builds before turn priority wrote.)
+    #[serde(skip_serializing_if = "is_default_time_weight")]
+    pub turn_priority_time_weight: f64,
+    #[serde(skip_serializing_if = "is_default_inactivity")]
+    pub turn_priority_inactivity_seconds: f64,
+}
+
+/// `strategy: turn-priority`.
+pub const TURN_PRIORITY: &str = "turn-priority";
+const DEFAULT_TURN_TIME_WEIGHT: f64 = 0.05;
+const DEFAULT_TURN_INACTIVITY_SECONDS: f64 = 120.0;
+
+fn is_default_time_weight(v: &f64) -> bool {
+    *v == DEFAULT_TURN_TIME_WEIGHT
+}
+
+fn is_default_inactivity(v: &f64) -> bool {
+    *v == DEFAULT_TURN_INACTIVITY_SECONDS
 }
 
 impl Default for ProgramAwareParams {
@@ -118,16 +144,23 @@ impl Default for ProgramAwareParams {
             las_half_life_seconds: 0.0,
             eviction_ttl_seconds: 3600.0,
             eviction_sweep_seconds: 300.0,
+            turn_priority_time_weight: DEFAULT_TURN_TIME_WEIGHT,
+            turn_priority_inactivity_seconds: DEFAULT_TURN_INACTIVITY_SECONDS,
         }
     }
 }
 
 impl ProgramAwareParams {
+    /// `strategy: turn-priority`.
+    pub fn turn_priority(&self) -> bool {
+        self.strategy == TURN_PRIORITY
+    }
+
     /// llm-d's checks.
     pub fn validate(&self, path: &str) -> Result<(), ConfigError> {
         let field = |k: &str, m: &str| Err(ConfigError::invalid(format!("{path}.{k}"), m));
-        if !matches!(self.strategy.as_str(), "" | "las") {
-            return field("strategy", "only `las` is supported");
+        if !matches!(self.strategy.as_str(), "" | "las" | TURN_PRIORITY) {
+            return field("strategy", "must be `las` or `turn-priority`");
         }
         let finite = |v: f64| v.is_finite();
         for (k, v) in [
@@ -135,6 +168,11 @@ impl ProgramAwareParams {
             ("lasWeightHeadWait", self.las_weight_head_wait),
             ("lasHalfLifeSeconds", self.las_half_life_seconds),
             ("evictionTtlSeconds", self.eviction_ttl_seconds),
+            ("turnPriorityTimeWeight", self.turn_priority_time_weight),
+            (
+                "turnPriorityInactivitySeconds",
+                self.turn_priority_inactivity_seconds,
+            ),
         ] {
             if !finite(v) || v < 0.0 {
                 return field(k, "must be a finite number >= 0");

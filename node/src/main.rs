@@ -220,7 +220,7 @@ struct ClusterArgs {
     /// bit set; default all this build speaks) — fewer stand in for an older build in a rolling
     /// upgrade.
     #[cfg(feature = "test-hooks")]
-    #[arg(long, hide = true, default_value_t = flowctl::cluster::FEATURE_HELD)]
+    #[arg(long, hide = true, default_value_t = flowctl::cluster::FEATURES)]
     cluster_features: u32,
     /// This replica's Raft node id (stable across restarts).
     #[arg(long, default_value_t = 1)]
@@ -402,7 +402,7 @@ impl ClusterArgs {
             #[cfg(feature = "test-hooks")]
             features: self.cluster_features,
             #[cfg(not(feature = "test-hooks"))]
-            features: flowctl::cluster::FEATURE_HELD,
+            features: flowctl::cluster::FEATURES,
         }))
     }
 }

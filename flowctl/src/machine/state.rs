@@ -94,6 +94,13 @@ pub(super) struct Program {
     /// Its flow in the band has queued requests.
     pub(super) waiting: bool,
     pub(super) inflight: u32,
+    /// `turn-priority`: requests dispatched since the program (re)started; its turn is one more.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(super) turns: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -281,11 +288,17 @@ impl Sched {
 
     /// [`Sched::charge`] for `n` requests of `tokens` between them (a bulk holding).
     pub(super) fn charge_n(&mut self, flow: &mut Flow, fi: u32, n: u64, tokens: u64) {
-        if let Sched::Las { programs, .. } = self {
+        if let Sched::Las {
+            programs, params, ..
+        } = self
+        {
             let p = programs.entry(flow.fairness_id.clone()).or_default();
             p.inflight = p
                 .inflight
                 .saturating_add(u32::try_from(n).unwrap_or(u32::MAX));
+            if params.turn_priority() {
+                p.turns = p.turns.saturating_add(n);
+            }
             return;
         }
         if let Sched::Weighted {
@@ -336,8 +349,10 @@ impl Sched {
 }
 
 /// `program-aware-fairness`'s pick: idle programs lose service (and long-idle ones are
-/// forgotten), then the waiting flow with the best `wS · (1 − norm(service)) + wW · norm(head
-/// wait)` wins; ties go to the lowest flow index (deterministic).
+/// forgotten), then the waiting flow with the best score wins — `las`: `wS · (1 −
+/// norm(service)) + wW · norm(head wait)`; `turn-priority`: `turn + w · head wait (s)`, after
+/// programs inactive for long enough restart at turn 1. Ties go to the lowest flow index
+/// (deterministic).
 fn las_pick(
     active: &BTreeSet<u32>,
     programs: &mut BTreeMap<String, Program>,
@@ -362,6 +377,9 @@ fn las_pick(
         }
         ttl == 0 || now.saturating_sub(p.last_completion) < ttl
     });
+    if params.turn_priority() {
+        return turn_pick(active, programs, params, flows, queued, now);
+    }
     let mut entries = Vec::with_capacity(active.len());
     for &fi in active {
         let Some(flow) = flows.get(fi as usize).and_then(Option::as_ref) else {
@@ -389,6 +407,43 @@ fn las_pick(
     for &(fi, service, wait) in &entries {
         let score = params.las_weight_service * (1.0 - range_normalize(service, s_lo, s_hi))
             + params.las_weight_head_wait * range_normalize(wait, w_lo, w_hi);
+        if best.is_none_or(|(_, b)| score > b) {
+            best = Some((fi, score));
+        }
+    }
+    best.map(|b| b.0)
+}
+
+/// `turn-priority`'s pick (see [`las_pick`]).
+fn turn_pick(
+    active: &BTreeSet<u32>,
+    programs: &mut BTreeMap<String, Program>,
+    params: &ProgramAwareParams,
+    flows: &[Option<Flow>],
+    queued: &BTreeMap<RequestId, Queued>,
+    now: Nanos,
+) -> Option<u32> {
+    let inactivity = (params.turn_priority_inactivity_seconds * 1e9) as Nanos;
+    if inactivity > 0 {
+        for p in programs.values_mut() {
+            if p.inflight == 0 && now.saturating_sub(p.last_completion) > inactivity {
+                p.turns = 0;
+            }
+        }
+    }
+    let mut best: Option<(u32, f64)> = None;
+    for &fi in active {
+        let Some(flow) = flows.get(fi as usize).and_then(Option::as_ref) else {
+            continue;
+        };
+        let turns = programs.get(&flow.fairness_id).map_or(0, |p| p.turns);
+        let head_at = flow
+            .queue
+            .first_key_value()
+            .and_then(|(_, id)| queued.get(id))
+            .map_or(now, |q| q.enqueued_at);
+        let wait = now.saturating_sub(head_at) as f64 / 1e9;
+        let score = (turns + 1) as f64 + params.turn_priority_time_weight * wait;
         if best.is_none_or(|(_, b)| score > b) {
             best = Some((fi, score));
         }

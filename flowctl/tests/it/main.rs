@@ -19,4 +19,5 @@ mod quota_shared;
 mod reserve;
 mod soft_reflective;
 mod timeline;
+mod turn_priority;
 mod weighted;

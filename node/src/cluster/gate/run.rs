@@ -411,31 +411,59 @@ impl GlobalGate {
     ) {
         let mut tick = tokio::time::interval(self.opts.pool_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut warned = false;
+        let (mut warned, mut waited, mut pending) = (false, false, false);
+        let needs = self.config.features();
+        let lease = self.opts.params.lease_ms;
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = configure.notified() => {
-                    let out = member
-                        .node
-                        .propose(ClusterCommand::ConfigureFlow {
-                            config: Box::new(self.config.clone()),
-                            params: self.opts.params,
-                        })
-                        .await;
-                    if matches!(out, Ok(ClusterOutput::Configured(false))) && !warned {
-                        warned = true;
-                        tracing::warn!(
-                            "cluster flow control runs another replica's flowControl \
-                             configuration (it is busy); every replica should run the same one"
-                        );
-                    }
-                }
+                _ = configure.notified() => pending = true,
                 _ = tick.tick() => {
                     if member.is_leader().await {
                         self.propose_pool(&member).await;
                     }
                 }
+            }
+            if !pending {
+                continue;
+            }
+            // A configuration some member's build cannot run waits until every voter and every
+            // live member has said it can (retried every tick).
+            let voters = if needs == 0 {
+                Vec::new()
+            } else {
+                member.node.metrics().await.voters
+            };
+            if needs != 0
+                && !member
+                    .node
+                    .local_read(|s| s.0.members_speak(needs, lease, &voters))
+                    .await
+                    .0
+            {
+                if !waited {
+                    waited = true;
+                    tracing::warn!(
+                        "cluster flow control waits for every replica to run a build that \
+                         speaks this flowControl configuration (turn priority)"
+                    );
+                }
+                continue;
+            }
+            pending = false;
+            let out = member
+                .node
+                .propose(ClusterCommand::ConfigureFlow {
+                    config: Box::new(self.config.clone()),
+                    params: self.opts.params,
+                })
+                .await;
+            if matches!(out, Ok(ClusterOutput::Configured(false))) && !warned {
+                warned = true;
+                tracing::warn!(
+                    "cluster flow control runs another replica's flowControl configuration (it \
+                     is busy); every replica should run the same one"
+                );
             }
         }
     }
