@@ -44,5 +44,6 @@ pub mod plot;
 pub mod ports;
 pub mod raft;
 pub mod random;
+pub mod turnbench;
 pub mod wait;
 pub mod workloads;

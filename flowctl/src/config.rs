@@ -509,9 +509,8 @@ impl FlowControlConfig {
             Some(GoDuration(t)) => t,
         };
         let builtin = BandSettings::default();
-        let default_band = match &self.default_priority_band {
-            None => builtin.clone(),
-            Some(t) => BandSettings {
+        let template = |t: &BandTemplateSpec, path: &str| -> Result<BandSettings, ConfigError> {
+            Ok(BandSettings {
                 request_ttl: band_ttl(t.default_request_ttl),
                 ..resolve_band(
                     plugins,
@@ -519,25 +518,18 @@ impl FlowControlConfig {
                     t.max_requests,
                     t.fairness_policy_ref.as_deref(),
                     t.ordering_policy_ref.as_deref(),
-                    "flowControl.defaultPriorityBand",
+                    path,
                     &builtin,
                 )?
-            },
+            })
+        };
+        let default_band = match &self.default_priority_band {
+            None => builtin.clone(),
+            Some(t) => template(t, "flowControl.defaultPriorityBand")?,
         };
         let default_negative_band = match &self.default_negative_priority_band {
             None => default_band.clone(),
-            Some(t) => BandSettings {
-                request_ttl: band_ttl(t.default_request_ttl),
-                ..resolve_band(
-                    plugins,
-                    t.max_bytes,
-                    t.max_requests,
-                    t.fairness_policy_ref.as_deref(),
-                    t.ordering_policy_ref.as_deref(),
-                    "flowControl.defaultNegativePriorityBand",
-                    &builtin,
-                )?
-            },
+            Some(t) => template(t, "flowControl.defaultNegativePriorityBand")?,
         };
         let mut bands = Vec::with_capacity(self.priority_bands.len());
         for (i, b) in self.priority_bands.iter().enumerate() {

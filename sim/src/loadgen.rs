@@ -117,6 +117,9 @@ pub struct LoadConfig {
     pub tenants: Vec<TenantClass>,
     /// Draw a progress bar on stderr (only when stderr is a terminal).
     pub progress: bool,
+    /// Each conversation is a program (an agent loop): its requests carry
+    /// `x-llm-d-inference-fairness-id: program-<n>`, the flow-control fairness id.
+    pub program_ids: bool,
 }
 
 impl Default for LoadConfig {
@@ -141,6 +144,7 @@ impl Default for LoadConfig {
             short_prompt_words: 16,
             tenants: Vec::new(),
             progress: false,
+            program_ids: false,
         }
     }
 }
@@ -301,6 +305,9 @@ pub struct Report {
     /// The same figures per serving pod: imbalance shows as one pod's TTFT or ITL above the rest.
     #[serde(default)]
     pub per_pod: BTreeMap<String, Summary>,
+    /// The same figures for the conversations' early and late turns ([`TURN_BUCKETS`]).
+    #[serde(default)]
+    pub turns: BTreeMap<String, Summary>,
     /// TTFT of every successful request, sorted, in ms (for plots; not serialized).
     #[serde(skip)]
     pub ttft_samples_ms: Vec<f64>,
@@ -320,7 +327,13 @@ struct Record {
     pod: Option<String>,
     dropped: Option<String>,
     tenant: Option<String>,
+    /// A conversation's turn (0 = its first).
+    turn: Option<usize>,
 }
+
+/// The keys of [`Report::turns`]: a conversation's turns 1 to 4, and 5 and later (an agent loop
+/// well under way).
+pub const TURN_BUCKETS: [&str; 2] = ["turns 1-4", "turns 5+"];
 
 fn words(seed: u64, tag: &[u64], n: usize) -> String {
     let mut key = seed.to_le_bytes().to_vec();
@@ -572,13 +585,20 @@ async fn tenant(ctx: &Ctx<'_>, idx: usize, t: &TenantClass) -> Vec<Record> {
 async fn conversation(ctx: &Ctx<'_>, conv: usize) -> Vec<Record> {
     let mut messages = vec![json!({"role": "system", "content": system_message(ctx.cfg, conv)})];
     let mut records = Vec::with_capacity(ctx.cfg.turns);
+    let mut program = HeaderMap::new();
+    if ctx.cfg.program_ids
+        && let Ok(v) = reqwest::header::HeaderValue::from_str(&format!("program-{conv}"))
+    {
+        program.insert("x-llm-d-inference-fairness-id", v);
+    }
     for turn in 0..ctx.cfg.turns {
         if turn > 0 && ctx.cfg.think_time_ms > 0 {
             tokio::time::sleep(Duration::from_millis(ctx.cfg.think_time_ms)).await;
         }
         messages.push(json!({"role": "user", "content": user_message(ctx.cfg, conv, turn)}));
-        let (record, text) =
-            one_request(ctx, &messages, ctx.cfg.max_tokens, &HeaderMap::new(), None).await;
+        let (mut record, text) =
+            one_request(ctx, &messages, ctx.cfg.max_tokens, &program, None).await;
+        record.turn = Some(turn);
         records.push(record);
         messages.push(json!({"role": "assistant", "content": text}));
     }
@@ -806,7 +826,12 @@ fn summarize(target: &str, records: &[Record], elapsed: Duration) -> Report {
     };
     let mut by_tenant: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
     let mut by_pod: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
+    let mut by_turn: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
     for rec in records {
+        if let Some(t) = rec.turn {
+            let bucket = TURN_BUCKETS[usize::from(t >= 4)];
+            by_turn.entry(bucket.to_owned()).or_default().push(rec);
+        }
         if rec.transport_error {
             r.transport_errors += 1;
         }
@@ -842,6 +867,10 @@ fn summarize(target: &str, records: &[Record], elapsed: Duration) -> Report {
         .map(|(k, v)| (k, summary(&v, elapsed)))
         .collect();
     r.per_pod = by_pod
+        .into_iter()
+        .map(|(k, v)| (k, summary(&v, elapsed)))
+        .collect();
+    r.turns = by_turn
         .into_iter()
         .map(|(k, v)| (k, summary(&v, elapsed)))
         .collect();

@@ -153,6 +153,22 @@ enum Cmd {
         #[arg(long, value_delimiter = ',', default_value = "4,8")]
         max_concurrency: Vec<u64>,
     },
+    /// Agent loops on a saturated pool, the band ordered by turn priority against first come,
+    /// first served ([`chaos::turnbench`]).
+    Turns {
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        #[arg(long, default_value_t = 96)]
+        programs: usize,
+        #[arg(long, default_value_t = 12)]
+        turns: usize,
+        #[arg(long, default_value_t = 4_000)]
+        window_ms: u64,
+        #[arg(long, default_value = "simple", value_parser = chaos::workloads::parse_engine)]
+        engine: sim::EngineModel,
+        #[arg(long, default_value = "target/turn-bench.json")]
+        json: std::path::PathBuf,
+    },
     /// Premium requests arriving with a best-effort burst, in the same instant, with flow control
     /// (the shipped example) and without, side by side ([`chaos::burst`]).
     Burst {
@@ -305,6 +321,29 @@ async fn main() -> anyhow::Result<()> {
             let ms = peerbench::precise_vs_approx(&opts).await?;
             println!("\n## Medians over {runs} runs\n");
             print!("{}", peerbench::render(&peerbench::summarize(&ms), runs));
+            Ok(())
+        }
+        Cmd::Turns {
+            runs,
+            programs,
+            turns,
+            window_ms,
+            engine,
+            json,
+        } => {
+            let opts = chaos::turnbench::Options {
+                runs,
+                programs,
+                turns,
+                window_ms,
+                engine,
+                ..Default::default()
+            };
+            let ms = chaos::turnbench::run(&opts).await?;
+            println!("\n## Medians over {runs} runs\n");
+            print!("{}", chaos::turnbench::render(&ms));
+            std::fs::write(&json, serde_json::to_string_pretty(&ms)?)
+                .with_context(|| format!("writing {}", json.display()))?;
             Ok(())
         }
         Cmd::Burst {

@@ -386,12 +386,7 @@ fn las_pick(
             continue;
         };
         let service = programs.get(&flow.fairness_id).map_or(0.0, |p| p.service);
-        let head_at = flow
-            .queue
-            .first_key_value()
-            .and_then(|(_, id)| queued.get(id))
-            .map_or(now, |q| q.enqueued_at);
-        entries.push((fi, service, now.saturating_sub(head_at) as f64));
+        entries.push((fi, service, head_wait(flow, queued, now) as f64));
     }
     let bounds = |f: fn(&(u32, f64, f64)) -> f64| {
         entries
@@ -412,6 +407,16 @@ fn las_pick(
         }
     }
     best.map(|b| b.0)
+}
+
+/// How long `flow`'s head request has waited.
+fn head_wait(flow: &Flow, queued: &BTreeMap<RequestId, Queued>, now: Nanos) -> Nanos {
+    let head_at = flow
+        .queue
+        .first_key_value()
+        .and_then(|(_, id)| queued.get(id))
+        .map_or(now, |q| q.enqueued_at);
+    now.saturating_sub(head_at)
 }
 
 /// `turn-priority`'s pick (see [`las_pick`]).
@@ -437,12 +442,7 @@ fn turn_pick(
             continue;
         };
         let turns = programs.get(&flow.fairness_id).map_or(0, |p| p.turns);
-        let head_at = flow
-            .queue
-            .first_key_value()
-            .and_then(|(_, id)| queued.get(id))
-            .map_or(now, |q| q.enqueued_at);
-        let wait = now.saturating_sub(head_at) as f64 / 1e9;
+        let wait = head_wait(flow, queued, now) as f64 / 1e9;
         let score = (turns + 1) as f64 + params.turn_priority_time_weight * wait;
         if best.is_none_or(|(_, b)| score > b) {
             best = Some((fi, score));

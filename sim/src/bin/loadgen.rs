@@ -77,6 +77,10 @@ struct Args {
     /// No progress bar (it is drawn only when stderr is a terminal anyway).
     #[arg(long)]
     no_progress: bool,
+    /// Each conversation is a program (agent loop) with its own flow-control fairness id
+    /// (`x-llm-d-inference-fairness-id: program-<n>`).
+    #[arg(long)]
+    program_ids: bool,
 }
 
 fn parse_tenant(spec: &str) -> anyhow::Result<TenantClass> {
@@ -149,6 +153,7 @@ fn config(args: &Args) -> anyhow::Result<LoadConfig> {
             .map(|t| parse_tenant(t))
             .collect::<anyhow::Result<_>>()?,
         progress: !args.no_progress,
+        program_ids: args.program_ids,
     };
     cfg.validate()?;
     Ok(cfg)
