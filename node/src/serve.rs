@@ -198,70 +198,11 @@ pub async fn serve(
     let metrics = Arc::new(Metrics::new(&opts.pool_name));
     // Tenant mode: this replica's own book standalone; the cluster's in cluster mode (its
     // writer and watcher start with the cluster member, below).
-    let mut cluster_quota = None;
-    let tenant_source = match (&opts.tenants_file, opts.watch_tenants) {
-        (Some(path), false) => Some(crate::request::tenant::Tenants::from_file(path)?),
-        (None, true) => {
-            if !matches!(opts.discovery, DiscoverySource::Kubernetes(_)) {
-                return Err(ServeError::Config(ConfigError::invalid(
-                    "--watch-tenants reads TenantQuota objects from Kubernetes: it needs pool \
-                     discovery (--pool-name without --endpoints-file); standalone, use \
-                     --tenants-file",
-                )));
-            }
-            // Every request is refused (401) until the first list arrives.
-            Some(crate::request::tenant::Tenants::default())
-        }
-        (Some(_), true) => {
-            return Err(ServeError::Config(ConfigError::invalid(
-                "--tenants-file and --watch-tenants are mutually exclusive",
-            )));
-        }
-        (None, false) => {
-            if opts.usage_log.is_some() {
-                return Err(ServeError::Config(ConfigError::invalid(
-                    "--usage-log needs tenant mode (--tenants-file or --watch-tenants)",
-                )));
-            }
-            None
-        }
-    };
-    let mut watched_tenants = None;
-    let quotas = match tenant_source {
-        Some(t) => {
-            let tenants = Arc::new(crate::request::Live::new(t));
-            if opts.watch_tenants {
-                watched_tenants = Some(tenants.clone());
-            }
-            tracing::info!(
-                tenants = tenants.get().len(),
-                cluster = opts.cluster.is_some(),
-                "tenant mode: client control headers are ignored"
-            );
-            let billing = Arc::new(
-                crate::request::quota::Billing::new(metrics.clone(), opts.usage_log.as_deref())
-                    .map_err(|e| ServeError::Server(format!("--usage-log: {e}")))?,
-            );
-            let ledger: Arc<dyn crate::request::quota::QuotaLedger> = match &opts.cluster {
-                Some(c) => {
-                    let q = crate::cluster::quota::ClusterQuota::new(c.node_id, billing.clone());
-                    cluster_quota = Some(q.clone());
-                    q
-                }
-                None => Arc::new(crate::request::quota::LocalLedger::new(
-                    tenants.clone(),
-                    billing.clone(),
-                )),
-            };
-            Some(Arc::new(crate::request::quota::Quotas::new(
-                tenants,
-                ledger,
-                billing,
-                metrics.clone(),
-            )))
-        }
-        None => None,
-    };
+    let TenantMode {
+        quotas,
+        watched: mut watched_tenants,
+        cluster_quota,
+    } = tenant_mode(&opts, &metrics)?;
     let store = Arc::new(Datastore::new(opts.metrics_staleness_threshold));
     if let Some(tracker) = &built.inflight {
         store.set_ledger(tracker.clone());
@@ -332,53 +273,11 @@ pub async fn serve(
         }
     };
     // Admission: one gate; the flow gates' background work is started below.
-    let mut flow_gate = None;
-    let mut global_gate = None;
-    let gate: Arc<dyn Gate> = match &built.admission {
-        AdmissionConfig::Legacy(detector) => Arc::new(LegacyAdmission::new(
-            detector.clone(),
-            built.inflight.clone(),
-            store.clone(),
-        )?),
-        AdmissionConfig::FlowControl(config) => match &opts.cluster {
-            Some(c) if c.global_flow => {
-                // The ledger's other replicas' load, published by the gate, read by the tracker.
-                let load_feed = built.inflight.as_ref().map(|tracker| {
-                    let (feed, view) = inflight::remote_load();
-                    tracker.connect_remote(view);
-                    feed
-                });
-                let g = Arc::new(GlobalGate::new(
-                    c.node_id,
-                    config.as_ref().clone(),
-                    GlobalGateOptions {
-                        params: flowctl::global::GlobalParams {
-                            lease_ms: c.lease_ms(),
-                            credit_slack: c.flow_credit_slack,
-                            ..flowctl::global::GlobalParams::default()
-                        },
-                        partition: c.flow_partition,
-                        degraded_wait: c.flow_degraded_wait,
-                        ..GlobalGateOptions::default()
-                    },
-                    store.clone(),
-                    metrics.clone(),
-                    load_feed,
-                )?);
-                global_gate = Some(g.clone());
-                g
-            }
-            _ => {
-                let g = Arc::new(FlowGate::new(
-                    config.as_ref().clone(),
-                    store.clone(),
-                    metrics.clone(),
-                )?);
-                flow_gate = Some(g.clone());
-                g
-            }
-        },
-    };
+    let Gates {
+        gate,
+        flow_gate,
+        global_gate,
+    } = admission_gate(&built, &opts, &store, &metrics)?;
 
     if let Some(path) = &opts.admin_token_file {
         crate::admin::read_token(path).map_err(ServeError::Server)?;
@@ -745,24 +644,7 @@ pub async fn serve(
     }
 
     // Drain: stop advertising, let open streams finish, then stop.
-    ctx.draining.store(true, Ordering::Relaxed);
-    for svc in ["", "readiness", EXT_PROC_SERVICE] {
-        reporter
-            .set_service_status(svc, ServingStatus::NotServing)
-            .await;
-    }
-    if failure.is_none() {
-        tracing::info!(delay = ?opts.drain_delay, timeout = ?opts.drain_timeout, "draining");
-        let start = tokio::time::Instant::now();
-        let (settled, deadline) = (start + opts.drain_delay, start + opts.drain_timeout);
-        loop {
-            let now = tokio::time::Instant::now();
-            if now >= deadline || (now >= settled && metrics.streams_inflight() == 0) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
+    drain(&ctx, &reporter, &opts, &metrics, failure.is_none()).await;
     // Whatever still waits in the queue gets 503 rejected-shutting-down; give those streams a
     // moment to send that answer (and the cluster writer a moment to report the cancels) before
     // the servers stop.
@@ -780,6 +662,189 @@ pub async fn serve(
     match failure {
         Some(e) => Err(ServeError::Server(e)),
         None => Ok(()),
+    }
+}
+
+/// Tenant mode's parts, when `--tenants-file` or `--watch-tenants` turns it on.
+struct TenantMode {
+    quotas: Option<Arc<crate::request::quota::Quotas>>,
+    /// The tenants the Kubernetes watch replaces (`--watch-tenants`).
+    watched: Option<Arc<crate::request::Live<crate::request::tenant::Tenants>>>,
+    /// Cluster mode: the replicated book (its writer and watcher start with the member).
+    cluster_quota: Option<Arc<crate::cluster::quota::ClusterQuota>>,
+}
+
+/// Tenant mode from the flags: the tenants, their billing and their quota ledger (this
+/// replica's own standalone, the cluster's in cluster mode).
+fn tenant_mode(opts: &ServeOptions, metrics: &Arc<Metrics>) -> Result<TenantMode, ServeError> {
+    let mut cluster_quota = None;
+    let tenant_source = match (&opts.tenants_file, opts.watch_tenants) {
+        (Some(path), false) => Some(crate::request::tenant::Tenants::from_file(path)?),
+        (None, true) => {
+            if !matches!(opts.discovery, DiscoverySource::Kubernetes(_)) {
+                return Err(ServeError::Config(ConfigError::invalid(
+                    "--watch-tenants reads TenantQuota objects from Kubernetes: it needs pool \
+                     discovery (--pool-name without --endpoints-file); standalone, use \
+                     --tenants-file",
+                )));
+            }
+            // Every request is refused (401) until the first list arrives.
+            Some(crate::request::tenant::Tenants::default())
+        }
+        (Some(_), true) => {
+            return Err(ServeError::Config(ConfigError::invalid(
+                "--tenants-file and --watch-tenants are mutually exclusive",
+            )));
+        }
+        (None, false) => {
+            if opts.usage_log.is_some() {
+                return Err(ServeError::Config(ConfigError::invalid(
+                    "--usage-log needs tenant mode (--tenants-file or --watch-tenants)",
+                )));
+            }
+            None
+        }
+    };
+    let mut watched_tenants = None;
+    let quotas = match tenant_source {
+        Some(t) => {
+            let tenants = Arc::new(crate::request::Live::new(t));
+            if opts.watch_tenants {
+                watched_tenants = Some(tenants.clone());
+            }
+            tracing::info!(
+                tenants = tenants.get().len(),
+                cluster = opts.cluster.is_some(),
+                "tenant mode: client control headers are ignored"
+            );
+            let billing = Arc::new(
+                crate::request::quota::Billing::new(metrics.clone(), opts.usage_log.as_deref())
+                    .map_err(|e| ServeError::Server(format!("--usage-log: {e}")))?,
+            );
+            let ledger: Arc<dyn crate::request::quota::QuotaLedger> = match &opts.cluster {
+                Some(c) => {
+                    let q = crate::cluster::quota::ClusterQuota::new(c.node_id, billing.clone());
+                    cluster_quota = Some(q.clone());
+                    q
+                }
+                None => Arc::new(crate::request::quota::LocalLedger::new(
+                    tenants.clone(),
+                    billing.clone(),
+                )),
+            };
+            Some(Arc::new(crate::request::quota::Quotas::new(
+                tenants,
+                ledger,
+                billing,
+                metrics.clone(),
+            )))
+        }
+        None => None,
+    };
+    Ok(TenantMode {
+        quotas,
+        watched: watched_tenants,
+        cluster_quota,
+    })
+}
+
+/// The admission gate and, when it is one, the flow gate whose background work `serve` starts.
+struct Gates {
+    gate: Arc<dyn Gate>,
+    /// Flow control on this replica.
+    flow_gate: Option<Arc<FlowGate>>,
+    /// Cluster-wide flow control.
+    global_gate: Option<Arc<GlobalGate>>,
+}
+
+/// The gate the configuration's admission asks for: the legacy controller, flow control on this
+/// replica, or (cluster mode with `--flow-control-scope cluster`) cluster-wide flow control.
+fn admission_gate(
+    built: &scheduling::registry::Built,
+    opts: &ServeOptions,
+    store: &Arc<Datastore>,
+    metrics: &Arc<Metrics>,
+) -> Result<Gates, ServeError> {
+    let mut flow_gate = None;
+    let mut global_gate = None;
+    let gate: Arc<dyn Gate> = match &built.admission {
+        AdmissionConfig::Legacy(detector) => Arc::new(LegacyAdmission::new(
+            detector.clone(),
+            built.inflight.clone(),
+            store.clone(),
+        )?),
+        AdmissionConfig::FlowControl(config) => match &opts.cluster {
+            Some(c) if c.global_flow => {
+                // The ledger's other replicas' load, published by the gate, read by the tracker.
+                let load_feed = built.inflight.as_ref().map(|tracker| {
+                    let (feed, view) = inflight::remote_load();
+                    tracker.connect_remote(view);
+                    feed
+                });
+                let g = Arc::new(GlobalGate::new(
+                    c.node_id,
+                    config.as_ref().clone(),
+                    GlobalGateOptions {
+                        params: flowctl::global::GlobalParams {
+                            lease_ms: c.lease_ms(),
+                            credit_slack: c.flow_credit_slack,
+                            ..flowctl::global::GlobalParams::default()
+                        },
+                        partition: c.flow_partition,
+                        degraded_wait: c.flow_degraded_wait,
+                        ..GlobalGateOptions::default()
+                    },
+                    store.clone(),
+                    metrics.clone(),
+                    load_feed,
+                )?);
+                global_gate = Some(g.clone());
+                g
+            }
+            _ => {
+                let g = Arc::new(FlowGate::new(
+                    config.as_ref().clone(),
+                    store.clone(),
+                    metrics.clone(),
+                )?);
+                flow_gate = Some(g.clone());
+                g
+            }
+        },
+    };
+    Ok(Gates {
+        gate,
+        flow_gate,
+        global_gate,
+    })
+}
+
+/// Stop advertising (NOT_SERVING everywhere) and, unless a server failed (`settle` false), let
+/// open streams finish: at least `--drain-delay`, at most `--drain-timeout`.
+async fn drain(
+    ctx: &PickerContext,
+    reporter: &tonic_health::server::HealthReporter,
+    opts: &ServeOptions,
+    metrics: &Metrics,
+    settle: bool,
+) {
+    ctx.draining.store(true, Ordering::Relaxed);
+    for svc in ["", "readiness", EXT_PROC_SERVICE] {
+        reporter
+            .set_service_status(svc, ServingStatus::NotServing)
+            .await;
+    }
+    if settle {
+        tracing::info!(delay = ?opts.drain_delay, timeout = ?opts.drain_timeout, "draining");
+        let start = tokio::time::Instant::now();
+        let (settled, deadline) = (start + opts.drain_delay, start + opts.drain_timeout);
+        loop {
+            let now = tokio::time::Instant::now();
+            if now >= deadline || (now >= settled && metrics.streams_inflight() == 0) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 }
 
