@@ -193,6 +193,29 @@ pub fn construct(
     parameters: Option<&serde_json::Value>,
     path: &str,
 ) -> Result<Plugin, ConfigError> {
+    type Kind = fn(&str, Option<&serde_json::Value>, &str) -> Result<Option<Plugin>, ConfigError>;
+    let kinds: [Kind; 4] = [
+        scheduling_plugin,
+        producer_plugin,
+        handler_plugin,
+        other_plugin,
+    ];
+    for kind in kinds {
+        if let Some(plugin) = kind(type_name, parameters, path)? {
+            return Ok(plugin);
+        }
+    }
+    Err(ConfigError::invalid(format!(
+        "{path}: unknown plugin type `{type_name}`"
+    )))
+}
+
+/// Scorers, filters and pickers (what the profiles run). `None`: not one of these types.
+fn scheduling_plugin(
+    type_name: &str,
+    parameters: Option<&serde_json::Value>,
+    path: &str,
+) -> Result<Option<Plugin>, ConfigError> {
     let plugin = match type_name {
         queue_scorer::TYPE => {
             let _: NoParams = params(parameters, path)?;
@@ -205,9 +228,6 @@ pub fn construct(
         prefix::SCORER_TYPE => Plugin::Scorer(Arc::new(PrefixCacheScorer {
             params: params(parameters, path)?,
         })),
-        prefix::PRODUCER_TYPE => Plugin::PrefixProducer(Arc::new(ApproxPrefixProducer::new(
-            params(parameters, path)?,
-        ))),
         prefix::AFFINITY_FILTER_TYPE => {
             let p: prefix::AffinityParams = params(parameters, path)?;
             if !prefix::TTFT_SOURCES.contains(&p.ttft_source.as_str()) {
@@ -221,11 +241,6 @@ pub fn construct(
                 });
             }
             Plugin::Filter(Arc::new(PrefixAffinityFilter { params: p }))
-        }
-        cost_model::PRODUCER_TYPE => {
-            let p: cost_model::CostModelParams = params(parameters, path)?;
-            p.validate(path)?;
-            Plugin::CostModel(Arc::new(cost_model::CostModel::new(p)))
         }
         cost_model::SCORER_TYPE => {
             let _: NoParams = params(parameters, path)?;
@@ -253,7 +268,6 @@ pub fn construct(
             let _: NoParams = params(parameters, path)?;
             Plugin::Scorer(Arc::new(LoraAffinityScorer))
         }
-        inflight::TYPE => Plugin::InflightProducer(params(parameters, path)?),
         t @ (session::SCORER_TYPE | session::FILTER_TYPE) => {
             let p: session::SessionParams = params(parameters, path)?;
             let type_name = if t == session::SCORER_TYPE {
@@ -264,15 +278,6 @@ pub fn construct(
             Plugin::Session(Arc::new(session::SessionAffinity::new(
                 type_name, &p, path,
             )?))
-        }
-        tokens::TYPE => {
-            let p: tokens::TokenProducerParams = params(parameters, path)?;
-            Plugin::TokenProducer(p.render(path)?)
-        }
-        precise::PRODUCER_TYPE => {
-            let p: precise::PreciseParams = params(parameters, path)?;
-            p.validate(path)?;
-            Plugin::PrecisePrefix(Arc::new(precise::PrecisePrefixProducer::new(p)))
         }
         filters::LABEL_SELECTOR_TYPE => Plugin::Filter(Arc::new(LabelSelectorFilter {
             params: params(parameters, path)?,
@@ -329,6 +334,105 @@ pub fn construct(
                 max_endpoints: p.max_num_of_endpoints,
             }))
         }
+        latency::SCORER_TYPE => {
+            let p: latency::LatencyScorerParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(latency::LatencyScorer::new(&p, path)?))
+        }
+        latency::TIER_FILTER_TYPE => {
+            let p: latency::TierParams = params(parameters, path)?;
+            Plugin::Filter(Arc::new(latency::SloHeadroomTierFilter::new(&p, path)?))
+        }
+        mm_cache::SCORER_TYPE => {
+            let _: mm_cache::MmScorerParams = params(parameters, path)?;
+            Plugin::Scorer(Arc::new(mm_cache::MmCacheScorer))
+        }
+        _ => return Ok(None),
+    };
+    Ok(Some(plugin))
+}
+
+/// Data producers and the data layer's sources (what the profiles read). `None`: not one of these types.
+fn producer_plugin(
+    type_name: &str,
+    parameters: Option<&serde_json::Value>,
+    path: &str,
+) -> Result<Option<Plugin>, ConfigError> {
+    let plugin = match type_name {
+        prefix::PRODUCER_TYPE => Plugin::PrefixProducer(Arc::new(ApproxPrefixProducer::new(
+            params(parameters, path)?,
+        ))),
+        cost_model::PRODUCER_TYPE => {
+            let p: cost_model::CostModelParams = params(parameters, path)?;
+            p.validate(path)?;
+            Plugin::CostModel(Arc::new(cost_model::CostModel::new(p)))
+        }
+        inflight::TYPE => Plugin::InflightProducer(params(parameters, path)?),
+        tokens::TYPE => {
+            let p: tokens::TokenProducerParams = params(parameters, path)?;
+            Plugin::TokenProducer(p.render(path)?)
+        }
+        precise::PRODUCER_TYPE => {
+            let p: precise::PreciseParams = params(parameters, path)?;
+            p.validate(path)?;
+            Plugin::PrecisePrefix(Arc::new(precise::PrecisePrefixProducer::new(p)))
+        }
+        latency::PRODUCER_TYPE => {
+            let p: latency::LatencyParams = params(parameters, path)?;
+            p.validate(path)?;
+            Plugin::PredictedLatency(p)
+        }
+        mm_cache::PRODUCER_TYPE => {
+            let p: mm_cache::MmCacheParams = params(parameters, path)?;
+            Plugin::MmCache(Arc::new(mm_cache::MmCache::new(&p)))
+        }
+        session::SESSION_ID_PRODUCER => {
+            let p: session::SessionIdProducerParams = params(parameters, path)?;
+            Plugin::SessionIdProducer(p.source(path)?)
+        }
+        AGENT_IDENTITY => {
+            let p: AgentIdentityParams = params(parameters, path)?;
+            for (k, h) in p.additional_session_headers.iter().enumerate() {
+                if h.is_empty() || !h.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
+                    return Err(ConfigError::Field {
+                        path: format!("{path}.additionalSessionHeaders[{k}]"),
+                        message: format!("`{h}` is not a header name"),
+                    });
+                }
+            }
+            Plugin::AgentIdentity(AgentIdentity::new(&p.additional_session_headers))
+        }
+        METRICS_DATA_SOURCE => {
+            let p: MetricsSourceParams = params(parameters, path)?;
+            if let Some(i) = &p.interval {
+                parse_duration(i).map_err(|message| ConfigError::Field {
+                    path: format!("{path}.interval"),
+                    message,
+                })?;
+            }
+            if p.scheme != "http" {
+                return Err(ConfigError::Field {
+                    path: format!("{path}.scheme"),
+                    message: format!("scheme `{}` is not supported yet (only http)", p.scheme),
+                });
+            }
+            Plugin::MetricsSource(p)
+        }
+        CORE_METRICS_EXTRACTOR => {
+            let _: ExtractorParams = params(parameters, path)?;
+            Plugin::Extractor
+        }
+        _ => return Ok(None),
+    };
+    Ok(Some(plugin))
+}
+
+/// Profile handlers and P/D deciders (which profiles run). `None`: not one of these types.
+fn handler_plugin(
+    type_name: &str,
+    parameters: Option<&serde_json::Value>,
+    path: &str,
+) -> Result<Option<Plugin>, ConfigError> {
+    let plugin = match type_name {
         SINGLE_PROFILE_HANDLER => {
             let _: NoParams = params(parameters, path)?;
             Plugin::ProfileHandler(HandlerSpec::Single)
@@ -369,56 +473,6 @@ pub fn construct(
             );
             Plugin::ProfileHandler(HandlerSpec::Pd(spec))
         }
-        latency::PRODUCER_TYPE => {
-            let p: latency::LatencyParams = params(parameters, path)?;
-            p.validate(path)?;
-            Plugin::PredictedLatency(p)
-        }
-        latency::SCORER_TYPE => {
-            let p: latency::LatencyScorerParams = params(parameters, path)?;
-            Plugin::Scorer(Arc::new(latency::LatencyScorer::new(&p, path)?))
-        }
-        latency::TIER_FILTER_TYPE => {
-            let p: latency::TierParams = params(parameters, path)?;
-            Plugin::Filter(Arc::new(latency::SloHeadroomTierFilter::new(&p, path)?))
-        }
-        latency::ADMITTER_TYPE => {
-            let _: latency::AdmitterParams = params(parameters, path)?;
-            Plugin::Admitter(Arc::new(latency::LatencySloAdmitter))
-        }
-        mm_cache::PRODUCER_TYPE => {
-            let p: mm_cache::MmCacheParams = params(parameters, path)?;
-            Plugin::MmCache(Arc::new(mm_cache::MmCache::new(&p)))
-        }
-        mm_cache::SCORER_TYPE => {
-            let _: mm_cache::MmScorerParams = params(parameters, path)?;
-            Plugin::Scorer(Arc::new(mm_cache::MmCacheScorer))
-        }
-        session::SESSION_ID_PRODUCER => {
-            let p: session::SessionIdProducerParams = params(parameters, path)?;
-            Plugin::SessionIdProducer(p.source(path)?)
-        }
-        admitter::PROBABILISTIC_TYPE => {
-            let p: admitter::ProbabilisticParams = params(parameters, path)?;
-            p.validate(path)?;
-            Plugin::Admitter(Arc::new(admitter::ProbabilisticAdmitter { params: p }))
-        }
-        AGENT_IDENTITY => {
-            let p: AgentIdentityParams = params(parameters, path)?;
-            for (k, h) in p.additional_session_headers.iter().enumerate() {
-                if h.is_empty() || !h.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
-                    return Err(ConfigError::Field {
-                        path: format!("{path}.additionalSessionHeaders[{k}]"),
-                        message: format!("`{h}` is not a header name"),
-                    });
-                }
-            }
-            Plugin::AgentIdentity(AgentIdentity::new(&p.additional_session_headers))
-        }
-        LOCAL_SYNCER => {
-            let _: NoParams = params(parameters, path)?;
-            Plugin::Superseded
-        }
         t if DEPRECATED_HEADER_HANDLERS.contains(&t) => {
             let _: HeaderHandlerParams = params(parameters, path)?;
             tracing::warn!(
@@ -442,25 +496,30 @@ pub fn construct(
             let _: NoParams = params(parameters, path)?;
             Plugin::Decider(PdDecider::Multimodal)
         }
-        METRICS_DATA_SOURCE => {
-            let p: MetricsSourceParams = params(parameters, path)?;
-            if let Some(i) = &p.interval {
-                parse_duration(i).map_err(|message| ConfigError::Field {
-                    path: format!("{path}.interval"),
-                    message,
-                })?;
-            }
-            if p.scheme != "http" {
-                return Err(ConfigError::Field {
-                    path: format!("{path}.scheme"),
-                    message: format!("scheme `{}` is not supported yet (only http)", p.scheme),
-                });
-            }
-            Plugin::MetricsSource(p)
+        _ => return Ok(None),
+    };
+    Ok(Some(plugin))
+}
+
+/// Admitters, parsers, flow-control policies and plugins whose work is done elsewhere. `None`: not one of these types.
+fn other_plugin(
+    type_name: &str,
+    parameters: Option<&serde_json::Value>,
+    path: &str,
+) -> Result<Option<Plugin>, ConfigError> {
+    let plugin = match type_name {
+        latency::ADMITTER_TYPE => {
+            let _: latency::AdmitterParams = params(parameters, path)?;
+            Plugin::Admitter(Arc::new(latency::LatencySloAdmitter))
         }
-        CORE_METRICS_EXTRACTOR => {
-            let _: ExtractorParams = params(parameters, path)?;
-            Plugin::Extractor
+        admitter::PROBABILISTIC_TYPE => {
+            let p: admitter::ProbabilisticParams = params(parameters, path)?;
+            p.validate(path)?;
+            Plugin::Admitter(Arc::new(admitter::ProbabilisticAdmitter { params: p }))
+        }
+        LOCAL_SYNCER => {
+            let _: NoParams = params(parameters, path)?;
+            Plugin::Superseded
         }
         t if PARSERS.contains(&t) => {
             let _: NoParams = params(parameters, path)?;
@@ -498,13 +557,9 @@ pub fn construct(
             let _: NoParams = params(parameters, path)?;
             Plugin::FlowControl
         }
-        t => {
-            return Err(ConfigError::invalid(format!(
-                "{path}: unknown plugin type `{t}`"
-            )));
-        }
+        _ => return Ok(None),
     };
-    Ok(plugin)
+    Ok(Some(plugin))
 }
 
 /// A configured profile handler.
