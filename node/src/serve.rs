@@ -510,22 +510,7 @@ pub async fn serve(
         }
     });
     if let Some(tracker) = built.inflight.clone() {
-        // Charges whose response was never observed (lost observe stream) expire after an hour.
-        let stop = stop.clone();
-        tasks.spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(30));
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return Ok(()),
-                    _ = tick.tick() => {
-                        let n = tracker.sweep(Duration::from_secs(3600));
-                        if n > 0 {
-                            tracing::warn!(expired = n, "in-flight charges expired without a response");
-                        }
-                    }
-                }
-            }
-        });
+        tasks.spawn(expire_inflight(tracker, stop.clone()).then_ok());
     }
     if let Some(gate) = flow_gate {
         tasks.spawn(gate.run(stop.clone()).then_ok());
@@ -538,41 +523,8 @@ pub async fn serve(
         });
     }
     if let Some(q) = quotas {
-        // The tenants file is re-read when it changes (key rotation without a restart); holds
-        // whose response was never seen go back after an hour; the ledger keeps a day.
-        let (stop, path) = (stop.clone(), opts.tenants_file.clone());
-        tasks.spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(2));
-            let mtime = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-            let mut seen = path.as_deref().and_then(mtime);
-            let mut ticks = 0u64;
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return Ok(()),
-                    _ = tick.tick() => {}
-                }
-                ticks += 1;
-                if let Some(path) = &path {
-                    let now = mtime(path);
-                    if now != seen {
-                        seen = now;
-                        match q.reload(path) {
-                            Ok(n) => {
-                                tracing::info!(tenants = n, "tenants file re-read");
-                                q.reloaded(true);
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, "tenants file refused; the tenants stay as they were");
-                                q.reloaded(false);
-                            }
-                        }
-                    }
-                }
-                if ticks.is_multiple_of(30) {
-                    q.sweep(Duration::from_secs(3600));
-                }
-            }
-        });
+        let upkeep = tenant_upkeep(q, opts.tenants_file.clone(), stop.clone());
+        tasks.spawn(upkeep.then_ok());
     }
     if let (Some(gate), Some(member)) = (&global_gate, cluster.clone()) {
         let (g, s) = (gate.clone(), stop.clone());
@@ -583,25 +535,8 @@ pub async fn serve(
     }
     if gated {
         let (gate, store) = (global_gate.clone(), ctx.store.clone());
-        let (stop, reporter) = (stop.clone(), reporter.clone());
-        tasks.spawn(async move {
-            let joined = || joining.as_ref().is_none_or(|m| m.not_ready().is_none());
-            while !(store.synced() && gate.as_ref().is_none_or(|g| g.is_ready()) && joined()) {
-                tokio::select! {
-                    _ = stop.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                }
-            }
-            tracing::info!("endpoints known, cluster flow control ready, a member: serving");
-            for svc in ["readiness", EXT_PROC_SERVICE] {
-                reporter
-                    .set_service_status(svc, ServingStatus::Serving)
-                    .await;
-            }
-            // Keep the task set's "a server stopped" check quiet: idle until shutdown.
-            stop.cancelled().await;
-            Ok(())
-        });
+        let ready = ready_when_able(store, gate, joining, reporter.clone(), stop.clone());
+        tasks.spawn(ready.then_ok());
     }
     if let (Some(r), Some(member)) = (relay, cluster.clone()) {
         let stop = stop.clone();
@@ -662,6 +597,87 @@ pub async fn serve(
     match failure {
         Some(e) => Err(ServeError::Server(e)),
         None => Ok(()),
+    }
+}
+
+/// Report ready (for Envoy) once the pool's pods are known, cluster flow control applies and
+/// the replica is a member; then idle until shutdown (the task set's "a server stopped" check
+/// stays quiet).
+async fn ready_when_able(
+    store: Arc<Datastore>,
+    gate: Option<Arc<GlobalGate>>,
+    joining: Option<Arc<ClusterMember>>,
+    reporter: tonic_health::server::HealthReporter,
+    stop: CancellationToken,
+) {
+    let joined = || joining.as_ref().is_none_or(|m| m.not_ready().is_none());
+    while !(store.synced() && gate.as_ref().is_none_or(|g| g.is_ready()) && joined()) {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+    }
+    tracing::info!("endpoints known, cluster flow control ready, a member: serving");
+    for svc in ["readiness", EXT_PROC_SERVICE] {
+        reporter
+            .set_service_status(svc, ServingStatus::Serving)
+            .await;
+    }
+    stop.cancelled().await;
+}
+
+/// Charges whose response was never observed (lost observe stream) expire after an hour.
+async fn expire_inflight(tracker: Arc<inflight::InflightTracker>, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_secs(30));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {
+                let n = tracker.sweep(Duration::from_secs(3600));
+                if n > 0 {
+                    tracing::warn!(expired = n, "in-flight charges expired without a response");
+                }
+            }
+        }
+    }
+}
+
+/// Tenant mode's upkeep: the tenants file is re-read when it changes (key rotation without a
+/// restart); holds whose response was never seen go back after an hour; the ledger keeps a day.
+async fn tenant_upkeep(
+    q: Arc<crate::request::quota::Quotas>,
+    path: Option<std::path::PathBuf>,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    let mtime = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen = path.as_deref().and_then(mtime);
+    let mut ticks = 0u64;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        ticks += 1;
+        if let Some(path) = &path {
+            let now = mtime(path);
+            if now != seen {
+                seen = now;
+                match q.reload(path) {
+                    Ok(n) => {
+                        tracing::info!(tenants = n, "tenants file re-read");
+                        q.reloaded(true);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "tenants file refused; the tenants stay as they were");
+                        q.reloaded(false);
+                    }
+                }
+            }
+        }
+        if ticks.is_multiple_of(30) {
+            q.sweep(Duration::from_secs(3600));
+        }
     }
 }
 
