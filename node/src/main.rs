@@ -470,22 +470,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::ValidateConfig {
             config_file,
             config_text,
-        } => {
-            let opts = options_for_validation(config_file, config_text);
-            let cfg = load_config(&opts)?;
-            let built = node::scheduling::build(&cfg)?;
-            // The file as llm-d.ai/v1 (whatever version it was written in), then what runs.
-            print!("{}", cfg.to_v1_yaml());
-            println!("# effective: {}", built.summary);
-            if let Some(c) = cfg
-                .data_layer
-                .as_ref()
-                .and_then(|d| d.cross_replica.as_ref())
-            {
-                println!("# {}", c.explain());
-            }
-            Ok(())
-        }
+        } => validate_config(config_file, config_text),
         Cmd::HashKey { key } => {
             let key = match key {
                 Some(k) => k,
@@ -519,26 +504,7 @@ fn main() -> anyhow::Result<()> {
             body,
         } => {
             let token = admin_token(admin_token_file.as_deref())?;
-            let body = if body.as_os_str() == "-" {
-                let mut s = String::new();
-                std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
-                    .context("reading the body from stdin")?;
-                s
-            } else {
-                std::fs::read_to_string(&body)
-                    .with_context(|| format!("reading {}", body.display()))?
-            };
-            let mut hdrs = serde_json::Map::new();
-            for h in &headers {
-                let (k, v) = h
-                    .split_once(':')
-                    .with_context(|| format!("header {h:?} is not `name: value`"))?;
-                hdrs.insert(k.trim().to_string(), v.trim().into());
-            }
-            // A body that is not JSON goes as it is: the dry run refuses it as routing would.
-            let body = serde_json::from_str::<serde_json::Value>(&body)
-                .unwrap_or(serde_json::Value::String(body));
-            let run = serde_json::json!({ "path": path, "headers": hdrs, "body": body });
+            let run = explain_run(path, &headers, &body)?;
             client_runtime()?.block_on(explain_cmd(&admin, token.as_deref(), run, json))
         }
         Cmd::Cluster {
@@ -550,63 +516,7 @@ fn main() -> anyhow::Result<()> {
             client_runtime()?.block_on(cluster_cmd(&admin, token.as_deref(), op))
         }
         Cmd::Serve(args) => {
-            if args.refresh_metrics_interval < Duration::from_millis(1) {
-                anyhow::bail!("--refresh-metrics-interval must be at least 1ms");
-            }
-            if args.drain_delay > args.drain_timeout {
-                anyhow::bail!(
-                    "--drain-delay ({:?}) must not exceed --drain-timeout ({:?})",
-                    args.drain_delay,
-                    args.drain_timeout
-                );
-            }
-            #[cfg(feature = "test-hooks")]
-            if args.clock_offset_ms != 0 {
-                tracing::warn!(
-                    offset_ms = args.clock_offset_ms,
-                    "this replica's wall clock is shifted (--clock-offset-ms: tests only)"
-                );
-                consensus::clock::set_offset_ms(args.clock_offset_ms);
-            }
-            let discovery = match args.endpoints_file {
-                Some(path) => DiscoverySource::File(path),
-                None => DiscoverySource::Kubernetes(node::k8s::PoolRef {
-                    name: args.pool_name.clone(),
-                    namespace: args
-                        .pool_namespace
-                        .or_else(|| std::env::var("NAMESPACE").ok())
-                        .or_else(|| std::env::var("POD_NAMESPACE").ok())
-                        .unwrap_or_else(|| "default".into()),
-                    group: args.pool_group,
-                }),
-            };
-            let opts = ServeOptions {
-                pool_name: args.pool_name,
-                config_file: args.config_file,
-                config_text: args.config_text,
-                discovery,
-                grpc_addr: SocketAddr::new(args.bind, args.grpc_port),
-                health_addr: SocketAddr::new(args.bind, args.grpc_health_port),
-                admin_addr: SocketAddr::new(args.bind, args.metrics_port),
-                max_body_bytes: args.max_body_bytes,
-                max_buffered_body_bytes: args.max_buffered_body_bytes,
-                max_streams_per_connection: args.max_streams_per_connection,
-                refresh_metrics_interval: args.refresh_metrics_interval,
-                metrics_staleness_threshold: args.metrics_staleness_threshold,
-                drain_timeout: args.drain_timeout,
-                drain_delay: args.drain_delay,
-                objectives_file: args.objectives_file,
-                model_rewrites_file: args.model_rewrites_file,
-                cluster: args.cluster.options(args.bind)?,
-                disable_subset_filter: args.disable_endpoint_subset_filter,
-                response_affinity_ttl: args.response_affinity_ttl,
-                response_affinity_per_pod: args.response_affinity_per_pod,
-                forget_departed_after: args.forget_departed_after,
-                admin_token_file: args.admin_token_file,
-                tenants_file: args.tenants_file,
-                watch_tenants: args.watch_tenants,
-                usage_log: args.usage_log,
-            };
+            let opts = serve_options(*args)?;
             let rt = rt.context("no runtime")?;
             let served = rt.block_on(async move {
                 let shutdown = CancellationToken::new();
@@ -632,6 +542,116 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `epp validate-config`: the file as llm-d.ai/v1 (whatever version it was written in), then
+/// what it makes the EPP do.
+fn validate_config(
+    config_file: Option<PathBuf>,
+    config_text: Option<String>,
+) -> anyhow::Result<()> {
+    let opts = options_for_validation(config_file, config_text);
+    let cfg = load_config(&opts)?;
+    let built = node::scheduling::build(&cfg)?;
+    print!("{}", cfg.to_v1_yaml());
+    println!("# effective: {}", built.summary);
+    if let Some(c) = cfg
+        .data_layer
+        .as_ref()
+        .and_then(|d| d.cross_replica.as_ref())
+    {
+        println!("# {}", c.explain());
+    }
+    Ok(())
+}
+
+/// The dry run `epp explain` asks for: the path, the headers (`name: value`) and the body (a
+/// file, `-` for stdin; JSON when it parses).
+fn explain_run(
+    path: String,
+    headers: &[String],
+    body: &std::path::Path,
+) -> anyhow::Result<serde_json::Value> {
+    let body = if body.as_os_str() == "-" {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+            .context("reading the body from stdin")?;
+        s
+    } else {
+        std::fs::read_to_string(body).with_context(|| format!("reading {}", body.display()))?
+    };
+    let mut hdrs = serde_json::Map::new();
+    for h in headers {
+        let (k, v) = h
+            .split_once(':')
+            .with_context(|| format!("header {h:?} is not `name: value`"))?;
+        hdrs.insert(k.trim().to_string(), v.trim().into());
+    }
+    // A body that is not JSON goes as it is: the dry run refuses it as routing would.
+    let body =
+        serde_json::from_str::<serde_json::Value>(&body).unwrap_or(serde_json::Value::String(body));
+    Ok(serde_json::json!({ "path": path, "headers": hdrs, "body": body }))
+}
+
+/// `epp serve`'s flags, checked, as the server's options (and the test-only clock offset applied).
+fn serve_options(args: ServeArgs) -> anyhow::Result<ServeOptions> {
+    if args.refresh_metrics_interval < Duration::from_millis(1) {
+        anyhow::bail!("--refresh-metrics-interval must be at least 1ms");
+    }
+    if args.drain_delay > args.drain_timeout {
+        anyhow::bail!(
+            "--drain-delay ({:?}) must not exceed --drain-timeout ({:?})",
+            args.drain_delay,
+            args.drain_timeout
+        );
+    }
+    #[cfg(feature = "test-hooks")]
+    if args.clock_offset_ms != 0 {
+        tracing::warn!(
+            offset_ms = args.clock_offset_ms,
+            "this replica's wall clock is shifted (--clock-offset-ms: tests only)"
+        );
+        consensus::clock::set_offset_ms(args.clock_offset_ms);
+    }
+    let discovery = match args.endpoints_file {
+        Some(path) => DiscoverySource::File(path),
+        None => DiscoverySource::Kubernetes(node::k8s::PoolRef {
+            name: args.pool_name.clone(),
+            namespace: args
+                .pool_namespace
+                .or_else(|| std::env::var("NAMESPACE").ok())
+                .or_else(|| std::env::var("POD_NAMESPACE").ok())
+                .unwrap_or_else(|| "default".into()),
+            group: args.pool_group,
+        }),
+    };
+    Ok(ServeOptions {
+        pool_name: args.pool_name,
+        config_file: args.config_file,
+        config_text: args.config_text,
+        discovery,
+        grpc_addr: SocketAddr::new(args.bind, args.grpc_port),
+        health_addr: SocketAddr::new(args.bind, args.grpc_health_port),
+        admin_addr: SocketAddr::new(args.bind, args.metrics_port),
+        max_body_bytes: args.max_body_bytes,
+        max_buffered_body_bytes: args.max_buffered_body_bytes,
+        max_streams_per_connection: args.max_streams_per_connection,
+        refresh_metrics_interval: args.refresh_metrics_interval,
+        metrics_staleness_threshold: args.metrics_staleness_threshold,
+        drain_timeout: args.drain_timeout,
+        drain_delay: args.drain_delay,
+        objectives_file: args.objectives_file,
+        model_rewrites_file: args.model_rewrites_file,
+        cluster: args.cluster.options(args.bind)?,
+        disable_subset_filter: args.disable_endpoint_subset_filter,
+        response_affinity_ttl: args.response_affinity_ttl,
+        response_affinity_per_pod: args.response_affinity_per_pod,
+        forget_departed_after: args.forget_departed_after,
+        admin_token_file: args.admin_token_file,
+        tenants_file: args.tenants_file,
+        watch_tenants: args.watch_tenants,
+        usage_log: args.usage_log,
+    })
 }
 
 /// The admin token a client command sends, from `--admin-token-file`.
