@@ -339,12 +339,7 @@ async fn main() -> anyhow::Result<()> {
                 engine,
                 ..Default::default()
             };
-            let ms = chaos::turnbench::run(&opts).await?;
-            println!("\n## Medians over {runs} runs\n");
-            print!("{}", chaos::turnbench::render(&ms));
-            std::fs::write(&json, serde_json::to_string_pretty(&ms)?)
-                .with_context(|| format!("writing {}", json.display()))?;
-            Ok(())
+            turn_bench(&opts, &json).await
         }
         Cmd::Burst {
             pods,
@@ -369,28 +364,46 @@ async fn main() -> anyhow::Result<()> {
             };
             let rows = chaos::burst::sweep(&base, &times, &replicas, flow_control_only).await?;
             print!("{}", chaos::burst::render(&rows));
-            std::fs::write(&json, serde_json::to_string_pretty(&rows)?)
-                .with_context(|| format!("writing {}", json.display()))?;
-            Ok(())
+            write_json(&json, &rows)
         }
         Cmd::NoRegret {
             runs,
             replicas,
             max_concurrency,
-        } => {
-            let mut rows = Vec::new();
-            for _ in 0..runs {
-                for &r in &replicas {
-                    for &mc in &max_concurrency {
-                        eprintln!("replicas {r}, maxConcurrency {mc} ...");
-                        rows.push(chaos::noregret::measure(r, mc).await?);
-                    }
-                }
+        } => no_regret(runs, &replicas, &max_concurrency).await,
+    }
+}
+
+/// `epp-bench turns`: the medians printed, every run's reports in `json`.
+async fn turn_bench(
+    opts: &chaos::turnbench::Options,
+    json: &std::path::Path,
+) -> anyhow::Result<()> {
+    let ms = chaos::turnbench::run(opts).await?;
+    println!("\n## Medians over {} runs\n", opts.runs);
+    print!("{}", chaos::turnbench::render(&ms));
+    write_json(json, &ms)
+}
+
+/// A benchmark's rows as pretty JSON in `path`.
+fn write_json(path: &std::path::Path, rows: &impl serde::Serialize) -> anyhow::Result<()> {
+    std::fs::write(path, serde_json::to_string_pretty(rows)?)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// `epp-bench no-regret`: every (replicas, maxConcurrency) pair, `runs` times.
+async fn no_regret(runs: usize, replicas: &[usize], max_concurrency: &[u64]) -> anyhow::Result<()> {
+    let mut rows = Vec::new();
+    for _ in 0..runs {
+        for &r in replicas {
+            for &mc in max_concurrency {
+                eprintln!("replicas {r}, maxConcurrency {mc} ...");
+                rows.push(chaos::noregret::measure(r, mc).await?);
             }
-            print!("{}", chaos::noregret::render(&rows));
-            Ok(())
         }
     }
+    print!("{}", chaos::noregret::render(&rows));
+    Ok(())
 }
 
 async fn peers(
